@@ -1,0 +1,197 @@
+//! `pushtable._native`: the push-mode streaming table core.
+//!
+//! - [`channel`]: the bounded queue, its single reader and the sideband failure slot.
+//! - [`schema`]: checking batches against the registered schema.
+//! - [`provider`]: the single-scan `StreamingTable` and its FFI export to datafusion-python.
+//!
+//! This file is the Python face of the sender side: importing Arrow data, releasing the GIL
+//! while blocked, and raising one exception class per failure kind (the `pushtable`
+//! package maps them onto its public hierarchy).
+
+mod channel;
+mod provider;
+mod schema;
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arrow::array::RecordBatch;
+use arrow::datatypes::Schema;
+use arrow::ffi_stream::ArrowArrayStreamReader;
+use arrow::pyarrow::FromPyArrow;
+use arrow::record_batch::RecordBatchReader;
+use pyo3::create_exception;
+use pyo3::exceptions::{PyException, PyValueError};
+use pyo3::prelude::*;
+
+use channel::{Channel, PushError};
+use provider::PyTableProvider;
+
+create_exception!(_native, NativeError, PyException, "Base of the native core's errors.");
+create_exception!(_native, ClosedError, NativeError, "Write after close() or fail().");
+create_exception!(_native, ReaderGoneError, NativeError, "The table's reader went away.");
+create_exception!(_native, SchemaError, NativeError, "A batch does not match the table schema.");
+create_exception!(_native, WriteTimeout, NativeError, "A write's timeout elapsed while blocked.");
+create_exception!(_native, InputError, NativeError, "The object is not Arrow data.");
+
+/// Run a conversion that third-party data can make panic (arrow-rs asserts on some
+/// malformed input) and turn a panic into a Python error instead of an abort.
+fn guarded<T>(what: &str, f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(result) => result,
+        Err(panic) => {
+            let msg = panic
+                .downcast_ref::<String>()
+                .cloned()
+                .or_else(|| panic.downcast_ref::<&str>().map(|s| s.to_string()))
+                .unwrap_or_else(|| "unknown panic".into());
+            Err(InputError::new_err(format!("{what}: {msg}")))
+        }
+    }
+}
+
+/// The sending side of one streaming table.
+#[pyclass(module = "pushtable._native", name = "Sink", frozen)]
+struct Sink {
+    channel: Arc<Channel>,
+}
+
+impl Sink {
+    fn push(&self, py: Python<'_>, batch: RecordBatch, deadline: Option<Instant>) -> PyResult<()> {
+        let name = &self.channel.name;
+        let batch = schema::conform(name, &self.channel.schema, batch).map_err(SchemaError::new_err)?;
+        let channel = &self.channel;
+        let result = py.detach(|| {
+            channel.push(batch, deadline, || Python::attach(|py| py.check_signals()))
+        });
+        result.map_err(|e| match e {
+            PushError::Closed => ClosedError::new_err(format!("streaming table '{name}' is closed")),
+            PushError::Failed(msg) => {
+                ClosedError::new_err(format!("streaming table '{name}' was failed: {msg}"))
+            }
+            PushError::ReaderGone(why) => {
+                ReaderGoneError::new_err(format!("streaming table '{name}' has no reader any more: {why}"))
+            }
+            PushError::Timeout(waited) => WriteTimeout::new_err(format!(
+                "write to streaming table '{name}' timed out after {:.3}s with the queue full",
+                waited.as_secs_f64()
+            )),
+            PushError::Interrupted(err) => err,
+        })
+    }
+}
+
+fn deadline_from(timeout: Option<f64>) -> PyResult<Option<Instant>> {
+    match timeout {
+        None => Ok(None),
+        Some(t) if t.is_finite() && t >= 0.0 => Ok(Some(Instant::now() + Duration::from_secs_f64(t))),
+        Some(t) => Err(PyValueError::new_err(format!("timeout must be a finite number >= 0, got {t}"))),
+    }
+}
+
+#[pymethods]
+impl Sink {
+    /// Write one batch (`__arrow_c_array__`) or every batch of a stream (`__arrow_c_stream__`).
+    #[pyo3(signature = (data, timeout=None))]
+    fn write(&self, py: Python<'_>, data: Bound<'_, PyAny>, timeout: Option<f64>) -> PyResult<usize> {
+        let deadline = deadline_from(timeout)?;
+        if data.hasattr("__arrow_c_array__")? {
+            let batch = guarded("cannot import the batch", || {
+                RecordBatch::from_pyarrow_bound(&data).map_err(|e| InputError::new_err(e.to_string()))
+            })?;
+            self.push(py, batch, deadline)?;
+            return Ok(1);
+        }
+        if data.hasattr("__arrow_c_stream__")? {
+            let mut reader = guarded("cannot import the stream", || {
+                ArrowArrayStreamReader::from_pyarrow_bound(&data).map_err(|e| InputError::new_err(e.to_string()))
+            })?;
+            // Check the stream's schema before anything is enqueued.
+            let name = &self.channel.name;
+            schema::check_schema(name, &self.channel.schema, &reader.schema()).map_err(SchemaError::new_err)?;
+            let mut written = 0;
+            loop {
+                let next = guarded("cannot read the stream", || Ok(reader.next()))?;
+                match next {
+                    None => return Ok(written),
+                    Some(Err(e)) => {
+                        return Err(InputError::new_err(format!("reading the stream failed: {e}")))
+                    }
+                    Some(Ok(batch)) => self.push(py, batch, deadline)?,
+                }
+                written += 1;
+            }
+        }
+        Err(InputError::new_err(format!(
+            "expected Arrow data (a pyarrow RecordBatch or Table, or an object with \
+             __arrow_c_array__ / __arrow_c_stream__), got {}",
+            data.get_type().name()?
+        )))
+    }
+
+    /// End of stream. Idempotent.
+    fn close(&self) {
+        self.channel.close();
+    }
+
+    /// Fail the reader with `message`; never blocks. False if it came too late to matter.
+    fn fail(&self, message: String) -> bool {
+        self.channel.fail(message)
+    }
+
+    /// Counters as a dict.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+        let s = self.channel.stats();
+        let d = pyo3::types::PyDict::new(py);
+        d.set_item("rows", s.rows)?;
+        d.set_item("batches", s.batches)?;
+        d.set_item("bytes", s.bytes)?;
+        d.set_item("queued_batches", s.queued_batches)?;
+        d.set_item("queued_bytes", s.queued_bytes)?;
+        d.set_item("blocked_seconds", s.blocked.as_secs_f64())?;
+        d.set_item("closed", s.closed)?;
+        d.set_item("failed", s.failed)?;
+        d.set_item("reader_gone", s.reader_gone)?;
+        Ok(d)
+    }
+}
+
+/// Create a streaming table: returns `(sink, provider)`; register the provider with a
+/// datafusion-python `SessionContext` and keep the sink for the producers.
+#[pyfunction]
+#[pyo3(signature = (name, schema, capacity, max_bytes=None, unbounded=false))]
+fn streaming_table(
+    name: String,
+    schema: Bound<'_, PyAny>,
+    capacity: usize,
+    max_bytes: Option<usize>,
+    unbounded: bool,
+) -> PyResult<(Sink, PyTableProvider)> {
+    if capacity == 0 {
+        return Err(PyValueError::new_err("capacity must be at least 1"));
+    }
+    if max_bytes == Some(0) {
+        return Err(PyValueError::new_err("max_bytes must be at least 1"));
+    }
+    let schema = Arc::new(Schema::from_pyarrow_bound(&schema)?);
+    let channel = Channel::new(name, schema, capacity, max_bytes);
+    let table = provider::streaming_table(Arc::clone(&channel), unbounded)
+        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    Ok((Sink { channel }, PyTableProvider::new(table)))
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<Sink>()?;
+    m.add_class::<PyTableProvider>()?;
+    m.add_function(wrap_pyfunction!(streaming_table, m)?)?;
+    m.add("NativeError", py.get_type::<NativeError>())?;
+    m.add("ClosedError", py.get_type::<ClosedError>())?;
+    m.add("ReaderGoneError", py.get_type::<ReaderGoneError>())?;
+    m.add("SchemaError", py.get_type::<SchemaError>())?;
+    m.add("WriteTimeout", py.get_type::<WriteTimeout>())?;
+    m.add("InputError", py.get_type::<InputError>())?;
+    Ok(())
+}

@@ -1,0 +1,40 @@
+"""pushtable: run SQL over Arrow batches while producers are still pushing them.
+
+Example:
+    >>> import pyarrow as pa
+    >>> from pushtable import SessionContext
+    >>> ctx = SessionContext()
+    >>> sink = ctx.register_streaming_table("t", pa.schema([("x", pa.int64())]), capacity=8)
+    >>> sink.write(pa.record_batch([pa.array([1, 2])], names=["x"]))
+    >>> sink.close()
+    >>> ctx.sql("SELECT max(x) AS m FROM t").to_pydict()
+    {'m': [2]}
+"""
+
+from __future__ import annotations
+
+from pushtable.context import SessionContext, register_streaming_table
+from pushtable.errors import (
+    InvalidBatchError,
+    PushTableError,
+    ReaderGoneError,
+    SchemaMismatchError,
+    SinkClosedError,
+    StreamConsumedError,
+    WriteTimeoutError,
+)
+from pushtable.sink import SinkStats, TableSink
+
+__all__ = [
+    "InvalidBatchError",
+    "PushTableError",
+    "ReaderGoneError",
+    "SchemaMismatchError",
+    "SessionContext",
+    "SinkClosedError",
+    "SinkStats",
+    "StreamConsumedError",
+    "TableSink",
+    "WriteTimeoutError",
+    "register_streaming_table",
+]

@@ -1,0 +1,111 @@
+"""Registering streaming tables with a DataFusion session.
+
+:class:`SessionContext` is ``datafusion.SessionContext`` with one more method;
+:func:`register_streaming_table` does the same for a session you already have.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import version
+
+import datafusion
+import pyarrow as pa
+
+from pushtable import _native
+from pushtable.sink import TableSink
+
+__all__ = ["SessionContext", "register_streaming_table"]
+
+#: The DataFusion FFI major the native core is built against. A provider crossing the FFI
+#: boundary into another major has a different memory layout: refuse it rather than crash.
+DATAFUSION_MAJOR = 54
+
+
+def _check_datafusion_version() -> None:
+    installed = version("datafusion")
+    if int(installed.split(".")[0]) != DATAFUSION_MAJOR:
+        raise ImportError(
+            f"pushtable's native core speaks the DataFusion {DATAFUSION_MAJOR} FFI, but "
+            f"datafusion {installed} is installed; install datafusion>={DATAFUSION_MAJOR}.1,"
+            f"<{DATAFUSION_MAJOR + 1}"
+        )
+
+
+_check_datafusion_version()
+
+
+def register_streaming_table(
+    ctx: datafusion.SessionContext,
+    name: str,
+    schema: pa.Schema,
+    capacity: int = 16,
+    *,
+    max_bytes: int | None = None,
+    unbounded: bool = False,
+) -> TableSink:
+    """Register a single-scan table named ``name`` in ``ctx`` and return its :class:`TableSink`.
+
+    One query may scan the table; it sees every batch written, exactly once, while the
+    producers are still writing. ``capacity`` (>= 1) bounds the queued batches and
+    ``max_bytes`` the queued bytes; writers block beyond either. ``unbounded=True`` marks the
+    table infinite, so DataFusion rejects plans that could only finish at end of stream.
+
+    Example:
+        >>> import datafusion, pyarrow as pa
+        >>> from pushtable import register_streaming_table
+        >>> ctx = datafusion.SessionContext()
+        >>> sink = register_streaming_table(ctx, "nums", pa.schema([("v", pa.int64())]), 2)
+        >>> sink.write(pa.table({"v": [1, 2, 3]}))
+        >>> sink.close()
+        >>> ctx.sql("SELECT count(*) AS n FROM nums").to_pydict()
+        {'n': [3]}
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        raise ValueError(f"capacity must be an integer >= 1, got {capacity!r}")
+    if max_bytes is not None and (
+        isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1
+    ):
+        raise ValueError(f"max_bytes must be an integer >= 1 or None, got {max_bytes!r}")
+    if not isinstance(schema, pa.Schema):
+        schema = pa.schema(schema)
+    if ctx.table_exist(name):
+        raise ValueError(f"a table named {name!r} is already registered in this context")
+    native, provider = _native.streaming_table(name, schema, capacity, max_bytes, unbounded)
+    ctx.register_table(name, provider)
+    # `provider` handed its only reference to the session: from now on the session owns the
+    # table, and dropping it unscanned releases blocked producers with ReaderGoneError.
+    return TableSink(native, name, schema, capacity, max_bytes)
+
+
+class SessionContext(datafusion.SessionContext):
+    """A ``datafusion.SessionContext`` that can also register streaming tables.
+
+    Example:
+        >>> import threading, pyarrow as pa
+        >>> from pushtable import SessionContext
+        >>> ctx = SessionContext()
+        >>> sink = ctx.register_streaming_table("events", pa.schema([("n", pa.int32())]))
+        >>> def produce() -> None:
+        ...     with sink:
+        ...         for i in range(3):
+        ...             sink.write(pa.record_batch({"n": pa.array([i], pa.int32())}))
+        >>> threading.Thread(target=produce).start()
+        >>> ctx.sql("SELECT sum(n) AS total FROM events").to_pydict()
+        {'total': [3]}
+    """
+
+    def register_streaming_table(
+        self,
+        name: str,
+        schema: pa.Schema,
+        capacity: int = 16,
+        *,
+        max_bytes: int | None = None,
+        unbounded: bool = False,
+    ) -> TableSink:
+        """Register a single-scan streaming table; see :func:`register_streaming_table`."""
+        return register_streaming_table(
+            self, name, schema, capacity, max_bytes=max_bytes, unbounded=unbounded
+        )

@@ -1,0 +1,73 @@
+"""Shared helpers: a query running in a background thread, and small batches."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from pushtable import SessionContext, TableSink
+
+SCHEMA = pa.schema([("k", pa.int32()), ("v", pa.float64())])
+WAIT = 30.0  # upper bound for any wait in a test; reaching it is a failure, not a pass
+
+
+def batch(n: int, start: int = 0) -> pa.RecordBatch:
+    """``n`` rows with k = start.. and v = k / 10."""
+    ks = pa.array(range(start, start + n), pa.int32())
+    vs = pa.array([k / 10 for k in range(start, start + n)], pa.float64())
+    return pa.record_batch([ks, vs], schema=SCHEMA)
+
+
+class Background:
+    """Runs ``fn`` in a daemon thread and hands back its result or exception."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self._fn = fn
+        self.result: Any = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.result = self._fn()
+        except BaseException as exc:  # noqa: BLE001 - handed back to the test
+            self.error = exc
+        finally:
+            self.done.set()
+
+    def join(self, timeout: float = WAIT) -> Any:
+        """The function's result; re-raises its exception; fails the test if it hangs."""
+        if not self.done.wait(timeout):
+            pytest.fail(f"background call did not finish within {timeout}s")
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+    def join_error(self, timeout: float = WAIT) -> BaseException:
+        """The exception the function raised (fails the test if it returned)."""
+        if not self.done.wait(timeout):
+            pytest.fail(f"background call did not finish within {timeout}s")
+        assert self.error is not None, f"expected an error, got result {self.result!r}"
+        return self.error
+
+
+@pytest.fixture
+def ctx() -> SessionContext:
+    return SessionContext()
+
+
+def write_many(sink: TableSink, b: pa.RecordBatch, times: int) -> None:
+    """Write ``b`` ``times`` times, each write bounded by WAIT."""
+    for _ in range(times):
+        sink.write(b, timeout=WAIT)
+
+
+def query(ctx: SessionContext, sql: str) -> Background:
+    """Start ``sql`` in the background and collect it into a pydict."""
+    return Background(lambda: ctx.sql(sql).to_arrow_table().to_pydict())
