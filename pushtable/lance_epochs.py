@@ -1,0 +1,322 @@
+"""Lance persistence: commit each streaming epoch to a Lance dataset exactly once.
+
+Every commit is stamped with the writing query's id and the epoch id (transaction properties
+``pushtable.query_id`` / ``pushtable.epoch_id``). Before committing epoch N, the history is
+walked from the newest version backwards to the newest commit stamped with *this* query id
+(Iceberg's approach, no fixed window); N is skipped when it is not newer. After each commit a
+Lance tag ``pushtable-<query id>`` is moved to it, so cleanup keeps that version and the next
+walk stops there. See docs/spark.md for the exact guarantee.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import lance
+import pyarrow as pa
+from lance.commit import CommitConflictError
+
+__all__ = [
+    "EPOCH_KEY",
+    "MODE_KEY",
+    "QUERY_KEY",
+    "CommitResult",
+    "EpochCommitError",
+    "LanceEpochWriter",
+    "SchemaDriftError",
+]
+
+log = logging.getLogger(__name__)
+
+QUERY_KEY = "pushtable.query_id"
+EPOCH_KEY = "pushtable.epoch_id"
+MODE_KEY = "pushtable.mode"
+TAG_PREFIX = "pushtable-"
+
+Mode = Literal["append", "complete", "update"]
+MODES: tuple[str, ...] = ("append", "complete", "update")
+
+
+class SchemaDriftError(ValueError):
+    """An epoch's columns differ from the dataset's (a column added, dropped or retyped)."""
+
+
+class EpochCommitError(RuntimeError):
+    """An epoch could not be committed (a conflict that retrying cannot fix, or retries ran out)."""
+
+
+@dataclass(frozen=True)
+class CommitResult:
+    """What happened to one epoch: committed (at ``version``) or skipped as a replay."""
+
+    committed: bool
+    version: int | None
+    last_epoch: int | None
+    reason: str
+
+
+def _tag_for(query_id: str) -> str:
+    return TAG_PREFIX + re.sub(r"[^A-Za-z0-9_.-]", "_", query_id)
+
+
+def _normalise(t: pa.DataType) -> pa.DataType:
+    """Map the large/view variants to the plain type: they cast losslessly into each other."""
+    if pa.types.is_large_string(t) or pa.types.is_string_view(t):
+        return pa.string()
+    if pa.types.is_large_binary(t) or pa.types.is_binary_view(t):
+        return pa.binary()
+    if pa.types.is_large_list(t) or pa.types.is_list_view(t) or pa.types.is_large_list_view(t):
+        return pa.list_(_normalise(t.value_type))
+    return t
+
+
+def conform_to(table: pa.Table, target: pa.Schema) -> pa.Table:
+    """Cast ``table`` to ``target``; a new, missing or retyped column raises SchemaDriftError."""
+    have = {f.name: f for f in table.schema}
+    want = {f.name: f for f in target}
+    for name in have.keys() - want.keys():
+        raise SchemaDriftError(
+            f"column '{name}' ({have[name].type}) is new in this epoch; the dataset has "
+            f"{list(want)}. Evolve the dataset's schema deliberately before writing it."
+        )
+    for name in want.keys() - have.keys():
+        raise SchemaDriftError(
+            f"column '{name}' ({want[name].type}) is missing from this epoch; it has {list(have)}"
+        )
+    for field in target:
+        got = have[field.name].type
+        if _normalise(got) != _normalise(field.type):
+            raise SchemaDriftError(
+                f"column '{field.name}' has type {got} in this epoch, the dataset has {field.type}"
+            )
+    return table.select(target.names).cast(target)
+
+
+def target_schema(schema: pa.Schema) -> pa.Schema:
+    """The dataset schema for a first epoch: same names and types, every field nullable."""
+    return pa.schema([f.with_nullable(True) for f in schema])
+
+
+class LanceEpochWriter:
+    """Commits epochs of one query to one Lance dataset, exactly once per epoch.
+
+    Example:
+        >>> import tempfile, pyarrow as pa
+        >>> w = LanceEpochWriter(tempfile.mkdtemp() + "/t.lance", query_id="q1")
+        >>> w.commit(0, pa.table({"x": [1, 2]})).committed
+        True
+        >>> w.commit(0, pa.table({"x": [1, 2]})).reason  # a replay of epoch 0
+        'epoch 0 <= last committed epoch 0 of query q1'
+    """
+
+    def __init__(
+        self,
+        uri: str | Path,
+        query_id: str,
+        mode: Mode = "append",
+        *,
+        max_retries: int = 8,
+        backoff: float = 0.05,
+        compact_every: int | None = None,
+        cleanup_older_than: timedelta | None = None,
+        storage_options: dict[str, str] | None = None,
+        fault: Callable[[str, int], None] | None = None,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+        if not query_id:
+            raise ValueError("query_id must be a non-empty string")
+        if compact_every is not None and compact_every < 1:
+            raise ValueError(f"compact_every must be >= 1 or None, got {compact_every}")
+        self.uri = str(uri)
+        self.query_id = query_id
+        self.mode = mode
+        self.max_retries = max_retries
+        self.backoff = backoff
+        self.compact_every = compact_every
+        self.cleanup_older_than = cleanup_older_than
+        self.storage_options = storage_options
+        self._fault = fault
+        self._tag = _tag_for(query_id)
+        # (version, epoch) of this query's newest commit seen: history at or below a version
+        # never changes, so later walks only read what is newer.
+        self._known: tuple[int, int | None] | None = None
+        self._commits = 0
+
+    # -- reading history ----------------------------------------------------------------
+
+    def _dataset(self) -> lance.LanceDataset | None:
+        try:
+            return lance.dataset(self.uri, storage_options=self.storage_options)
+        except (ValueError, FileNotFoundError, OSError) as exc:
+            if "not found" in str(exc).lower() or "does not exist" in str(exc).lower():
+                return None
+            raise
+
+    def last_committed_epoch(self, ds: lance.LanceDataset | None = None) -> int | None:
+        """The newest epoch this query committed, found by walking history backwards."""
+        ds = ds if ds is not None else self._dataset()
+        if ds is None:
+            return None
+        latest = ds.latest_version
+        floor, floor_epoch = self._known if self._known else (0, None)
+        tagged = self._tagged_version(ds)
+        if tagged is not None and tagged > floor:
+            floor, floor_epoch = tagged, self._epoch_at(ds, tagged)
+        for version in range(latest, floor, -1):
+            try:
+                tx = ds.read_transaction(version)
+            except Exception:  # noqa: BLE001 - cleaned up: the walk ends here
+                log.debug("transaction of version %s is gone; the walk ends", version)
+                break
+            props = (tx.transaction_properties or {}) if tx is not None else {}
+            if props.get(QUERY_KEY) == self.query_id:
+                epoch = int(props[EPOCH_KEY])
+                self._known = (version, epoch)
+                return epoch
+        self._known = (floor, floor_epoch) if floor else None
+        return floor_epoch
+
+    def _tagged_version(self, ds: lance.LanceDataset) -> int | None:
+        try:
+            return int(ds.tags.get_version(self._tag))
+        except Exception:  # noqa: BLE001 - no tag yet
+            return None
+
+    def _epoch_at(self, ds: lance.LanceDataset, version: int) -> int | None:
+        tx = ds.read_transaction(version)
+        props = (tx.transaction_properties or {}) if tx is not None else {}
+        if props.get(QUERY_KEY) != self.query_id:
+            return None
+        return int(props[EPOCH_KEY])
+
+    # -- committing ---------------------------------------------------------------------
+
+    def properties(self, epoch_id: int) -> dict[str, str]:
+        """The transaction properties stamped on ``epoch_id``'s commit."""
+        return {QUERY_KEY: self.query_id, EPOCH_KEY: str(epoch_id), MODE_KEY: self.mode}
+
+    def schema_for(self, incoming: pa.Schema) -> pa.Schema:
+        """The dataset's schema, or the one a first epoch of ``incoming`` would create."""
+        ds = self._dataset()
+        return ds.schema if ds is not None else target_schema(incoming)
+
+    def is_replay(self, epoch_id: int) -> tuple[bool, int | None]:
+        """Whether ``epoch_id`` was already committed by this query, and the last epoch."""
+        last = self.last_committed_epoch()
+        return (last is not None and epoch_id <= last), last
+
+    def commit(self, epoch_id: int, data: pa.Table) -> CommitResult:
+        """Write ``data`` as epoch ``epoch_id`` unless it was committed before."""
+        replay, last = self.is_replay(epoch_id)
+        if replay:
+            return self._skipped(epoch_id, last)
+        if data.num_rows == 0 and self.mode != "complete":
+            return CommitResult(False, None, last, f"epoch {epoch_id} is empty")
+        target = self.schema_for(data.schema)
+        data = conform_to(data, target)
+        self._ensure_dataset(target)
+        if self._fault:
+            self._fault("before_fragments", epoch_id)
+        fragments = (
+            lance.fragment.write_fragments(
+                data, self.uri, schema=target, storage_options=self.storage_options
+            )
+            if data.num_rows
+            else []
+        )
+        return self.commit_fragments(epoch_id, fragments, target)
+
+    def commit_fragments(
+        self, epoch_id: int, fragments: Sequence[Any], schema: pa.Schema
+    ) -> CommitResult:
+        """Commit fragments already written (by executors) as epoch ``epoch_id``, once."""
+        if self._fault:
+            self._fault("before_commit", epoch_id)
+        if not fragments and self.mode != "complete":
+            _, last = self.is_replay(epoch_id)
+            return CommitResult(False, None, last, f"epoch {epoch_id} is empty")
+        self._ensure_dataset(schema)
+        for attempt in range(self.max_retries + 1):
+            ds = self._dataset()
+            assert ds is not None
+            replay, last = self.is_replay(epoch_id)
+            if replay:  # a concurrent run of this query got there first
+                return self._skipped(epoch_id, last)
+            operation = (
+                lance.LanceOperation.Overwrite(ds.schema, list(fragments))
+                if self.mode == "complete"
+                else lance.LanceOperation.Append(list(fragments))
+            )
+            tx = lance.Transaction(
+                ds.version, operation, transaction_properties=self.properties(epoch_id)
+            )
+            try:
+                new = lance.LanceDataset.commit(self.uri, tx, storage_options=self.storage_options)
+            except CommitConflictError as exc:
+                if not exc.retryable:
+                    raise EpochCommitError(
+                        f"epoch {epoch_id} of query {self.query_id} conflicts with a concurrent "
+                        f"change to {self.uri} that retrying cannot resolve: {exc}"
+                    ) from exc
+                if attempt == self.max_retries:
+                    raise EpochCommitError(
+                        f"epoch {epoch_id} of query {self.query_id}: still conflicting after "
+                        f"{self.max_retries} retries: {exc}"
+                    ) from exc
+                time.sleep(self.backoff * (2**attempt))
+                continue
+            self._known = (new.version, epoch_id)
+            self._after_commit(new, epoch_id)
+            return CommitResult(True, new.version, epoch_id, f"committed epoch {epoch_id}")
+        raise AssertionError("unreachable")
+
+    def _skipped(self, epoch_id: int, last: int | None) -> CommitResult:
+        reason = f"epoch {epoch_id} <= last committed epoch {last} of query {self.query_id}"
+        log.info("skipping replayed %s", reason)
+        return CommitResult(False, None, last, reason)
+
+    def _ensure_dataset(self, schema: pa.Schema) -> None:
+        """Create the dataset empty (never by overwriting: 'create' fails if it exists)."""
+        if self._dataset() is not None:
+            return
+        try:
+            lance.write_dataset(
+                schema.empty_table(), self.uri, mode="create", storage_options=self.storage_options
+            )
+        except (OSError, ValueError) as exc:
+            if self._dataset() is None:  # not a lost race with another creator
+                raise
+            log.debug("dataset created concurrently: %s", exc)
+
+    def _after_commit(self, ds: lance.LanceDataset, epoch_id: int) -> None:
+        if self._fault:
+            self._fault("after_commit", epoch_id)
+        try:
+            ds.tags.update(self._tag, ds.version)
+        except Exception:  # noqa: BLE001 - first commit of this query: no tag yet
+            ds.tags.create(self._tag, ds.version)
+        self._commits += 1
+        if self.compact_every and self._commits % self.compact_every == 0:
+            self.upkeep(ds)
+
+    def upkeep(self, ds: lance.LanceDataset | None = None) -> None:
+        """Compact small fragments and, if configured, clean up old versions.
+
+        Cleanup never removes a tagged version, and this query's newest commit is tagged.
+        """
+        ds = ds if ds is not None else self._dataset()
+        if ds is None:
+            return
+        ds.optimize.compact_files()
+        if self.cleanup_older_than is not None:
+            lance.dataset(self.uri, storage_options=self.storage_options).cleanup_old_versions(
+                older_than=self.cleanup_older_than, error_if_tagged_old_versions=False
+            )

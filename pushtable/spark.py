@@ -1,0 +1,329 @@
+"""The Spark bridge: a ``foreachBatch`` callable that persists and publishes each epoch.
+
+For each micro-batch (epoch) of a Structured Streaming query the bridge
+
+1. commits it to a Lance dataset exactly once (:mod:`pushtable.lance_epochs`), then
+2. pushes it to live streaming tables (:class:`pushtable.TableSink`), so SQL readers see
+   only durable data, each epoch once per process.
+
+When the query terminates the sinks are closed; when it fails they are failed with Spark's
+error, so a live reader never hangs. See docs/spark.md.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from pushtable.errors import PushTableError, ReaderGoneError, SinkClosedError
+from pushtable.lance_epochs import (
+    MODES,
+    CommitResult,
+    LanceEpochWriter,
+    Mode,
+    conform_to,
+)
+from pushtable.sink import TableSink
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql.streaming.query import StreamingQuery
+
+__all__ = ["EpochReport", "ForeachBatchBridge", "StreamingQueryFailedError"]
+
+log = logging.getLogger(__name__)
+
+
+class StreamingQueryFailedError(PushTableError):
+    """The Spark streaming query feeding a live table failed; the message is Spark's."""
+
+
+@dataclass(frozen=True)
+class EpochReport:
+    """What the bridge did with one epoch, and how long each step took (seconds)."""
+
+    query_id: str
+    epoch_id: int
+    rows: int
+    to_arrow_s: float
+    commit_s: float
+    push_s: float
+    committed: bool
+    pushed: bool
+    reason: str
+
+
+class ForeachBatchBridge:
+    """Persist each epoch to Lance exactly once and push it to live tables.
+
+    Pass it to ``writeStream.foreachBatch``. Either half is optional: ``sinks`` only (live
+    SQL, no persistence) or ``lance_uri`` only. Every sink receives every epoch.
+
+    Args:
+        sinks: live tables to feed (from ``register_streaming_table``).
+        lance_uri: Lance dataset to commit epochs to; created on the first epoch.
+        mode: the query's output mode: ``"append"`` (Append commits), ``"complete"`` (each
+            epoch Overwrites the dataset) or ``"update"`` (appended, see docs/spark.md).
+        query_id: the id stamped on commits for replay detection; default Spark's query id,
+            which is stable across restarts on one checkpoint.
+        executor_writes: executors write Lance fragments and the driver commits them, so
+            data does not pass through the driver (unless live sinks need it).
+        compact_every: compact the dataset after every N committed epochs (off by default).
+        cleanup_older_than: with ``compact_every``, also remove versions older than this;
+            the newest commit of every query that used this bridge stays (it is tagged).
+
+    Example:
+        >>> from pushtable import SessionContext
+        >>> from pushtable.spark import ForeachBatchBridge
+        >>> import pyarrow as pa, tempfile
+        >>> ctx = SessionContext()
+        >>> live = ctx.register_streaming_table("events", pa.schema([("n", pa.int64())]))
+        >>> bridge = ForeachBatchBridge(sinks=[live], lance_uri=tempfile.mkdtemp() + "/e.lance")
+        >>> # query = df.writeStream.foreachBatch(bridge).option("checkpointLocation", ...).start()
+        >>> # bridge.watch(query)   # closes / fails the sinks when the query ends
+    """
+
+    def __init__(
+        self,
+        sinks: Sequence[TableSink] = (),
+        lance_uri: str | Path | None = None,
+        mode: Mode = "append",
+        *,
+        query_id: str | None = None,
+        executor_writes: bool = False,
+        compact_every: int | None = None,
+        cleanup_older_than: timedelta | None = None,
+        max_commit_retries: int = 8,
+        storage_options: dict[str, str] | None = None,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+        if not sinks and lance_uri is None:
+            raise ValueError(
+                "ForeachBatchBridge needs somewhere to send epochs: pass lance_uri=..., "
+                "sinks=[...], or both"
+            )
+        for sink in sinks:
+            if not isinstance(sink, TableSink):
+                raise TypeError(f"sinks must be TableSink objects, got {type(sink).__name__}")
+        if cleanup_older_than is not None and compact_every is None:
+            raise ValueError("cleanup_older_than runs during upkeep: set compact_every too")
+        if query_id is not None and not query_id:
+            raise ValueError("query_id must be a non-empty string or None")
+        self.sinks = list(sinks)
+        self.lance_uri = None if lance_uri is None else str(lance_uri)
+        self.mode: Mode = mode
+        self.query_id = query_id
+        self.executor_writes = executor_writes
+        self._writer_options: dict[str, Any] = {
+            "max_retries": max_commit_retries,
+            "compact_every": compact_every,
+            "cleanup_older_than": cleanup_older_than,
+            "storage_options": storage_options,
+        }
+        self.last_report: EpochReport | None = None
+        self._writers: dict[str, LanceEpochWriter] = {}
+        self._pushed: dict[str, int] = {}  # newest epoch pushed, per query id
+        self._detached: set[int] = set()  # sinks whose reader went away
+        self._watched: set[str] = set()  # Spark query ids whose end settles the sinks
+        self._listener: Any = None
+        self._lock = threading.Lock()
+        #: test hook: called as fault(step, epoch_id) at each step of an epoch
+        self.fault: Callable[[str, int], None] | None = None
+
+    # -- the foreachBatch callable ------------------------------------------------------
+
+    def __call__(self, batch_df: DataFrame, epoch_id: int) -> None:
+        spark = batch_df.sparkSession
+        spark_query_id = spark.sparkContext.getLocalProperty("sql.streaming.queryId")
+        query_id = self.query_id or spark_query_id
+        if not query_id:
+            raise ValueError(
+                "no streaming query id: call the bridge from writeStream.foreachBatch, "
+                "or pass query_id=... when calling it directly"
+            )
+        if spark_query_id:
+            self._watch_id(spark, spark_query_id)
+        with self._lock:
+            self._run_epoch(batch_df, int(epoch_id), query_id)
+
+    def _step(self, step: str, epoch_id: int) -> None:
+        if self.fault is not None:
+            self.fault(step, epoch_id)
+
+    def _run_epoch(self, batch_df: DataFrame, epoch_id: int, query_id: str) -> None:
+        self._step("before_arrow", epoch_id)
+        table: pa.Table | None = None
+        to_arrow_s = commit_s = push_s = 0.0
+        result = CommitResult(False, None, None, "no Lance dataset configured")
+        if self.lance_uri is not None:
+            writer = self._writer(query_id)
+            if self.executor_writes:
+                started = time.perf_counter()
+                result = self._commit_on_executors(batch_df, writer, epoch_id)
+                commit_s = time.perf_counter() - started
+            else:
+                started = time.perf_counter()
+                replay, last = writer.is_replay(epoch_id)
+                if replay:
+                    result = CommitResult(
+                        False, None, last, f"epoch {epoch_id} <= last committed epoch {last}"
+                    )
+                else:
+                    table = batch_df.toArrow()
+                    to_arrow_s = time.perf_counter() - started
+                    started = time.perf_counter()
+                    result = writer.commit(epoch_id, table)
+                    commit_s = time.perf_counter() - started
+        pushed = False
+        if self._live_sinks() and epoch_id > self._pushed.get(query_id, -1):
+            if table is None:
+                started = time.perf_counter()
+                table = batch_df.toArrow()
+                to_arrow_s += time.perf_counter() - started
+            self._step("before_push", epoch_id)
+            started = time.perf_counter()
+            self._push(table)
+            push_s = time.perf_counter() - started
+            self._pushed[query_id] = epoch_id
+            pushed = True
+        self._step("after_push", epoch_id)
+        rows = table.num_rows if table is not None else -1
+        self.last_report = EpochReport(
+            query_id,
+            epoch_id,
+            rows,
+            to_arrow_s,
+            commit_s,
+            push_s,
+            result.committed,
+            pushed,
+            result.reason,
+        )
+
+    def _writer(self, query_id: str) -> LanceEpochWriter:
+        writer = self._writers.get(query_id)
+        if writer is None:
+            assert self.lance_uri is not None
+            writer = LanceEpochWriter(self.lance_uri, query_id, self.mode, **self._writer_options)
+            writer._fault = self._step
+            self._writers[query_id] = writer
+        return writer
+
+    # -- live sinks ---------------------------------------------------------------------
+
+    def _live_sinks(self) -> list[TableSink]:
+        return [s for s in self.sinks if id(s) not in self._detached]
+
+    def _push(self, table: pa.Table) -> None:
+        for sink in self._live_sinks():
+            data = table if table.schema.equals(sink.schema) else conform_to(table, sink.schema)
+            try:
+                sink.write(data)
+            except (ReaderGoneError, SinkClosedError) as exc:
+                # A reader that stopped early must not stop the persisting query.
+                log.warning("live table %r no longer takes epochs: %s", sink.name, exc)
+                self._detached.add(id(sink))
+
+    # -- executor-side writes -----------------------------------------------------------
+
+    def _commit_on_executors(
+        self, batch_df: DataFrame, writer: LanceEpochWriter, epoch_id: int
+    ) -> CommitResult:
+        from lance.fragment import FragmentMetadata
+
+        replay, last = writer.is_replay(epoch_id)
+        if replay:
+            return CommitResult(False, None, last, f"epoch {epoch_id} <= last committed {last}")
+        target = writer.schema_for(batch_df.limit(0).toArrow().schema)
+        writer._ensure_dataset(target)
+        uri, options = writer.uri, writer.storage_options
+
+        def write_partition(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+            import lance
+
+            tables = (conform_to(pa.Table.from_batches([b]), target) for b in batches if b.num_rows)
+            first = next(tables, None)
+            if first is None:  # an empty partition writes nothing
+                return
+            reader = pa.RecordBatchReader.from_batches(
+                target, (b for t in itertools.chain([first], tables) for b in t.to_batches())
+            )
+            fragments = lance.fragment.write_fragments(
+                reader, uri, schema=target, storage_options=options
+            )
+            yield pa.record_batch(
+                [pa.array([json.dumps(f.to_json()) for f in fragments], pa.string())],
+                names=["fragment"],
+            )
+
+        rows = batch_df.mapInArrow(write_partition, "fragment string").collect()
+        fragments = [FragmentMetadata.from_json(r["fragment"]) for r in rows]
+        self._step("after_fragments", epoch_id)
+        return writer.commit_fragments(epoch_id, fragments, target)
+
+    # -- query termination --------------------------------------------------------------
+
+    def watch(self, query: StreamingQuery, spark: SparkSession | None = None) -> None:
+        """Close the sinks when ``query`` terminates, fail them when it fails.
+
+        The bridge does this by itself from the first epoch on; call ``watch`` right after
+        ``start()`` to also cover a query that fails before its first epoch. ``spark`` is
+        the query's session (default: the active one).
+        """
+        if spark is None:
+            from pyspark.sql import SparkSession
+
+            spark = SparkSession.active()
+        self._watch_id(spark, str(query.id))
+        if not query.isActive:
+            error = query.exception()
+            self._settle(str(query.id), None if error is None else str(error))
+
+    def _watch_id(self, spark: SparkSession, spark_query_id: str) -> None:
+        with self._lock:
+            if spark_query_id in self._watched:
+                return
+            self._watched.add(spark_query_id)
+            if self._listener is None:
+                self._listener = _termination_listener(self._settle)
+                spark.streams.addListener(self._listener)
+
+    def _settle(self, spark_query_id: str, exception: str | None) -> None:
+        if spark_query_id not in self._watched:
+            return
+        for sink in self.sinks:
+            if exception is None:
+                sink.close()
+            else:
+                sink.fail(StreamingQueryFailedError(exception))
+
+
+def _termination_listener(settle: Callable[[str, str | None], None]) -> Any:
+    """A StreamingQueryListener that reports query terminations to ``settle``."""
+    from pyspark.sql.streaming.listener import StreamingQueryListener
+
+    class _Listener(StreamingQueryListener):
+        def onQueryStarted(self, event: Any) -> None:
+            pass
+
+        def onQueryProgress(self, event: Any) -> None:
+            pass
+
+        def onQueryIdle(self, event: Any) -> None:
+            pass
+
+        def onQueryTerminated(self, event: Any) -> None:
+            settle(str(event.id), event.exception)
+
+    return _Listener()

@@ -1,0 +1,351 @@
+"""The Spark bridge on a real local Spark (local[2]) and real Lance datasets in tmp dirs."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lance
+import pyarrow as pa
+import pytest
+
+from pushtable import SessionContext
+from pushtable.lance_epochs import EPOCH_KEY, QUERY_KEY, EpochCommitError, SchemaDriftError
+from pushtable.spark import ForeachBatchBridge
+from tests.conftest import query
+
+pyspark = pytest.importorskip("pyspark")
+from pyspark.sql import DataFrame, SparkSession  # noqa: E402
+from pyspark.sql.streaming.query import StreamingQuery  # noqa: E402
+
+pytestmark = pytest.mark.spark
+
+DDL = "id long, level string"
+ARROW = pa.schema([("id", pa.int64()), ("level", pa.string())])
+QUERY_WAIT = 120  # seconds; a streaming query still running then is a failure
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[SparkSession]:
+    session = (
+        SparkSession.builder.master("local[2]")
+        .appName("pushtable-tests")
+        .config("spark.ui.enabled", "false")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.sql.session.timeZone", "UTC")
+        .getOrCreate()
+    )
+    session.sparkContext.setLogLevel("ERROR")
+    yield session
+    session.stop()
+
+
+def write_epochs(src: Path, epochs: int, rows: int = 5, start: int = 0) -> None:
+    """One JSON file per epoch (the stream reads one file per trigger)."""
+    src.mkdir(parents=True, exist_ok=True)
+    for e in range(start, start + epochs):
+        with open(src / f"part-{e:04d}.json", "w") as f:
+            for r in range(rows):
+                f.write(json.dumps({"id": e * rows + r, "level": "ab"[r % 2]}) + "\n")
+
+
+def stream(spark: SparkSession, src: Path) -> DataFrame:
+    return spark.readStream.schema(DDL).option("maxFilesPerTrigger", 1).json(str(src))
+
+
+def run(
+    df: DataFrame, bridge: ForeachBatchBridge, chk: Path, output_mode: str = "append"
+) -> StreamingQuery:
+    """Run the stream over everything available, bounded by QUERY_WAIT."""
+    q = (
+        df.writeStream.foreachBatch(bridge)
+        .outputMode(output_mode)
+        .option("checkpointLocation", str(chk))
+        .trigger(availableNow=True)
+        .start()
+    )
+    bridge.watch(q)
+    finished = q.awaitTermination(QUERY_WAIT)
+    assert finished, "the streaming query did not finish in time"
+    return q
+
+
+def stamped(uri: Path) -> list[tuple[str, int]]:
+    """(query id, epoch id) of every stamped commit, oldest first."""
+    ds = lance.dataset(str(uri))
+    out = []
+    for v in range(1, ds.latest_version + 1):
+        tx = ds.read_transaction(v)
+        props = (tx.transaction_properties or {}) if tx else {}
+        if QUERY_KEY in props:
+            out.append((props[QUERY_KEY], int(props[EPOCH_KEY])))
+    return out
+
+
+def ids(uri: Path) -> list[int]:
+    return sorted(lance.dataset(str(uri)).to_table(columns=["id"])["id"].to_pylist())
+
+
+class Crash(RuntimeError):
+    """Injected failure inside an epoch."""
+
+
+def crash_at(step: str, epoch: int) -> Any:
+    def fault(s: str, e: int) -> None:
+        if s == step and e == epoch:
+            raise Crash(f"injected crash at {step} of epoch {epoch}")
+
+    return fault
+
+
+# --- the streaming paths ------------------------------------------------------------------
+
+
+def test_append_commits_each_epoch_once_with_stamps(spark: SparkSession, tmp_path: Path) -> None:
+    write_epochs(tmp_path / "src", 3)
+    uri = tmp_path / "out.lance"
+    bridge = ForeachBatchBridge(lance_uri=uri)
+    q = run(stream(spark, tmp_path / "src"), bridge, tmp_path / "chk")
+    assert ids(uri) == list(range(15))
+    assert stamped(uri) == [(str(q.id), 0), (str(q.id), 1), (str(q.id), 2)]
+    schema = lance.dataset(str(uri)).schema
+    assert schema.field("id").type == pa.int64()
+    assert schema.field("level").type == pa.string()
+
+
+def test_live_sql_sees_every_row_once_and_the_sink_closes(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    write_epochs(tmp_path / "src", 4)
+    ctx = SessionContext()
+    live = ctx.register_streaming_table("events", ARROW, capacity=2)
+    reader = query(ctx, "SELECT count(*) AS n, count(DISTINCT id) AS d FROM events")
+    bridge = ForeachBatchBridge(sinks=[live], lance_uri=tmp_path / "out.lance")
+    run(stream(spark, tmp_path / "src"), bridge, tmp_path / "chk")
+    assert reader.join(timeout=QUERY_WAIT) == {"n": [20], "d": [20]}
+    assert ids(tmp_path / "out.lance") == list(range(20))
+
+
+def test_fan_out_to_several_sinks_without_lance(spark: SparkSession, tmp_path: Path) -> None:
+    write_epochs(tmp_path / "src", 2)
+    ctx = SessionContext()
+    a = ctx.register_streaming_table("a", ARROW)
+    b = ctx.register_streaming_table("b", ARROW)
+    ra = query(ctx, "SELECT sum(id) AS s FROM a")
+    rb = query(ctx, "SELECT count(*) AS n FROM b WHERE level = 'a'")
+    run(stream(spark, tmp_path / "src"), ForeachBatchBridge(sinks=[a, b]), tmp_path / "chk")
+    assert ra.join(timeout=QUERY_WAIT) == {"s": [sum(range(10))]}
+    assert rb.join(timeout=QUERY_WAIT) == {"n": [6]}
+
+
+def test_a_failing_query_makes_the_live_reader_raise(spark: SparkSession, tmp_path: Path) -> None:
+    write_epochs(tmp_path / "src", 3)
+    ctx = SessionContext()
+    live = ctx.register_streaming_table("events", ARROW)
+    reader = query(ctx, "SELECT count(*) FROM events")
+    bridge = ForeachBatchBridge(sinks=[live], lance_uri=tmp_path / "out.lance")
+    bridge.fault = crash_at("before_arrow", 1)
+    q = stream(spark, tmp_path / "src").writeStream.foreachBatch(bridge)
+    started = q.option("checkpointLocation", str(tmp_path / "chk")).trigger(availableNow=True)
+    handle = started.start()
+    bridge.watch(handle)
+    with pytest.raises(Exception, match="injected crash"):
+        handle.awaitTermination(QUERY_WAIT)
+    err = reader.join_error(timeout=QUERY_WAIT)
+    assert "StreamingQueryFailedError" in str(err)
+    assert "injected crash" in str(err)
+    assert ids(tmp_path / "out.lance") == list(range(5))  # only whole epochs
+
+
+@pytest.mark.parametrize("step", ["before_commit", "after_commit", "after_push"])
+def test_crash_and_restart_keeps_every_row_exactly_once(
+    spark: SparkSession, tmp_path: Path, step: str
+) -> None:
+    write_epochs(tmp_path / "src", 3)
+    uri, chk = tmp_path / "out.lance", tmp_path / "chk"
+    crashing = ForeachBatchBridge(lance_uri=uri)
+    crashing.fault = crash_at(step, 1)
+    with pytest.raises(Exception, match="injected crash"):
+        run(stream(spark, tmp_path / "src"), crashing, chk)
+    restarted = ForeachBatchBridge(lance_uri=uri)
+    q = run(stream(spark, tmp_path / "src"), restarted, chk)
+    assert ids(uri) == list(range(15))  # no duplicates, no losses
+    assert stamped(uri) == [(str(q.id), 0), (str(q.id), 1), (str(q.id), 2)]
+
+
+def test_executor_writes_commit_one_transaction_per_epoch(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    write_epochs(tmp_path / "src", 2, rows=50)
+    uri = tmp_path / "out.lance"
+    bridge = ForeachBatchBridge(lance_uri=uri, executor_writes=True)
+    q = run(stream(spark, tmp_path / "src").repartition(2), bridge, tmp_path / "chk")
+    assert ids(uri) == list(range(100))
+    assert stamped(uri) == [(str(q.id), 0), (str(q.id), 1)]
+
+
+def test_complete_mode_overwrites_with_the_full_result(spark: SparkSession, tmp_path: Path) -> None:
+    write_epochs(tmp_path / "src", 3)
+    uri = tmp_path / "counts.lance"
+    counts = stream(spark, tmp_path / "src").groupBy("level").count()
+    run(counts, ForeachBatchBridge(lance_uri=uri, mode="complete"), tmp_path / "chk", "complete")
+    got = lance.dataset(str(uri)).to_table().sort_by("level").to_pydict()
+    assert got == {"level": ["a", "b"], "count": [9, 6]}
+
+
+def test_update_mode_appends_the_updated_rows(spark: SparkSession, tmp_path: Path) -> None:
+    write_epochs(tmp_path / "src", 2)
+    uri = tmp_path / "updates.lance"
+    counts = stream(spark, tmp_path / "src").groupBy("level").count()
+    run(counts, ForeachBatchBridge(lance_uri=uri, mode="update"), tmp_path / "chk", "update")
+    got = (
+        lance.dataset(str(uri)).to_table().sort_by([("level", "ascending"), ("count", "ascending")])
+    )
+    assert got.to_pydict() == {"level": ["a", "a", "b", "b"], "count": [3, 6, 2, 4]}
+
+
+# --- direct calls (the bridge is a plain callable) ----------------------------------------
+
+
+def frame(spark: SparkSession, rows: list[tuple[int, str]]) -> DataFrame:
+    return spark.createDataFrame(rows, DDL)
+
+
+def test_empty_append_epoch_is_a_no_op(spark: SparkSession, tmp_path: Path) -> None:
+    uri = tmp_path / "out.lance"
+    bridge = ForeachBatchBridge(lance_uri=uri, query_id="q")
+    bridge(frame(spark, [(1, "a")]), 0)
+    version = lance.dataset(str(uri)).latest_version
+    bridge(frame(spark, []), 1)
+    assert lance.dataset(str(uri)).latest_version == version
+    assert bridge.last_report is not None
+    assert not bridge.last_report.committed
+
+
+def test_empty_complete_epoch_commits_an_empty_typed_overwrite(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    uri = tmp_path / "out.lance"
+    bridge = ForeachBatchBridge(lance_uri=uri, mode="complete", query_id="q")
+    bridge(frame(spark, [(1, "a"), (2, "b")]), 0)
+    bridge(frame(spark, []), 1)
+    ds = lance.dataset(str(uri))
+    assert ds.count_rows() == 0
+    assert ds.schema == pa.schema([("id", pa.int64()), ("level", pa.string())])
+    assert stamped(uri) == [("q", 0), ("q", 1)]
+
+
+def test_dedupe_survives_150_foreign_commits_and_a_compaction(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    uri = tmp_path / "out.lance"
+    first = ForeachBatchBridge(lance_uri=uri, query_id="q")
+    first(frame(spark, [(0, "a")]), 0)
+    first(frame(spark, [(1, "a")]), 1)
+    for i in range(150):  # another writer, beyond lance-spark's 100-version window
+        lance.write_dataset(pa.table({"id": [1000 + i], "level": ["x"]}), str(uri), mode="append")
+    lance.dataset(str(uri)).optimize.compact_files()
+    replay = ForeachBatchBridge(lance_uri=uri, query_id="q")  # a fresh process's bridge
+    replay(frame(spark, [(1, "a")]), 1)
+    assert replay.last_report is not None
+    assert not replay.last_report.committed
+    replay(frame(spark, [(2, "a")]), 2)
+    assert [i for i in ids(uri) if i < 1000] == [0, 1, 2]
+    assert stamped(uri)[-1] == ("q", 2)
+
+
+def test_two_queries_do_not_dedupe_each_other(spark: SparkSession, tmp_path: Path) -> None:
+    uri = tmp_path / "out.lance"
+    ForeachBatchBridge(lance_uri=uri, query_id="a")(frame(spark, [(1, "a")]), 0)
+    ForeachBatchBridge(lance_uri=uri, query_id="b")(frame(spark, [(2, "b")]), 0)
+    assert ids(uri) == [1, 2]
+
+
+def test_cleanup_keeps_the_newest_stamped_commit(spark: SparkSession, tmp_path: Path) -> None:
+    uri = tmp_path / "out.lance"
+    bridge = ForeachBatchBridge(
+        lance_uri=uri, query_id="q", compact_every=2, cleanup_older_than=timedelta(0)
+    )
+    for e in range(4):
+        bridge(frame(spark, [(e, "a")]), e)
+    for i in range(5):  # newer foreign commits, then a cleanup by someone else too
+        lance.write_dataset(pa.table({"id": [100 + i], "level": ["x"]}), str(uri), mode="append")
+    lance.dataset(str(uri)).cleanup_old_versions(
+        older_than=timedelta(0), error_if_tagged_old_versions=False
+    )
+    ds = lance.dataset(str(uri))
+    assert len(ds.get_fragments()) < 9  # compaction merged the per-epoch fragments
+    fresh = ForeachBatchBridge(lance_uri=uri, query_id="q")
+    fresh(frame(spark, [(3, "a")]), 3)  # replay of the last epoch
+    assert fresh.last_report is not None
+    assert not fresh.last_report.committed
+    assert [i for i in ids(uri) if i < 100] == [0, 1, 2, 3]
+
+
+# --- bad input ----------------------------------------------------------------------------
+
+
+def test_bridge_needs_a_destination_and_a_known_mode(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="needs somewhere to send epochs"):
+        ForeachBatchBridge()
+    with pytest.raises(ValueError, match=r"unknown mode 'overwrite'"):
+        ForeachBatchBridge(lance_uri=tmp_path / "x.lance", mode="overwrite")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="TableSink"):
+        ForeachBatchBridge(sinks=["not a sink"])  # type: ignore[list-item]
+
+
+def test_direct_call_without_a_query_id_is_refused(spark: SparkSession, tmp_path: Path) -> None:
+    bridge = ForeachBatchBridge(lance_uri=tmp_path / "x.lance")
+    with pytest.raises(ValueError, match="query_id"):
+        bridge(frame(spark, [(1, "a")]), 0)
+
+
+@pytest.mark.parametrize(
+    ("ddl", "rows", "column"),
+    [
+        ("id long, level string, extra int", [(1, "a", 1)], "extra"),
+        ("id long", [(1,)], "level"),
+        ("id string, level string", [("1", "a")], "id"),
+    ],
+)
+def test_schema_drift_names_the_column_and_commits_nothing(
+    spark: SparkSession, tmp_path: Path, ddl: str, rows: list[tuple[Any, ...]], column: str
+) -> None:
+    uri = tmp_path / "out.lance"
+    bridge = ForeachBatchBridge(lance_uri=uri, query_id="q")
+    bridge(frame(spark, [(1, "a")]), 0)
+    version = lance.dataset(str(uri)).latest_version
+    with pytest.raises(SchemaDriftError, match=f"'{column}'"):
+        bridge(spark.createDataFrame(rows, ddl), 1)
+    assert lance.dataset(str(uri)).latest_version == version
+
+
+def test_commit_conflicts_are_retried_then_reported(
+    spark: SparkSession, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lance.commit import CommitConflictError
+
+    uri = tmp_path / "out.lance"
+    bridge = ForeachBatchBridge(lance_uri=uri, query_id="q")
+    bridge(frame(spark, [(0, "a")]), 0)
+    real_commit = lance.LanceDataset.commit
+    failures = [CommitConflictError("preempted", retryable=True)] * 2
+
+    def flaky(*args: Any, **kwargs: Any) -> Any:
+        if failures:
+            raise failures.pop()
+        return real_commit(*args, **kwargs)
+
+    monkeypatch.setattr(lance.LanceDataset, "commit", flaky)
+    bridge(frame(spark, [(1, "a")]), 1)
+    assert not failures
+    assert ids(uri) == [0, 1]
+    failures.append(CommitConflictError("incompatible", retryable=False))
+    with pytest.raises(EpochCommitError, match="retrying cannot resolve"):
+        bridge(frame(spark, [(2, "a")]), 2)
+    assert ids(uri) == [0, 1]
