@@ -53,6 +53,22 @@ class EpochCommitError(RuntimeError):
 
 
 @dataclass(frozen=True)
+class _Mark:
+    """A commit of this query: its version, epoch and output mode."""
+
+    version: int
+    epoch: int
+    mode: str | None
+
+
+def _props(tx: Any) -> dict[str, str] | None:
+    """A transaction's properties ({} when it has none); None when it is gone."""
+    if tx is None:
+        return None
+    return dict(tx.transaction_properties or {})
+
+
+@dataclass(frozen=True)
 class CommitResult:
     """What happened to one epoch: committed (at ``version``) or skipped as a replay."""
 
@@ -145,9 +161,9 @@ class LanceEpochWriter:
         self.storage_options = storage_options
         self._fault = fault
         self._tag = _tag_for(query_id)
-        # (version, epoch) of this query's newest commit seen: history at or below a version
-        # never changes, so later walks only read what is newer.
-        self._known: tuple[int, int | None] | None = None
+        # This query's newest commit seen so far: history at or below a version never
+        # changes, so later walks only read what is newer.
+        self._mark: _Mark | None = None
         self._commits = 0
 
     # -- reading history ----------------------------------------------------------------
@@ -165,24 +181,34 @@ class LanceEpochWriter:
         ds = ds if ds is not None else self._dataset()
         if ds is None:
             return None
-        latest = ds.latest_version
-        floor, floor_epoch = self._known if self._known else (0, None)
+        self._mark = self._walk(ds)
+        return None if self._mark is None else self._mark.epoch
+
+    def _walk(self, ds: lance.LanceDataset) -> _Mark | None:
+        floor = self._mark
         tagged = self._tagged_version(ds)
-        if tagged is not None and tagged > floor:
-            floor, floor_epoch = tagged, self._epoch_at(ds, tagged)
-        for version in range(latest, floor, -1):
+        if tagged is not None and (floor is None or tagged > floor.version):
+            floor = self._mark_at(ds, tagged) or floor
+        stop = 0 if floor is None else floor.version
+        # Newest first, in growing pages: a steady query finds itself in the first page.
+        page, seen = 8, 0
+        while ds.version - seen > stop:
+            want = min(page, ds.version - stop)
             try:
-                tx = ds.read_transaction(version)
-            except Exception:  # noqa: BLE001 - cleaned up: the walk ends here
-                log.debug("transaction of version %s is gone; the walk ends", version)
-                break
-            props = (tx.transaction_properties or {}) if tx is not None else {}
-            if props.get(QUERY_KEY) == self.query_id:
-                epoch = int(props[EPOCH_KEY])
-                self._known = (version, epoch)
-                return epoch
-        self._known = (floor, floor_epoch) if floor else None
-        return floor_epoch
+                txs = ds.get_transactions(want)
+            except Exception:  # noqa: BLE001 - a cleaned-up version: the walk ends here
+                return floor
+            for offset in range(seen, len(txs)):
+                version = ds.version - offset
+                props = _props(txs[offset])
+                if props is None:  # cleaned up
+                    return floor
+                if props.get(QUERY_KEY) == self.query_id:
+                    return _Mark(version, int(props[EPOCH_KEY]), props.get(MODE_KEY))
+            if len(txs) < want:
+                return floor
+            seen, page = want, page * 4
+        return floor
 
     def _tagged_version(self, ds: lance.LanceDataset) -> int | None:
         try:
@@ -190,12 +216,14 @@ class LanceEpochWriter:
         except Exception:  # noqa: BLE001 - no tag yet
             return None
 
-    def _epoch_at(self, ds: lance.LanceDataset, version: int) -> int | None:
-        tx = ds.read_transaction(version)
-        props = (tx.transaction_properties or {}) if tx is not None else {}
-        if props.get(QUERY_KEY) != self.query_id:
+    def _mark_at(self, ds: lance.LanceDataset, version: int) -> _Mark | None:
+        try:
+            props = _props(ds.read_transaction(version))
+        except Exception:  # noqa: BLE001 - unreadable: ignore the tag
             return None
-        return int(props[EPOCH_KEY])
+        if props is None or props.get(QUERY_KEY) != self.query_id:
+            return None
+        return _Mark(version, int(props[EPOCH_KEY]), props.get(MODE_KEY))
 
     # -- committing ---------------------------------------------------------------------
 
@@ -215,14 +243,17 @@ class LanceEpochWriter:
 
     def commit(self, epoch_id: int, data: pa.Table) -> CommitResult:
         """Write ``data`` as epoch ``epoch_id`` unless it was committed before."""
-        replay, last = self.is_replay(epoch_id)
-        if replay:
+        ds = self._dataset()
+        last = self.last_committed_epoch(ds)
+        if last is not None and epoch_id <= last:
             return self._skipped(epoch_id, last)
         if data.num_rows == 0 and self.mode != "complete":
             return CommitResult(False, None, last, f"epoch {epoch_id} is empty")
-        target = self.schema_for(data.schema)
+        target = ds.schema if ds is not None else target_schema(data.schema)
         data = conform_to(data, target)
-        self._ensure_dataset(target)
+        self._refuse_mode_switch()
+        if ds is None:
+            ds = self._create(target)
         if self._fault:
             self._fault("before_fragments", epoch_id)
         fragments = (
@@ -232,24 +263,32 @@ class LanceEpochWriter:
             if data.num_rows
             else []
         )
-        return self.commit_fragments(epoch_id, fragments, target)
+        return self._commit(ds, epoch_id, fragments)
 
     def commit_fragments(
         self, epoch_id: int, fragments: Sequence[Any], schema: pa.Schema
     ) -> CommitResult:
         """Commit fragments already written (by executors) as epoch ``epoch_id``, once."""
+        ds = self._dataset() or self._create(schema)
+        last = self.last_committed_epoch(ds)
+        if last is not None and epoch_id <= last:
+            return self._skipped(epoch_id, last)
+        if not fragments and self.mode != "complete":
+            return CommitResult(False, None, last, f"epoch {epoch_id} is empty")
+        self._refuse_mode_switch()
+        return self._commit(ds, epoch_id, fragments)
+
+    def _commit(
+        self, ds: lance.LanceDataset, epoch_id: int, fragments: Sequence[Any]
+    ) -> CommitResult:
         if self._fault:
             self._fault("before_commit", epoch_id)
-        if not fragments and self.mode != "complete":
-            _, last = self.is_replay(epoch_id)
-            return CommitResult(False, None, last, f"epoch {epoch_id} is empty")
-        self._ensure_dataset(schema)
         for attempt in range(self.max_retries + 1):
-            ds = self._dataset()
-            assert ds is not None
-            replay, last = self.is_replay(epoch_id)
-            if replay:  # a concurrent run of this query got there first
-                return self._skipped(epoch_id, last)
+            if attempt:  # someone committed meanwhile: re-read, and re-check for a replay
+                ds = self._dataset() or ds
+                last = self.last_committed_epoch(ds)
+                if last is not None and epoch_id <= last:
+                    return self._skipped(epoch_id, last)
             operation = (
                 lance.LanceOperation.Overwrite(ds.schema, list(fragments))
                 if self.mode == "complete"
@@ -259,7 +298,7 @@ class LanceEpochWriter:
                 ds.version, operation, transaction_properties=self.properties(epoch_id)
             )
             try:
-                new = lance.LanceDataset.commit(self.uri, tx, storage_options=self.storage_options)
+                new = lance.LanceDataset.commit(ds, tx, storage_options=self.storage_options)
             except CommitConflictError as exc:
                 if not exc.retryable:
                     raise EpochCommitError(
@@ -273,28 +312,37 @@ class LanceEpochWriter:
                     ) from exc
                 time.sleep(self.backoff * (2**attempt))
                 continue
-            self._known = (new.version, epoch_id)
+            self._mark = _Mark(new.version, epoch_id, self.mode)
             self._after_commit(new, epoch_id)
             return CommitResult(True, new.version, epoch_id, f"committed epoch {epoch_id}")
         raise AssertionError("unreachable")
+
+    def _refuse_mode_switch(self) -> None:
+        """A query that appended must never start overwriting (or the reverse) on restart."""
+        before = None if self._mark is None else self._mark.mode
+        if before is not None and before != self.mode and "complete" in (before, self.mode):
+            raise ValueError(
+                f"query {self.query_id} wrote {self.uri} in {before!r} mode; refusing to "
+                f"continue in {self.mode!r} mode (complete mode overwrites the dataset)"
+            )
 
     def _skipped(self, epoch_id: int, last: int | None) -> CommitResult:
         reason = f"epoch {epoch_id} <= last committed epoch {last} of query {self.query_id}"
         log.info("skipping replayed %s", reason)
         return CommitResult(False, None, last, reason)
 
-    def _ensure_dataset(self, schema: pa.Schema) -> None:
+    def _create(self, schema: pa.Schema) -> lance.LanceDataset:
         """Create the dataset empty (never by overwriting: 'create' fails if it exists)."""
-        if self._dataset() is not None:
-            return
         try:
-            lance.write_dataset(
+            return lance.write_dataset(
                 schema.empty_table(), self.uri, mode="create", storage_options=self.storage_options
             )
         except (OSError, ValueError) as exc:
-            if self._dataset() is None:  # not a lost race with another creator
+            ds = self._dataset()
+            if ds is None:  # not a lost race with another creator
                 raise
             log.debug("dataset created concurrently: %s", exc)
+            return ds
 
     def _after_commit(self, ds: lance.LanceDataset, epoch_id: int) -> None:
         if self._fault:

@@ -246,7 +246,6 @@ class ForeachBatchBridge:
         if replay:
             return CommitResult(False, None, last, f"epoch {epoch_id} <= last committed {last}")
         target = writer.schema_for(batch_df.limit(0).toArrow().schema)
-        writer._ensure_dataset(target)
         uri, options = writer.uri, writer.storage_options
 
         def write_partition(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:

@@ -299,6 +299,15 @@ def test_bridge_needs_a_destination_and_a_known_mode(tmp_path: Path) -> None:
         ForeachBatchBridge(sinks=["not a sink"])  # type: ignore[list-item]
 
 
+def test_an_append_query_cannot_turn_into_truncation(spark: SparkSession, tmp_path: Path) -> None:
+    uri = tmp_path / "out.lance"
+    ForeachBatchBridge(lance_uri=uri, query_id="q")(frame(spark, [(1, "a")]), 0)
+    restarted = ForeachBatchBridge(lance_uri=uri, query_id="q", mode="complete")
+    with pytest.raises(ValueError, match="refusing to continue in 'complete' mode"):
+        restarted(frame(spark, [(2, "a")]), 1)
+    assert ids(uri) == [1]
+
+
 def test_direct_call_without_a_query_id_is_refused(spark: SparkSession, tmp_path: Path) -> None:
     bridge = ForeachBatchBridge(lance_uri=tmp_path / "x.lance")
     with pytest.raises(ValueError, match="query_id"):
