@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pushtable import SessionContext
+from pushtable import SessionContext, TableSink
 
 SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.float64())])
 QUERIES = {
@@ -159,6 +159,39 @@ def measure(
     return results
 
 
+def reader_gone_latency(reps: int = 20) -> dict[str, float]:
+    """Seconds from a query dropping its stream to a blocked writer's ReaderGoneError."""
+    import gc
+
+    from pushtable import ReaderGoneError
+
+    samples = []
+    for _ in range(reps):
+        ctx = SessionContext()
+        sink = ctx.register_streaming_table("t", SCHEMA, capacity=1)
+        stream = ctx.sql("SELECT * FROM t").execute_stream()
+        sink.write(make_batches(10, 10)[0])
+        next(iter(stream))
+        sink.write(make_batches(10, 10)[0])  # fills the queue
+        raised_at: list[float] = []
+
+        def blocked_writer(sink: TableSink, raised_at: list[float]) -> None:
+            try:
+                sink.write(make_batches(10, 10)[0], timeout=10)
+            except ReaderGoneError:
+                raised_at.append(time.perf_counter())
+
+        writer = threading.Thread(target=blocked_writer, args=(sink, raised_at))
+        writer.start()
+        time.sleep(0.05)
+        dropped_at = time.perf_counter()
+        del stream
+        gc.collect()
+        writer.join(10)
+        samples.append(raised_at[0] - dropped_at)
+    return {"median_s": statistics.median(samples), "max_s": max(samples)}
+
+
 def _rate(r: Result) -> str:
     """Median [min-max] in millions of rows per second."""
     m = 1e6
@@ -196,9 +229,16 @@ def main() -> None:
     )
     results = measure(rows, reps, [1024, 8192, 65536], [1, 4])
     print(table(results))
+    gone = reader_gone_latency()
+    print(
+        f"reader gone -> blocked write raises: median {gone['median_s'] * 1e3:.2f} ms, "
+        f"max {gone['max_s'] * 1e3:.2f} ms (20 runs)"
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([asdict(r) for r in results], f, indent=2)
+            json.dump(
+                {"throughput": [asdict(r) for r in results], "reader_gone": gone}, f, indent=2
+            )
 
 
 if __name__ == "__main__":

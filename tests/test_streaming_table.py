@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _thread
 import functools
 import gc
 import threading
@@ -151,6 +152,19 @@ def test_gil_is_released_while_a_write_is_blocked(ctx: SessionContext) -> None:
         counter += 1
     assert counter > 1000
     assert isinstance(blocked.join_error(), WriteTimeoutError)
+
+
+def test_ctrl_c_interrupts_a_blocked_write(ctx: SessionContext) -> None:
+    sink = ctx.register_streaming_table("t", SCHEMA, capacity=1)
+    sink.write(batch(1))
+    timer = threading.Timer(0.2, _thread.interrupt_main)
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            sink.write(batch(1), timeout=WAIT)  # runs on the main thread
+    finally:
+        timer.cancel()
+    assert sink.stats.batches == 1
 
 
 # --- 3. end of stream ---------------------------------------------------------------------
