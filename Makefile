@@ -11,7 +11,7 @@ setup:
 	$(PYTHON) -m pip install --quiet --disable-pip-version-check --no-build-isolation -e ".[dev]"
 
 demo: setup
-	$(PYTHON) examples/shard_results.py
+	$(PYTHON) -m pushtable demo
 
 test: setup
 	$(PYTHON) -m pytest -q
@@ -22,4 +22,4 @@ lint:
 	$(PYTHON) -m mypy
 
 bench: setup
-	$(PYTHON) benchmarks/core.py
+	$(PYTHON) -m pushtable bench --json bench.json --plots docs/img

@@ -1,0 +1,112 @@
+"""The ``pushtable`` command: ``pushtable demo`` (the main job) and ``pushtable bench``.
+
+Argument errors print a message naming the argument and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    """The argument parser (``pushtable --help``)."""
+    from pushtable.bench import SUITES
+    from pushtable.demo import DEFAULT_SQL
+
+    top = argparse.ArgumentParser(
+        prog="pushtable", description="Run SQL over live Arrow data. See docs/index.md."
+    )
+    commands = top.add_subparsers(dest="command", required=True, metavar="{demo,bench}")
+
+    demo = commands.add_parser(
+        "demo",
+        help="stream with Spark into a live table and Lance, query both",
+        description="Start a local Spark streaming query over generated files, bridge it into a "
+        "live streaming table and a Lance dataset, print live SQL results as they arrive, then "
+        "check that what the live table saw equals what was persisted.",
+    )
+    demo.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="directory for the source files, checkpoint and Lance dataset "
+        "(default: a fresh ./pushtable-demo-<timestamp>)",
+    )
+    demo.add_argument("--epochs", type=_positive_int, default=10, help="micro-batches (default 10)")
+    demo.add_argument(
+        "--rows-per-epoch",
+        type=_positive_int,
+        default=20_000,
+        help="rows per epoch (default 20000)",
+    )
+    demo.add_argument(
+        "--sql",
+        default=DEFAULT_SQL,
+        help="the live query over table 'events' (id, level, latency_ms); "
+        "default: an aggregate by level",
+    )
+    demo.add_argument(
+        "--capacity",
+        type=_positive_int,
+        default=8,
+        help="queued batches before Spark waits (default 8)",
+    )
+
+    bench = commands.add_parser(
+        "bench",
+        help="reproduce the performance figures",
+        description="Run benchmark suites side by side; each figure is the median of 5 runs, "
+        "with min and max.",
+    )
+    bench.add_argument(
+        "--suite",
+        action="append",
+        choices=SUITES,
+        dest="suites",
+        help="a suite to run (repeatable; default: all of " + ", ".join(SUITES) + ")",
+    )
+    bench.add_argument(
+        "--quick", action="store_true", help="small inputs: the whole run in under a minute"
+    )
+    bench.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
+    bench.add_argument(
+        "--plots", type=Path, default=None, help="write PNG plots into this directory"
+    )
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``pushtable`` command; returns the exit status."""
+    args = parser().parse_args(argv)
+    if args.command == "demo":
+        from pushtable import demo
+
+        out = args.out or Path.cwd() / f"pushtable-demo-{datetime.now():%Y%m%d-%H%M%S}"
+        if out.exists() and any(out.iterdir()):
+            parser().error(f"--out {out} exists and is not empty; pick a fresh directory")
+        result = demo.run(out, args.epochs, args.rows_per_epoch, args.sql, args.capacity)
+        if result.interrupted:
+            return 130
+        return 0 if result.matched else 1
+    from pushtable import bench
+
+    bench.run(args.suites or bench.SUITES, args.quick, args.json, args.plots)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""``pushtable demo``: the whole product in one run, on embedded defaults.
+
+A local Spark (``local[2]``) streams generated Parquet files, one per epoch. The
+:class:`~pushtable.spark.ForeachBatchBridge` commits each epoch to a Lance dataset exactly once
+and pushes it into a live streaming table, where a SQL query runs while Spark is still
+producing. At the end, one SQL statement joins what was persisted (the Lance dataset, through
+``lance.FFILanceTableProvider`` in the same DataFusion context) with what the live table
+delivered, and the two row counts must match.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from pushtable.context import SessionContext
+from pushtable.sink import TableSink
+from pushtable.spark import ForeachBatchBridge
+
+LEVELS = ("debug", "info", "warn", "error", "fatal")
+SCHEMA = pa.schema([("id", pa.int64()), ("level", pa.string()), ("latency_ms", pa.float64())])
+SPARK_DDL = "id long, level string, latency_ms double"
+DEFAULT_SQL = (
+    "SELECT level, count(*) AS events, round(avg(latency_ms), 2) AS avg_latency_ms "
+    "FROM events GROUP BY level ORDER BY level"
+)
+
+
+@dataclass(frozen=True)
+class DemoResult:
+    epochs: int
+    live_rows: int
+    lance_rows: int
+    lance_version: int
+    interrupted: bool
+
+    @property
+    def matched(self) -> bool:
+        return self.live_rows == self.lance_rows
+
+
+def generate(src: Path, epochs: int, rows_per_epoch: int) -> None:
+    """One Parquet file per epoch of synthetic log events."""
+    src.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(7)
+    for e in range(epochs):
+        ids = np.arange(e * rows_per_epoch, (e + 1) * rows_per_epoch, dtype=np.int64)
+        levels = pa.array(np.array(LEVELS)[rng.integers(0, len(LEVELS), rows_per_epoch)])
+        latency = pa.array(rng.gamma(2.0, 15.0, rows_per_epoch))
+        pq.write_table(
+            pa.table([ids, levels, latency], schema=SCHEMA), src / f"epoch-{e:05d}.parquet"
+        )
+
+
+def _spark() -> Any:
+    from pyspark.sql import SparkSession
+
+    spark = (
+        SparkSession.builder.master("local[2]")
+        .appName("pushtable-demo")
+        .config("spark.ui.enabled", "false")
+        .config("spark.ui.showConsoleProgress", "false")
+        .config("spark.driver.bindAddress", "127.0.0.1")
+        .config("spark.driver.host", "127.0.0.1")
+        .config("spark.sql.shuffle.partitions", "2")
+        .config("spark.sql.session.timeZone", "UTC")
+        .getOrCreate()
+    )
+    spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+def _progress_line(sink: TableSink, bridge: ForeachBatchBridge, epochs: int, started: float) -> str:
+    s = sink.stats
+    done = 0 if bridge.last_report is None else bridge.last_report.epoch_id + 1
+    rate = s.rows / max(time.perf_counter() - started, 1e-9)
+    return (
+        f"epochs {done}/{epochs} · rows {s.rows:,} · {rate:,.0f} rows/s · "
+        f"queue {s.queued_batches}/{sink.capacity} · producer blocked {s.blocked_seconds:.2f}s"
+    )
+
+
+def run(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity: int) -> DemoResult:
+    """Run the demo into ``out``; print live results and the final check with rich."""
+    import lance
+    from rich.console import Console
+    from rich.live import Live
+
+    console = Console()
+    generate(out / "source", epochs, rows_per_epoch)
+    console.print(f"[bold]pushtable demo[/] → {out}  ({epochs} epochs x {rows_per_epoch:,} rows)")
+    console.print("starting local Spark (local[2])…")
+    spark = _spark()
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table("events", SCHEMA, capacity=capacity)
+    uri = out / "events.lance"
+    bridge = ForeachBatchBridge(sinks=[sink], lance_uri=uri)
+
+    live_batches: list[pa.RecordBatch] = []
+    live_error: list[BaseException] = []
+
+    def live_query() -> None:
+        try:
+            for batch in ctx.sql(sql).execute_stream():
+                b = batch.to_pyarrow()
+                live_batches.append(b)
+                console.print(_as_table(pa.Table.from_batches([b]), "live result batch"))
+        except Exception as exc:  # noqa: BLE001 - reported below
+            live_error.append(exc)
+
+    reader = threading.Thread(target=live_query, name="live-sql", daemon=True)
+    reader.start()
+    stream = (
+        spark.readStream.schema(SPARK_DDL)
+        .option("maxFilesPerTrigger", 1)
+        .parquet(str(out / "source"))
+    )
+    query = (
+        stream.writeStream.foreachBatch(bridge)
+        .option("checkpointLocation", str(out / "checkpoint"))
+        .trigger(availableNow=True)
+        .start()
+    )
+    bridge.watch(query, spark)
+    started = time.perf_counter()
+    interrupted = False
+    try:
+        with Live(console=console, refresh_per_second=8, transient=False) as live:
+            # Until Spark is done and the live query has printed its last batch.
+            while not query.awaitTermination(0.25) or reader.is_alive():
+                live.update(_progress_line(sink, bridge, epochs, started))
+                reader.join(0.05 if not query.isActive else 0)
+            live.update(_progress_line(sink, bridge, epochs, started))
+    except KeyboardInterrupt:
+        interrupted = True
+        console.print("[yellow]interrupted: stopping the streaming query…[/]")
+        query.stop()
+        sink.close()
+    reader.join(60)
+    if live_error and not interrupted:
+        raise live_error[0]
+
+    ds = lance.dataset(str(uri))
+    ctx.register_table("persisted", lance.FFILanceTableProvider(ds))
+    ctx.register_record_batches(
+        "live_stats", [[pa.record_batch({"live_rows": pa.array([sink.stats.rows], pa.int64())})]]
+    )
+    check = ctx.sql(
+        "SELECT l.live_rows, p.lance_rows, l.live_rows = p.lance_rows AS counts_match "
+        "FROM live_stats l CROSS JOIN (SELECT count(*) AS lance_rows FROM persisted) p"
+    ).to_arrow_table()
+    console.print(_as_table(check, "live table vs persisted Lance dataset (one SQL statement)"))
+    result = DemoResult(
+        epochs=0 if bridge.last_report is None else bridge.last_report.epoch_id + 1,
+        live_rows=int(check["live_rows"][0].as_py()),
+        lance_rows=int(check["lance_rows"][0].as_py()),
+        lance_version=ds.version,
+        interrupted=interrupted,
+    )
+    spark.stop()
+    verdict = "[green]counts match[/]" if result.matched else "[red]counts differ[/]"
+    console.print(
+        f"{verdict}: {result.live_rows:,} rows live, {result.lance_rows:,} rows in {uri} "
+        f"(version {result.lance_version})"
+    )
+    return result
+
+
+def _as_table(data: pa.Table, title: str) -> Any:
+    from rich.table import Table
+
+    table = Table(title=title)
+    for name in data.column_names:
+        table.add_column(name)
+    for row in data.to_pylist():
+        table.add_row(
+            *(
+                f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
+                for v in row.values()
+            )
+        )
+    return table

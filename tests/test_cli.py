@@ -1,0 +1,105 @@
+"""The ``pushtable`` command: argument errors, the demo end to end, the quick benchmark."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pushtable.bench import SUITES
+from pushtable.cli import main
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "required"),
+        (["demo", "--epochs", "0"], "--epochs: must be at least 1"),
+        (["demo", "--rows-per-epoch", "many"], "--rows-per-epoch: expected a whole number"),
+        (["bench", "--suite", "gpu"], "--suite: invalid choice: 'gpu'"),
+        (["serve"], "invalid choice: 'serve'"),
+    ],
+)
+def test_argument_errors_exit_2_with_a_clear_message(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_demo_refuses_a_non_empty_out_dir(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "something").write_text("x")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "not empty" in capsys.readouterr().err
+
+
+def test_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["demo", "--help"])
+    out = capsys.readouterr().out
+    for option in ("--out", "--epochs", "--rows-per-epoch", "--sql", "--capacity"):
+        assert option in out
+
+
+def _pushtable(*args: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "pushtable", *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+@pytest.mark.spark
+def test_demo_runs_end_to_end(tmp_path: Path) -> None:
+    done = _pushtable(
+        "demo",
+        "--epochs",
+        "2",
+        "--rows-per-epoch",
+        "500",
+        "--out",
+        str(tmp_path / "run"),
+        cwd=tmp_path,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "counts match: 1,000 rows live, 1,000 rows" in " ".join(done.stdout.split())
+    assert (tmp_path / "run" / "events.lance").is_dir()
+
+
+@pytest.mark.spark
+def test_quick_bench_writes_json_with_every_suite(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    done = _pushtable(
+        "bench",
+        "--quick",
+        "--json",
+        str(out),
+        "--plots",
+        str(tmp_path / "img"),
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    data = json.loads(out.read_text())
+    assert set(SUITES) <= set(data)
+    assert data["machine"]["cores"] >= 1
+    assert {"results", "ratios", "reader_gone"} <= set(data["core"])
+    assert {r["engine"] for r in data["core"]["results"]} == {"pushtable", "duckdb", "python"}
+    assert {"to_arrow_alone", "driver_path", "executor_path", "dedupe"} <= set(data["spark"])
+    assert {"capacity_bound", "max_bytes_bound"} == set(data["memory"])
+    assert data["bandwidth"]["copy_gb_per_s_median"] > 0
+    assert (tmp_path / "img" / "core_throughput.png").stat().st_size > 0
+    assert (tmp_path / "img" / "spark_epoch_split.png").stat().st_size > 0
