@@ -276,15 +276,23 @@ class _AsyncWriter:
 
 def _split(data: Any) -> list[Any]:
     """Turn ``data`` into whole batches so a cancelled request never leaves half a stream."""
+    try:
+        return _batches_of(data)
+    except InvalidBatchError:
+        raise
+    except Exception as exc:  # a hostile object's attribute lookup or export failed
+        raise InvalidBatchError(
+            f"cannot read Arrow data from {type(data).__name__}: {exc}"
+        ) from exc
+
+
+def _batches_of(data: Any) -> list[Any]:
     if hasattr(data, "__arrow_c_array__"):
         return [data]
     if isinstance(data, pa.Table):
         return list(data.to_batches())
     if hasattr(data, "__arrow_c_stream__"):
-        try:
-            return list(pa.RecordBatchReader.from_stream(data))
-        except Exception as exc:
-            raise InvalidBatchError(f"cannot read the Arrow stream: {exc}") from exc
+        return list(pa.RecordBatchReader.from_stream(data))
     raise InvalidBatchError(
         "expected Arrow data (a pyarrow RecordBatch or Table, or an object with "
         f"__arrow_c_array__ / __arrow_c_stream__), got {type(data).__name__}"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pyarrow as pa
@@ -55,6 +55,16 @@ class Background:
             pytest.fail(f"background call did not finish within {timeout}s")
         assert self.error is not None, f"expected an error, got result {self.result!r}"
         return self.error
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[Any]:
+    """One local[2] Spark for the whole run (started on first use)."""
+    from tests.spark_support import spark_session
+
+    session = spark_session()
+    yield session
+    session.stop()
 
 
 @pytest.fixture

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -11,97 +9,25 @@ from typing import Any
 import lance
 import pyarrow as pa
 import pytest
+from pyspark.sql import DataFrame, SparkSession
 
 from pushtable import SessionContext
-from pushtable.lance_epochs import EPOCH_KEY, QUERY_KEY, EpochCommitError, SchemaDriftError
+from pushtable.lance_epochs import EpochCommitError, SchemaDriftError
 from pushtable.spark import ForeachBatchBridge
 from tests.conftest import query
-
-pyspark = pytest.importorskip("pyspark")
-from pyspark.sql import DataFrame, SparkSession  # noqa: E402
-from pyspark.sql.streaming.query import StreamingQuery  # noqa: E402
+from tests.spark_support import (
+    ARROW,
+    DDL,
+    QUERY_WAIT,
+    crash_at,
+    ids,
+    run,
+    stamped,
+    stream,
+    write_epochs,
+)
 
 pytestmark = pytest.mark.spark
-
-DDL = "id long, level string"
-ARROW = pa.schema([("id", pa.int64()), ("level", pa.string())])
-QUERY_WAIT = 120  # seconds; a streaming query still running then is a failure
-
-
-@pytest.fixture(scope="session")
-def spark() -> Iterator[SparkSession]:
-    session = (
-        SparkSession.builder.master("local[2]")
-        .appName("pushtable-tests")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.sql.session.timeZone", "UTC")
-        .getOrCreate()
-    )
-    session.sparkContext.setLogLevel("ERROR")
-    yield session
-    session.stop()
-
-
-def write_epochs(src: Path, epochs: int, rows: int = 5, start: int = 0) -> None:
-    """One JSON file per epoch (the stream reads one file per trigger)."""
-    src.mkdir(parents=True, exist_ok=True)
-    for e in range(start, start + epochs):
-        with open(src / f"part-{e:04d}.json", "w") as f:
-            for r in range(rows):
-                f.write(json.dumps({"id": e * rows + r, "level": "ab"[r % 2]}) + "\n")
-
-
-def stream(spark: SparkSession, src: Path) -> DataFrame:
-    return spark.readStream.schema(DDL).option("maxFilesPerTrigger", 1).json(str(src))
-
-
-def run(
-    df: DataFrame, bridge: ForeachBatchBridge, chk: Path, output_mode: str = "append"
-) -> StreamingQuery:
-    """Run the stream over everything available, bounded by QUERY_WAIT."""
-    q = (
-        df.writeStream.foreachBatch(bridge)
-        .outputMode(output_mode)
-        .option("checkpointLocation", str(chk))
-        .trigger(availableNow=True)
-        .start()
-    )
-    bridge.watch(q)
-    finished = q.awaitTermination(QUERY_WAIT)
-    assert finished, "the streaming query did not finish in time"
-    return q
-
-
-def stamped(uri: Path) -> list[tuple[str, int]]:
-    """(query id, epoch id) of every stamped commit, oldest first."""
-    ds = lance.dataset(str(uri))
-    out = []
-    for v in range(1, ds.latest_version + 1):
-        tx = ds.read_transaction(v)
-        props = (tx.transaction_properties or {}) if tx else {}
-        if QUERY_KEY in props:
-            out.append((props[QUERY_KEY], int(props[EPOCH_KEY])))
-    return out
-
-
-def ids(uri: Path) -> list[int]:
-    return sorted(lance.dataset(str(uri)).to_table(columns=["id"])["id"].to_pylist())
-
-
-class Crash(RuntimeError):
-    """Injected failure inside an epoch."""
-
-
-def crash_at(step: str, epoch: int) -> Any:
-    def fault(s: str, e: int) -> None:
-        if s == step and e == epoch:
-            raise Crash(f"injected crash at {step} of epoch {epoch}")
-
-    return fault
 
 
 # --- the streaming paths ------------------------------------------------------------------

@@ -96,14 +96,16 @@ impl Sink {
     #[pyo3(signature = (data, timeout=None))]
     fn write(&self, py: Python<'_>, data: Bound<'_, PyAny>, timeout: Option<f64>) -> PyResult<usize> {
         let deadline = deadline_from(timeout)?;
-        if data.hasattr("__arrow_c_array__")? {
+        // A hostile object's __getattr__ may raise: that too is "not Arrow data".
+        let has = |name: &str| data.hasattr(name).map_err(|e| InputError::new_err(e.to_string()));
+        if has("__arrow_c_array__")? {
             let batch = guarded("cannot import the batch", || {
                 RecordBatch::from_pyarrow_bound(&data).map_err(|e| InputError::new_err(e.to_string()))
             })?;
             self.push(py, batch, deadline)?;
             return Ok(1);
         }
-        if data.hasattr("__arrow_c_stream__")? {
+        if has("__arrow_c_stream__")? {
             let mut reader = guarded("cannot import the stream", || {
                 ArrowArrayStreamReader::from_pyarrow_bound(&data).map_err(|e| InputError::new_err(e.to_string()))
             })?;

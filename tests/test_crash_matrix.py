@@ -1,0 +1,90 @@
+"""Hard crashes (``os._exit``) at every step of an epoch, then a restart on the same checkpoint.
+
+The Lance dataset must hold every source row exactly once. Orphaned data files (written, never
+committed) are counted and then removed the documented way (``cleanup_old_versions`` with
+``delete_unverified=True``). The default run takes one crash per step; ``-m slow`` sweeps 50
+random (step, epoch, path) runs.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import lance
+import pytest
+
+from tests.crash_child import CRASH_EXIT
+from tests.spark_support import ids, write_epochs
+
+pytestmark = pytest.mark.spark
+
+STEPS = ["before_arrow", "before_commit", "after_commit", "after_push"]
+EPOCHS, ROWS = 4, 25
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _child(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tests.crash_child", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+def orphaned_files(uri: Path) -> int:
+    """Data files in the dataset folder that the latest version does not reference."""
+    ds = lance.dataset(str(uri))
+    referenced = {Path(f.path).name for frag in ds.get_fragments() for f in frag.data_files()}
+    on_disk = {p.name for p in (uri / "data").glob("*.lance")}
+    return len(on_disk - referenced)
+
+
+def crash_and_restart(tmp: Path, step: str, epoch: int, executor: bool) -> dict[str, int]:
+    src, uri, chk = tmp / "src", tmp / "out.lance", tmp / "chk"
+    write_epochs(src, EPOCHS, ROWS)
+    crashed = _child(
+        str(src), str(uri), str(chk), step, str(epoch), "executor" if executor else "driver"
+    )
+    assert crashed.returncode == CRASH_EXIT, crashed.stdout + crashed.stderr
+    restarted = _child(
+        str(src), str(uri), str(chk), "none", "-1", "executor" if executor else "driver"
+    )
+    assert restarted.returncode == 0, restarted.stdout + restarted.stderr
+    got = ids(uri)
+    expected = list(range(EPOCHS * ROWS))
+    duplicates = len(got) - len(set(got))
+    losses = len(set(expected) - set(got))
+    orphans = orphaned_files(uri)
+    lance.dataset(str(uri)).cleanup_old_versions(older_than=timedelta(0), delete_unverified=True)
+    assert orphaned_files(uri) == 0
+    assert ids(uri) == expected  # cleanup removed only what no version referenced
+    return {"duplicates": duplicates, "losses": losses, "orphans": orphans}
+
+
+@pytest.mark.parametrize("step", STEPS)
+def test_hard_crash_at_each_step_keeps_rows_exactly_once(tmp_path: Path, step: str) -> None:
+    outcome = crash_and_restart(tmp_path, step, epoch=1, executor=False)
+    assert outcome["duplicates"] == 0
+    assert outcome["losses"] == 0
+    if step == "before_commit":
+        assert outcome["orphans"] >= 1  # fragments written, never committed
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", range(50))
+def test_random_crash_sweep(tmp_path: Path, run: int) -> None:
+    rng = random.Random(run)
+    executor = rng.random() < 0.3
+    steps = [*STEPS, "after_fragments"] if executor else STEPS
+    step, epoch = rng.choice(steps), rng.randrange(EPOCHS)
+    outcome = crash_and_restart(tmp_path, step, epoch, executor)
+    print(f"run {run}: step={step} epoch={epoch} executor={executor} -> {outcome}")
+    assert outcome["duplicates"] == 0
+    assert outcome["losses"] == 0
