@@ -22,23 +22,18 @@ def run(
     plot_dir: Path | None = None,
     say: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Run ``suites``, print their tables, write JSON and plots; return the results."""
+    """Run ``suites``, print their tables, write JSON and plots; return the results.
+
+    The suites run from the lightest footprint to the heaviest (memory, spark, core), so a
+    suite's figures are not skewed by what an earlier one left in the process's heap.
+    """
     from pushtable.bench import core, machine, memory, spark
 
     out: dict[str, Any] = {"machine": machine.describe(), "quick": quick}
-    cores = int(out["machine"]["cores"] or 0)
     say(f"machine: {out['machine']['cores']} cores, {out['machine']['memory_gb']} GB")
     if "bandwidth" in suites:
         out["bandwidth"] = machine.bandwidth(64 if quick else 256)
         say(f"bandwidth: numpy copy {out['bandwidth']['copy_gb_per_s_median']:.1f} GB/s")
-    if "core" in suites:
-        out["core"] = core.run(quick)
-        say(core.table(out["core"]))
-        gone = out["core"]["reader_gone"]
-        say(f"reader gone -> blocked write raises: median {gone['median_s'] * 1e3:.1f} ms")
-    if "spark" in suites:
-        out["spark"] = spark.run(quick)
-        say(spark.report(out["spark"]))
     if "memory" in suites:
         out["memory"] = memory.run(quick)
         for name, m in out["memory"].items():
@@ -47,15 +42,18 @@ def run(
                 f"(baseline {m['baseline_rss_mb']:.0f}, queue bound {m['queue_bound_mb']:.0f}, "
                 f"growth {m['growth_mb']:+.1f} MB)"
             )
+    if "spark" in suites:
+        out["spark"] = spark.run(quick)
+        say(spark.report(out["spark"]))
+    if "core" in suites:
+        out["core"] = core.run(quick)
+        say(core.table(out["core"]))
+        gone = out["core"]["reader_gone"]
+        say(f"reader gone -> blocked write raises: median {gone['median_s'] * 1e3:.1f} ms")
     if plot_dir is not None:
         from pushtable.bench import plots
 
-        plot_dir.mkdir(parents=True, exist_ok=True)
-        if "core" in out:
-            path = plots.core_throughput(out["core"], cores, plot_dir / "core_throughput.png")
-            say(f"plot: {path}")
-        if "spark" in out:
-            path = plots.spark_split(out["spark"], cores, plot_dir / "spark_epoch_split.png")
+        for path in plots.render(out, plot_dir):
             say(f"plot: {path}")
     if json_path is not None:
         json_path.write_text(json.dumps(out, indent=2))

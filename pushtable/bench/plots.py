@@ -11,40 +11,58 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 
-def core_throughput(suite: dict[str, Any], cores: int, path: Path) -> Path:
-    """Throughput vs batch size per engine: one panel per (query, producers), capacity 64."""
-    results = [
-        r
-        for r in suite["results"]
-        if r["capacity"] == max(r2["capacity"] for r2 in suite["results"])
-    ]
-    panels = sorted({(r["query"], r["producers"]) for r in results})
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), sharey=True)
-    for ax, (query, producers) in zip(axes, panels, strict=True):
-        for engine in sorted({r["engine"] for r in results}):
-            rows = sorted(
-                (
-                    r
-                    for r in results
-                    if (r["engine"], r["query"], r["producers"]) == (engine, query, producers)
-                ),
-                key=lambda r: r["batch_rows"],
-            )
-            x = [r["batch_rows"] for r in rows]
-            y = [r["median_rows_per_s"] / 1e6 for r in rows]
-            err = [
-                [m - r["min_rows_per_s"] / 1e6 for m, r in zip(y, rows, strict=True)],
-                [r["max_rows_per_s"] / 1e6 - m for m, r in zip(y, rows, strict=True)],
-            ]
-            ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=engine)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks([1024, 8192, 65536], ["1K", "8K", "64K"])
-        ax.set_title(f"{query}, {producers} producer(s)")
-        ax.set_xlabel("rows per batch")
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel(f"M rows/s ({cores} cores, median, min-max)")
-    axes[0].legend()
-    fig.suptitle("Live-table throughput: pushtable vs DuckDB lazy reader vs Python drain")
+def core_throughput(
+    suite: dict[str, Any], cores: int, path: Path, limit_mrows: float | None = None
+) -> Path:
+    """Throughput vs batch size per engine, one panel per (query, producers), capacity 64.
+
+    ``limit_mrows`` draws the machine's copy rate (float64 values per second) as the
+    physical limit of a one-column scan.
+    """
+    capacity = max(r["capacity"] for r in suite["results"])
+    results = [r for r in suite["results"] if r["capacity"] == capacity]
+    queries = sorted({r["query"] for r in results})
+    producer_counts = sorted({r["producers"] for r in results})
+    fig, axes = plt.subplots(
+        len(queries),
+        len(producer_counts),
+        figsize=(5 * len(producer_counts), 3.4 * len(queries)),
+        sharex=True,
+        squeeze=False,
+    )
+    for row, query in enumerate(queries):
+        for col, producers in enumerate(producer_counts):
+            ax = axes[row][col]
+            for engine in sorted({r["engine"] for r in results}):
+                points = sorted(
+                    (
+                        r
+                        for r in results
+                        if (r["engine"], r["query"], r["producers"]) == (engine, query, producers)
+                    ),
+                    key=lambda r: r["batch_rows"],
+                )
+                x = [r["batch_rows"] for r in points]
+                y = [r["median_rows_per_s"] / 1e6 for r in points]
+                err = [
+                    [m - r["min_rows_per_s"] / 1e6 for m, r in zip(y, points, strict=True)],
+                    [r["max_rows_per_s"] / 1e6 - m for m, r in zip(y, points, strict=True)],
+                ]
+                ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=engine)
+            if limit_mrows:
+                ax.axhline(
+                    limit_mrows, color="grey", linestyle="--", linewidth=1, label="memory copy"
+                )
+            ax.set_xscale("log", base=2)
+            ax.set_xticks([1024, 8192, 65536], ["1K", "8K", "64K"])
+            ax.set_title(f"{query}: {producers} producer(s), capacity {capacity}")
+            ax.grid(alpha=0.3)
+            if row == len(queries) - 1:
+                ax.set_xlabel("rows per batch")
+            if col == 0:
+                ax.set_ylabel(f"M rows/s ({cores} cores)")
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("Live-table throughput (median of 5, bars: min-max)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -71,3 +89,25 @@ def spark_split(suite: dict[str, Any], cores: int, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def render(results: dict[str, Any], plot_dir: Path) -> list[Path]:
+    """Every plot a ``pushtable bench`` JSON result supports, into ``plot_dir``."""
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    cores = int(results["machine"]["cores"] or 0)
+    out = []
+    if "core" in results:
+        limit = results.get("bandwidth", {}).get("copy_mrows_per_s")
+        out.append(core_throughput(results["core"], cores, plot_dir / "core_throughput.png", limit))
+    if "spark" in results:
+        out.append(spark_split(results["spark"], cores, plot_dir / "spark_epoch_split.png"))
+    return out
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    # python -m pushtable.bench.plots RESULTS.json PLOT_DIR: re-draw the plots of a run
+    for written in render(json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])):
+        print(written)
