@@ -22,7 +22,7 @@ import pyarrow.parquet as pq
 
 from pushtable.context import SessionContext
 from pushtable.sink import TableSink
-from pushtable.spark import ForeachBatchBridge
+from pushtable.spark import ForeachBatchBridge, local_spark
 
 LEVELS = ("debug", "info", "warn", "error", "fatal")
 SCHEMA = pa.schema([("id", pa.int64()), ("level", pa.string()), ("latency_ms", pa.float64())])
@@ -59,24 +59,6 @@ def generate(src: Path, epochs: int, rows_per_epoch: int) -> None:
         )
 
 
-def _spark() -> Any:
-    from pyspark.sql import SparkSession
-
-    spark = (
-        SparkSession.builder.master("local[2]")
-        .appName("pushtable-demo")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.sql.session.timeZone", "UTC")
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("ERROR")
-    return spark
-
-
 def _progress_line(sink: TableSink, bridge: ForeachBatchBridge, epochs: int, started: float) -> str:
     s = sink.stats
     done = 0 if bridge.last_report is None else bridge.last_report.epoch_id + 1
@@ -97,7 +79,7 @@ def run(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity: int) ->
     generate(out / "source", epochs, rows_per_epoch)
     console.print(f"[bold]pushtable demo[/] → {out}  ({epochs} epochs x {rows_per_epoch:,} rows)")
     console.print("starting local Spark (local[2])…")
-    spark = _spark()
+    spark = local_spark("pushtable-demo")
     ctx = SessionContext()
     sink = ctx.register_streaming_table("events", SCHEMA, capacity=capacity)
     uri = out / "events.lance"
@@ -134,13 +116,14 @@ def run(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity: int) ->
     try:
         with Live(console=console, refresh_per_second=8, transient=False) as live:
             # Until Spark is done and the live query has printed its last batch.
-            while not query.awaitTermination(0.25) or reader.is_alive():
+            while query.isActive or reader.is_alive():
                 live.update(_progress_line(sink, bridge, epochs, started))
-                reader.join(0.05 if not query.isActive else 0)
+                reader.join(0.25)  # ends once Spark is done and the live query printed
             live.update(_progress_line(sink, bridge, epochs, started))
+        query.awaitTermination()  # raises if the streaming query failed
     except KeyboardInterrupt:
         interrupted = True
-        console.print("[yellow]interrupted: stopping the streaming query…[/]")
+        console.print("\n[yellow]interrupted: stopping the streaming query…[/]")
         query.stop()
         sink.close()
     reader.join(60)

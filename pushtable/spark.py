@@ -39,9 +39,36 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
     from pyspark.sql.streaming.query import StreamingQuery
 
-__all__ = ["EpochReport", "ForeachBatchBridge", "StreamingQueryFailedError"]
+__all__ = ["EpochReport", "ForeachBatchBridge", "StreamingQueryFailedError", "local_spark"]
 
 log = logging.getLogger(__name__)
+
+
+def local_spark(app: str, **conf: str) -> SparkSession:
+    """A quiet ``local[2]`` session on loopback with the UI off (demo, tests, benchmarks).
+
+    Example:
+        >>> spark = local_spark("example")  # doctest: +SKIP
+        >>> spark.range(3).count()  # doctest: +SKIP
+        3
+    """
+    from pyspark.sql import SparkSession
+
+    builder = SparkSession.builder.master("local[2]").appName(app)
+    settings = {
+        "spark.ui.enabled": "false",
+        "spark.ui.showConsoleProgress": "false",
+        "spark.driver.bindAddress": "127.0.0.1",
+        "spark.driver.host": "127.0.0.1",
+        "spark.sql.shuffle.partitions": "2",
+        "spark.sql.session.timeZone": "UTC",
+        **conf,
+    }
+    for key, value in settings.items():
+        builder = builder.config(key, value)
+    session = builder.getOrCreate()
+    session.sparkContext.setLogLevel("ERROR")
+    return session
 
 
 class StreamingQueryFailedError(PushTableError):

@@ -13,7 +13,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming.query import StreamingQuery
 
 from pushtable.lance_epochs import EPOCH_KEY, QUERY_KEY
-from pushtable.spark import ForeachBatchBridge
+from pushtable.spark import ForeachBatchBridge, local_spark
 
 DDL = "id long, level string"
 ARROW = pa.schema([("id", pa.int64()), ("level", pa.string())])
@@ -21,20 +21,7 @@ QUERY_WAIT = 120  # seconds; a streaming query still running then is a failure
 
 
 def spark_session(app: str = "pushtable-tests") -> SparkSession:
-    """A quiet local[2] session bound to loopback, UI off."""
-    session = (
-        SparkSession.builder.master("local[2]")
-        .appName(app)
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.sql.session.timeZone", "UTC")
-        .getOrCreate()
-    )
-    session.sparkContext.setLogLevel("ERROR")
-    return session
+    return local_spark(app)
 
 
 def write_epochs(src: Path, epochs: int, rows: int = 5, start: int = 0) -> None:

@@ -26,23 +26,13 @@ from pyspark.sql import DataFrame, SparkSession
 
 from pushtable import SessionContext
 from pushtable.lance_epochs import LanceEpochWriter
-from pushtable.spark import ForeachBatchBridge
+from pushtable.spark import ForeachBatchBridge, local_spark
 
 
 def spark_session() -> SparkSession:
-    spark = (
-        SparkSession.builder.master("local[2]")
-        .appName("pushtable-bench")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.driver.bindAddress", "127.0.0.1")
-        .config("spark.driver.host", "127.0.0.1")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.sql.execution.arrow.maxRecordsPerBatch", "100000")
-        .getOrCreate()
+    return local_spark(
+        "pushtable-bench", **{"spark.sql.execution.arrow.maxRecordsPerBatch": "100000"}
     )
-    spark.sparkContext.setLogLevel("ERROR")
-    return spark
 
 
 def epoch_frame(spark: SparkSession, rows: int) -> DataFrame:
