@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime as dt
 import decimal
+import os
 from typing import Any
 
 import pyarrow as pa
@@ -14,14 +15,14 @@ from hypothesis import strategies as st
 
 from pushtable import InvalidBatchError, PushTableError, SchemaMismatchError, SessionContext
 
-# "ci" runs in the default suite; `-m slow` / HYPOTHESIS_PROFILE=sweep tries many more.
+# "ci" runs in the default suite; HYPOTHESIS_PROFILE=sweep tries 20 times as many examples.
 settings.register_profile(
     "ci", max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.register_profile(
     "sweep", max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
-settings.load_profile("ci")
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 TYPES: list[pa.DataType] = [
     pa.int8(),
