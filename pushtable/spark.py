@@ -47,10 +47,8 @@ log = logging.getLogger(__name__)
 def local_spark(app: str, **conf: str) -> SparkSession:
     """A quiet ``local[2]`` session on loopback with the UI off (demo, tests, benchmarks).
 
-    Example:
-        >>> spark = local_spark("example")  # doctest: +SKIP
-        >>> spark.range(3).count()  # doctest: +SKIP
-        3
+    Example: ``spark = local_spark("my-app"); spark.range(3).count()`` gives ``3``; the
+    Spark tests run it for real (``tests/spark_support.py``).
     """
     from pyspark.sql import SparkSession
 
