@@ -236,19 +236,22 @@ class LanceEpochWriter:
         ds = self._dataset()
         return ds.schema if ds is not None else target_schema(incoming)
 
-    def is_replay(self, epoch_id: int) -> tuple[bool, int | None]:
-        """Whether ``epoch_id`` was already committed by this query, and the last epoch."""
-        last = self.last_committed_epoch()
-        return (last is not None and epoch_id <= last), last
+    def replayed(self, epoch_id: int, ds: lance.LanceDataset | None = None) -> CommitResult | None:
+        """The "skipped" result if ``epoch_id`` was already committed by this query, else None."""
+        last = self.last_committed_epoch(ds)
+        if last is None or epoch_id > last:
+            return None
+        reason = f"epoch {epoch_id} <= last committed epoch {last} of query {self.query_id}"
+        log.info("skipping replayed %s", reason)
+        return CommitResult(False, None, last, reason)
 
     def commit(self, epoch_id: int, data: pa.Table) -> CommitResult:
         """Write ``data`` as epoch ``epoch_id`` unless it was committed before."""
         ds = self._dataset()
-        last = self.last_committed_epoch(ds)
-        if last is not None and epoch_id <= last:
-            return self._skipped(epoch_id, last)
+        if skipped := self.replayed(epoch_id, ds):
+            return skipped
         if data.num_rows == 0 and self.mode != "complete":
-            return CommitResult(False, None, last, f"epoch {epoch_id} is empty")
+            return CommitResult(False, None, self._last(), f"epoch {epoch_id} is empty")
         target = ds.schema if ds is not None else target_schema(data.schema)
         data = conform_to(data, target)
         self._refuse_mode_switch()
@@ -270,11 +273,10 @@ class LanceEpochWriter:
     ) -> CommitResult:
         """Commit fragments already written (by executors) as epoch ``epoch_id``, once."""
         ds = self._dataset() or self._create(schema)
-        last = self.last_committed_epoch(ds)
-        if last is not None and epoch_id <= last:
-            return self._skipped(epoch_id, last)
+        if skipped := self.replayed(epoch_id, ds):
+            return skipped
         if not fragments and self.mode != "complete":
-            return CommitResult(False, None, last, f"epoch {epoch_id} is empty")
+            return CommitResult(False, None, self._last(), f"epoch {epoch_id} is empty")
         self._refuse_mode_switch()
         return self._commit(ds, epoch_id, fragments)
 
@@ -286,9 +288,8 @@ class LanceEpochWriter:
         for attempt in range(self.max_retries + 1):
             if attempt:  # someone committed meanwhile: re-read, and re-check for a replay
                 ds = self._dataset() or ds
-                last = self.last_committed_epoch(ds)
-                if last is not None and epoch_id <= last:
-                    return self._skipped(epoch_id, last)
+                if skipped := self.replayed(epoch_id, ds):
+                    return skipped
             operation = (
                 lance.LanceOperation.Overwrite(ds.schema, list(fragments))
                 if self.mode == "complete"
@@ -326,10 +327,8 @@ class LanceEpochWriter:
                 f"continue in {self.mode!r} mode (complete mode overwrites the dataset)"
             )
 
-    def _skipped(self, epoch_id: int, last: int | None) -> CommitResult:
-        reason = f"epoch {epoch_id} <= last committed epoch {last} of query {self.query_id}"
-        log.info("skipping replayed %s", reason)
-        return CommitResult(False, None, last, reason)
+    def _last(self) -> int | None:
+        return None if self._mark is None else self._mark.epoch
 
     def _create(self, schema: pa.Schema) -> lance.LanceDataset:
         """Create the dataset empty (never by overwriting: 'create' fails if it exists)."""

@@ -199,11 +199,8 @@ class ForeachBatchBridge:
                 commit_s = time.perf_counter() - started
             else:
                 started = time.perf_counter()
-                replay, last = writer.is_replay(epoch_id)
-                if replay:
-                    result = CommitResult(
-                        False, None, last, f"epoch {epoch_id} <= last committed epoch {last}"
-                    )
+                if skipped := writer.replayed(epoch_id):  # no need to convert a replay
+                    result = skipped
                 else:
                     table = batch_df.toArrow()
                     to_arrow_s = time.perf_counter() - started
@@ -267,9 +264,8 @@ class ForeachBatchBridge:
     ) -> CommitResult:
         from lance.fragment import FragmentMetadata
 
-        replay, last = writer.is_replay(epoch_id)
-        if replay:
-            return CommitResult(False, None, last, f"epoch {epoch_id} <= last committed {last}")
+        if skipped := writer.replayed(epoch_id):
+            return skipped
         target = writer.schema_for(batch_df.limit(0).toArrow().schema)
         uri, options = writer.uri, writer.storage_options
 

@@ -88,19 +88,22 @@ def test_stop_with_an_epoch_in_flight_leaves_lance_consistent(
     live = ctx.register_streaming_table("events", ARROW)
     reader = query(ctx, "SELECT count(*) AS n FROM events")
     bridge = ForeachBatchBridge(sinks=[live], lance_uri=uri)
-    in_flight = threading.Event()
+    in_flight, finished = threading.Event(), threading.Event()
 
     def hold(step: str, epoch: int) -> None:
         if step == "before_commit" and epoch == 1:
             in_flight.set()
             time.sleep(1.0)  # Spark is told to stop while this epoch is mid-way
+        if step == "after_push" and epoch == 1:
+            finished.set()
 
     bridge.fault = hold
     q = _start(spark, stream(spark, src), bridge, chk)
     assert in_flight.wait(QUERY_WAIT)
     q.stop()  # type: ignore[attr-defined]
     n = reader.join(timeout=QUERY_WAIT)["n"][0]  # stop() is a normal end: the reader finishes
-    time.sleep(1.5)  # let the abandoned callback run to its end
+    # Spark abandons the callback; let it run to its end before looking and restarting.
+    assert finished.wait(QUERY_WAIT)
     got = ids(uri)
     assert len(got) % 5 == 0
     assert len(set(got)) == len(got)
