@@ -146,10 +146,7 @@ impl Channel {
                 st.stats.batches += 1;
                 st.stats.bytes += bytes as u64;
                 st.queue.push_back((batch, bytes));
-                if let Some(waker) = st.waker.take() {
-                    waker.wake();
-                }
-                break Ok(());
+                break Ok(st.waker.take());
             }
             let now = Instant::now();
             let since = *blocked_since.get_or_insert(now);
@@ -177,7 +174,9 @@ impl Channel {
         if let Some(since) = blocked_since {
             st.stats.blocked += since.elapsed();
         }
-        outcome
+        drop(st);
+        // Wake the scan after releasing the lock, so the woken task does not queue up on it.
+        outcome.map(|waker| waker.map_or((), Waker::wake))
     }
 
     /// End of stream: queued batches stay readable, blocked and later writes fail.
