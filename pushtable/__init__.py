@@ -13,7 +13,10 @@ Example:
 
 from __future__ import annotations
 
+from importlib.metadata import version as _version
+
 from pushtable.context import SessionContext, register_streaming_table
+from pushtable.dataframe import DataFrame
 from pushtable.errors import (
     InvalidBatchError,
     PushTableError,
@@ -21,11 +24,15 @@ from pushtable.errors import (
     SchemaMismatchError,
     SinkClosedError,
     StreamConsumedError,
+    StreamFailedError,
     WriteTimeoutError,
 )
 from pushtable.sink import SinkStats, TableSink
 
+__version__ = _version("pushtable")
+
 __all__ = [
+    "DataFrame",
     "InvalidBatchError",
     "PushTableError",
     "ReaderGoneError",
@@ -34,6 +41,7 @@ __all__ = [
     "SinkClosedError",
     "SinkStats",
     "StreamConsumedError",
+    "StreamFailedError",
     "TableSink",
     "WriteTimeoutError",
     "register_streaming_table",

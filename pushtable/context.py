@@ -7,11 +7,13 @@
 from __future__ import annotations
 
 from importlib.metadata import version
+from typing import Any
 
 import datafusion
 import pyarrow as pa
 
 from pushtable import _native
+from pushtable.dataframe import DataFrame
 from pushtable.sink import TableSink
 
 __all__ = ["SessionContext", "register_streaming_table"]
@@ -82,6 +84,9 @@ def register_streaming_table(
 class SessionContext(datafusion.SessionContext):
     """A ``datafusion.SessionContext`` that can also register streaming tables.
 
+    Its ``sql``/``sql_with_options``/``table`` return a :class:`pushtable.DataFrame`, whose
+    errors from streaming tables are pushtable's own classes (e.g. ``StreamConsumedError``).
+
     Example:
         >>> import threading, pyarrow as pa
         >>> from pushtable import SessionContext
@@ -109,3 +114,21 @@ class SessionContext(datafusion.SessionContext):
         return register_streaming_table(
             self, name, schema, capacity, max_bytes=max_bytes, unbounded=unbounded
         )
+
+    def sql(self, query: str, *args: Any, **kwargs: Any) -> DataFrame:
+        """Plan ``query``; see ``datafusion.SessionContext.sql`` (errors keep their class).
+
+        Example:
+            >>> from pushtable import SessionContext
+            >>> SessionContext().sql("SELECT 1 AS one").to_pydict()
+            {'one': [1]}
+        """
+        return DataFrame(super().sql(query, *args, **kwargs).df)
+
+    def sql_with_options(self, query: str, *args: Any, **kwargs: Any) -> DataFrame:
+        """Like :meth:`sql`, with ``datafusion.SQLOptions``."""
+        return DataFrame(super().sql_with_options(query, *args, **kwargs).df)
+
+    def table(self, name: str) -> DataFrame:
+        """The registered table ``name`` as a :class:`pushtable.DataFrame`."""
+        return DataFrame(super().table(name).df)

@@ -7,6 +7,10 @@ problem (``ValueError`` for a schema mismatch, ``TimeoutError`` for a timed-out 
 
 from __future__ import annotations
 
+import re
+import threading
+from collections import OrderedDict
+
 __all__ = [
     "InvalidBatchError",
     "PushTableError",
@@ -14,12 +18,19 @@ __all__ = [
     "SchemaMismatchError",
     "SinkClosedError",
     "StreamConsumedError",
+    "StreamFailedError",
     "WriteTimeoutError",
 ]
 
 
 class PushTableError(Exception):
-    """Base class of every error pushtable raises."""
+    """Base class of every error pushtable raises.
+
+    ``batches_written`` is set by writes of a stream (``pa.Table``, ``__arrow_c_stream__``)
+    that failed midway: how many of its batches were enqueued before the error.
+    """
+
+    batches_written: int = 0
 
 
 class SinkClosedError(PushTableError):
@@ -31,11 +42,21 @@ class ReaderGoneError(PushTableError):
 
 
 class StreamConsumedError(PushTableError):
-    """A second scan of a single-scan table.
+    """A second scan of a single-scan table; the message names the table.
 
-    DataFusion reports it as its own exception type; the message starts with this class's
-    name and names the table.
+    Raised by queries of a :class:`pushtable.SessionContext` (DataFusion itself can only
+    carry a message across its FFI boundary; pushtable turns it back into this class).
     """
+
+
+class StreamFailedError(PushTableError):
+    """The producer of a streaming table called ``fail(exc)``: raised by the reading query.
+
+    ``error`` (also the ``__cause__``) is ``exc`` itself when it was failed in this process;
+    the message names the table and ``exc``'s type and text.
+    """
+
+    error: BaseException | None = None
 
 
 class SchemaMismatchError(PushTableError, ValueError):
@@ -48,3 +69,40 @@ class InvalidBatchError(PushTableError, TypeError):
 
 class WriteTimeoutError(PushTableError, TimeoutError):
     """``write(..., timeout=...)`` elapsed while the queue stayed full."""
+
+
+# --- errors raised inside queries ----------------------------------------------------------
+# A DataFusion query can only carry an error *message* out of a table provider (the FFI
+# boundary passes strings), and datafusion-python raises a plain ``Exception``. The native
+# core words its two errors recognisably; :func:`query_error` maps them back to classes.
+
+_CONSUMED = re.compile(r"StreamConsumedError: (streaming table '.*?' is single-scan.*?)(?:\n|$)")
+_FAILED = re.compile(
+    r"pushtable: the producer of streaming table '(?P<table>.*?)' failed: (?P<msg>.*?)(?:\n|$)"
+)
+_KEEP = 1024  # failures remembered for their exception object (the newest ones)
+_failures: OrderedDict[tuple[str, str], BaseException] = OrderedDict()
+_failures_lock = threading.Lock()
+
+
+def remember_failure(table: str, message: str, exc: BaseException) -> None:
+    """Keep ``exc`` so the reading query can raise it as the cause (see :func:`query_error`)."""
+    with _failures_lock:
+        _failures[(table, message)] = exc
+        _failures.move_to_end((table, message))
+        while len(_failures) > _KEEP:
+            _failures.popitem(last=False)
+
+
+def query_error(exc: BaseException) -> PushTableError | None:
+    """The pushtable error a DataFusion query error stands for, or None if it is not ours."""
+    text = str(exc)
+    if match := _CONSUMED.search(text):
+        return StreamConsumedError(match.group(1))
+    if match := _FAILED.search(text):
+        table, message = match.group("table"), match.group("msg")
+        error = StreamFailedError(f"the producer of streaming table '{table}' failed: {message}")
+        with _failures_lock:
+            error.error = _failures.get((table, message))
+        return error
+    return None

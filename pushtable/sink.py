@@ -8,10 +8,11 @@ suspend) while ``capacity`` batches are queued, and both raise the same errors.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import queue
+import atexit
+import math
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -26,6 +27,7 @@ from pushtable.errors import (
     SchemaMismatchError,
     SinkClosedError,
     WriteTimeoutError,
+    remember_failure,
 )
 
 __all__ = ["SinkStats", "TableSink"]
@@ -40,15 +42,41 @@ _ERRORS: dict[type[BaseException], type[PushTableError]] = {
 
 
 def _public_error(exc: _native.NativeError) -> PushTableError:
-    return _ERRORS.get(type(exc), PushTableError)(str(exc))
+    public = _ERRORS.get(type(exc), PushTableError)(str(exc))
+    public.batches_written = getattr(exc, "batches_written", 0)
+    return public
+
+
+# Producers woken while the interpreter finalizes must not re-enter it (they park instead).
+atexit.register(_native.interpreter_finalizing)
+
+
+def _check_timeout(timeout: float | None) -> float | None:
+    """``timeout`` as a wait limit: None for no limit (also for infinity)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(
+            f"timeout must be a number of seconds or None, got {type(timeout).__name__}"
+        )
+    if math.isnan(timeout) or timeout < 0:
+        raise ValueError(f"timeout must be a number >= 0 or None, got {timeout}")
+    return None if math.isinf(timeout) else float(timeout)
+
+
+def _on_main_thread() -> bool:
+    """Only Python's main thread receives Ctrl-C, so only its blocked writes poll for it."""
+    return threading.get_ident() == threading.main_thread().ident
 
 
 @dataclass(frozen=True)
 class SinkStats:
     """A snapshot of a sink's counters.
 
-    ``rows``/``batches``/``bytes`` count what was accepted; ``queued_*`` is what waits for
-    the reader now; ``blocked_seconds`` is the total time producers spent waiting for room.
+    ``rows``/``batches``/``bytes`` count what was accepted (``bytes`` counts each batch's
+    own slice of its buffers); ``queued_*`` is what waits for the reader now;
+    ``waiting_writers`` is how many writes are blocked for room right now, served in arrival
+    order; ``blocked_seconds`` is the total time producers spent waiting for room.
     """
 
     rows: int
@@ -56,6 +84,7 @@ class SinkStats:
     bytes: int
     queued_batches: int
     queued_bytes: int
+    waiting_writers: int
     blocked_seconds: float
     closed: bool
     failed: bool
@@ -90,7 +119,6 @@ class TableSink:
         self.capacity = capacity
         self.max_bytes = max_bytes
         self.error: BaseException | None = None
-        self._async = _AsyncWriter(native)
 
     def __repr__(self) -> str:
         s = self.stats
@@ -100,9 +128,15 @@ class TableSink:
     def write(self, data: Any, timeout: float | None = None) -> None:
         """Enqueue a batch, blocking while the queue is full (the GIL is released meanwhile).
 
-        ``data`` is a ``pa.RecordBatch``, a ``pa.Table`` (written batch by batch) or any
-        object with ``__arrow_c_array__`` / ``__arrow_c_stream__``. A batch that does not
-        match the schema raises :class:`SchemaMismatchError` and is not enqueued.
+        ``data`` is a ``pa.RecordBatch``, a ``pa.Table`` or any object with
+        ``__arrow_c_array__`` / ``__arrow_c_stream__``. A batch that does not match the
+        schema raises :class:`SchemaMismatchError` and is not enqueued. Blocked writers are
+        served in arrival order. ``timeout=None`` (or ``math.inf``) waits without limit.
+
+        A stream (``pa.Table``, ``__arrow_c_stream__``) is read and enqueued one batch at a
+        time, so backpressure reaches a lazy stream's own producer. If it fails midway
+        (timeout, a NOT NULL violation, a closed sink), the batches before the failing one
+        stay queued and the error's ``batches_written`` says how many there were.
 
         Raises:
             WriteTimeoutError: ``timeout`` seconds passed with the queue still full.
@@ -110,16 +144,28 @@ class TableSink:
             ReaderGoneError: the query reading the table stopped, or the table was dropped.
         """
         try:
-            self._native.write(data, timeout)
+            self._native.write(data, timeout, _on_main_thread())
         except _native.NativeError as exc:
             raise _public_error(exc) from None
 
     async def awrite(self, data: Any, timeout: float | None = None) -> None:
         """Asyncio counterpart of :meth:`write`: suspends instead of blocking the loop.
 
-        Cancelling the awaiting task before the batch is enqueued leaves it unwritten.
+        Each task learns the outcome of its own write; ``timeout`` counts from the call,
+        wherever the request waits. Cancelling the task leaves every batch of the request
+        not yet enqueued unwritten (a single batch is all or nothing; for a stream, the
+        batches enqueued before the cancellation stay queued).
         """
-        await self._async.write(data, timeout)
+        timeout = _check_timeout(timeout)
+        if isinstance(data, pa.RecordBatch):  # room right now: no thread hop at all
+            try:
+                self._native.write(data, 0.0)
+                return
+            except _native.WriteTimeout:
+                pass  # full, or earlier writers are waiting in line: wait off the loop
+            except _native.NativeError as exc:
+                raise _public_error(exc) from None
+        await _wait_off_loop(self._native, data, timeout)
 
     def close(self) -> None:
         """End of stream: the query finishes after the queued batches. Idempotent."""
@@ -132,13 +178,16 @@ class TableSink:
     def fail(self, exc: BaseException) -> None:
         """Make the reading query raise ``exc``; never blocks, even on a full queue.
 
-        The query's error message names the exception's type and text; :attr:`error` keeps
-        the object. Queued batches are discarded. Ignored once the reader has finished.
+        The query raises :class:`StreamFailedError` naming the exception's type and text,
+        with ``exc`` as its ``error`` and cause; :attr:`error` keeps it too. Queued batches
+        are discarded. Ignored once the reader has finished.
         """
         if not isinstance(exc, BaseException):
             raise TypeError(f"fail() takes an exception, got {type(exc).__name__}")
-        if self._native.fail(f"{type(exc).__name__}: {exc}"):
+        message = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+        if self._native.fail(message):
             self.error = exc
+            remember_failure(self.name, message, exc)
 
     @property
     def stats(self) -> SinkStats:
@@ -178,122 +227,57 @@ class TableSink:
 
 # --- where asyncio meets the blocking native write ---------------------------------------
 
-_SLICE = 0.05  # seconds a writer thread blocks before checking for cancellation
-_IDLE = 1.0  # seconds without requests before the writer thread exits
+#: Threads that wait for room on behalf of suspended ``awrite`` calls. A request that finds
+#: no free thread waits in the executor's queue, its timeout and cancellation still honoured.
+_AWRITE_THREADS = 64
+_executor: ThreadPoolExecutor | None = None
+_executor_lock = threading.Lock()
 
 
-class _Request:
-    """One ``awrite`` call: its batches, deadline, and the future its task awaits."""
-
-    def __init__(self, batches: list[Any], timeout: float | None, loop: asyncio.AbstractEventLoop):
-        self.batches = batches
-        self.timeout = timeout
-        self.deadline = None if timeout is None else time.monotonic() + timeout
-        self.loop = loop
-        self.future: asyncio.Future[None] = loop.create_future()
-        self.cancelled = threading.Event()
-
-    def run(self, native: _native.Sink) -> None:
-        try:
-            for batch in self.batches:
-                self._write_one(native, batch)
-        except _native.NativeError as exc:
-            self._settle(_public_error(exc))
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting task
-            self._settle(exc)
-        else:
-            self._settle(None)
-
-    def _write_one(self, native: _native.Sink, batch: Any) -> None:
-        # Block in short slices so a cancelled task releases its batch unwritten.
-        while not self.cancelled.is_set():
-            remaining = None if self.deadline is None else self.deadline - time.monotonic()
-            try:
-                native.write(
-                    batch, _SLICE if remaining is None else max(0.0, min(_SLICE, remaining))
-                )
-                return
-            except _native.WriteTimeout:
-                if remaining is not None and remaining <= _SLICE:
-                    raise WriteTimeoutError(
-                        f"awrite timed out after {self.timeout}s with the queue full"
-                    ) from None
-
-    def _settle(self, exc: BaseException | None) -> None:
-        def settle() -> None:
-            if self.future.done():
-                return
-            if exc is None:
-                self.future.set_result(None)
-            else:
-                self.future.set_exception(exc)
-
-        with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits any more
-            self.loop.call_soon_threadsafe(settle)
+def _awrite_executor() -> ThreadPoolExecutor:
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            _executor = ThreadPoolExecutor(_AWRITE_THREADS, thread_name_prefix="pushtable-awrite")
+        return _executor
 
 
-class _AsyncWriter:
-    """Runs ``awrite`` requests, in order, on one helper thread per sink.
+async def _wait_off_loop(native: _native.Sink, data: Any, timeout: float | None) -> None:
+    """Run a blocking write on an executor thread; the awaiting task owns its outcome.
 
-    Many tasks can wait on one sink without one thread each; each task learns the outcome
-    of *its* batch (errors included), and the thread exits when idle.
+    The write carries a cancel token: a timeout seen here, or the task's cancellation,
+    cancels it under the channel's lock, so no batch of the request is enqueued after that.
     """
+    start = time.monotonic()
+    token = native.token()
 
-    def __init__(self, native: _native.Sink) -> None:
-        self._native = native
-        self._requests: queue.SimpleQueue[_Request] = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
+    def blocking_write() -> int:
+        remaining = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+        return native.write(data, remaining, False, token)
 
-    async def write(self, data: Any, timeout: float | None) -> None:
-        request = _Request(_split(data), timeout, asyncio.get_running_loop())
-        self._requests.put(request)
-        with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="pushtable-awrite", daemon=True
-                )
-                self._thread.start()
-        try:
-            await asyncio.shield(request.future)
-        except asyncio.CancelledError:
-            request.cancelled.set()
-            raise
-
-    def _run(self) -> None:
-        while True:
-            try:
-                request = self._requests.get(timeout=_IDLE)
-            except queue.Empty:
-                with self._lock:
-                    if self._requests.empty():
-                        self._thread = None
-                        return
-                continue
-            if not request.cancelled.is_set():
-                request.run(self._native)
-
-
-def _split(data: Any) -> list[Any]:
-    """Turn ``data`` into whole batches so a cancelled request never leaves half a stream."""
+    loop = asyncio.get_running_loop()
+    future = loop.run_in_executor(_awrite_executor(), blocking_write)
     try:
-        return _batches_of(data)
-    except InvalidBatchError:
+        await asyncio.wait_for(asyncio.shield(future), timeout)
+    except _native.NativeError as exc:
+        raise _public_error(exc) from None
+    except (TimeoutError, asyncio.TimeoutError):
+        written = token.cancel()
+        future.add_done_callback(_retrieve)
+        if isinstance(data, pa.RecordBatch) and written:
+            return  # enqueued just as the timeout fired: the write succeeded
+        error = WriteTimeoutError(
+            f"awrite to streaming table timed out after {timeout}s with the queue full"
+        )
+        error.batches_written = written
+        raise error from None
+    except asyncio.CancelledError:
+        token.cancel()
+        future.add_done_callback(_retrieve)
         raise
-    except Exception as exc:  # a hostile object's attribute lookup or export failed
-        raise InvalidBatchError(
-            f"cannot read Arrow data from {type(data).__name__}: {exc}"
-        ) from exc
 
 
-def _batches_of(data: Any) -> list[Any]:
-    if hasattr(data, "__arrow_c_array__"):
-        return [data]
-    if isinstance(data, pa.Table):
-        return list(data.to_batches())
-    if hasattr(data, "__arrow_c_stream__"):
-        return list(pa.RecordBatchReader.from_stream(data))
-    raise InvalidBatchError(
-        "expected Arrow data (a pyarrow RecordBatch or Table, or an object with "
-        f"__arrow_c_array__ / __arrow_c_stream__), got {type(data).__name__}"
-    )
+def _retrieve(future: asyncio.Future[int]) -> None:
+    """Consume the outcome of an abandoned request (cancelled or timed out)."""
+    if not future.cancelled():
+        future.exception()

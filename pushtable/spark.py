@@ -8,6 +8,9 @@ For each micro-batch (epoch) of a Structured Streaming query the bridge
 
 When the query terminates the sinks are closed; when it fails they are failed with Spark's
 error, so a live reader never hangs. See docs/spark.md.
+
+Spark's Python workers run the interpreter that imported this module (``sys.executable``,
+so a virtualenv's pyarrow is found) unless ``PYSPARK_PYTHON`` is already set.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -42,6 +47,10 @@ if TYPE_CHECKING:
 __all__ = ["EpochReport", "ForeachBatchBridge", "StreamingQueryFailedError", "local_spark"]
 
 log = logging.getLogger(__name__)
+
+# Spark starts workers with whatever `python3` is on PATH unless told otherwise; outside an
+# activated venv that interpreter lacks pyarrow ("No module named 'pyarrow'").
+os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
 
 def local_spark(app: str, **conf: str) -> SparkSession:

@@ -3,24 +3,38 @@
 //! Producers block on a condition variable (outside any async runtime, GIL released by
 //! the caller); the reader is a `Stream` polled by DataFusion that parks its `Waker` in
 //! the shared state. One mutex guards everything, so every state change (push, pop,
-//! close, fail, reader gone) is seen atomically by both sides and wakes the other side.
+//! close, fail, reader gone, cancel) is seen atomically by both sides and wakes the other.
+//!
+//! Blocked producers wait in FIFO order, each on its own condition variable: a pop wakes
+//! only the producer at the head of the line (no thundering herd), and a later arrival
+//! never overtakes an earlier one.
 //!
 //! Failure is a *sideband* slot, not an in-band item: `fail()` never waits for room.
 
 use std::collections::VecDeque;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-use arrow::array::RecordBatch;
+use arrow::array::{Array, RecordBatch};
 use arrow::datatypes::SchemaRef;
 use datafusion_common::{DataFusionError, Result as DFResult};
 use datafusion_execution::RecordBatchStream;
 use futures::Stream;
 
-/// How often a blocked producer wakes to let its caller react (Ctrl-C) even without a state change.
+/// How often a blocked *interruptible* producer (Python's main thread) checks for Ctrl-C.
 const TICK: Duration = Duration::from_millis(50);
+
+/// Set when the interpreter is finalizing: a producer woken after that never returns to
+/// Python (re-attaching a thread to a finalizing interpreter is undefined behaviour).
+static FINALIZING: AtomicBool = AtomicBool::new(false);
+
+/// Mark the interpreter as finalizing (called from an `atexit` hook).
+pub fn set_finalizing() {
+    FINALIZING.store(true, Ordering::SeqCst);
+}
 
 /// Why a push did not enqueue its batch.
 #[derive(Debug)]
@@ -29,6 +43,8 @@ pub enum PushError<E> {
     Failed(String),
     ReaderGone(&'static str),
     Timeout(Duration),
+    /// The request's [`CancelToken`] was cancelled.
+    Cancelled,
     /// The caller's tick callback asked to stop (e.g. a pending KeyboardInterrupt).
     Interrupted(E),
 }
@@ -49,10 +65,17 @@ pub struct Stats {
     pub bytes: u64,
     pub queued_batches: usize,
     pub queued_bytes: usize,
+    pub waiting_writers: usize,
     pub blocked: Duration,
     pub closed: bool,
     pub failed: bool,
     pub reader_gone: bool,
+}
+
+/// One blocked producer's place in line.
+#[derive(Debug, Default)]
+struct Waiter {
+    wake: Condvar,
 }
 
 #[derive(Debug)]
@@ -64,7 +87,62 @@ struct State {
     failure_delivered: bool,
     reader: ReaderState,
     waker: Option<Waker>,
+    waiters: VecDeque<Arc<Waiter>>,
     stats: Stats,
+}
+
+impl State {
+    fn wake_all_waiters(&self) {
+        for w in &self.waiters {
+            w.wake.notify_one();
+        }
+    }
+
+    fn leave_line(&mut self, me: &Arc<Waiter>) {
+        if let Some(pos) = self.waiters.iter().position(|w| Arc::ptr_eq(w, me)) {
+            self.waiters.remove(pos);
+        }
+    }
+}
+
+/// A cancellable write request (an `awrite` call): cancelling it, under the channel lock,
+/// guarantees that none of its batches not yet enqueued will be.
+#[derive(Debug)]
+pub struct CancelToken {
+    channel: Arc<Channel>,
+    cancelled: AtomicBool,
+    written: std::sync::atomic::AtomicUsize,
+}
+
+impl CancelToken {
+    pub fn new(channel: Arc<Channel>) -> Self {
+        Self { channel, cancelled: AtomicBool::new(false), written: Default::default() }
+    }
+
+    /// Cancel the request; returns how many of its batches were enqueued before that.
+    pub fn cancel(&self) -> usize {
+        let st = self.channel.lock();
+        self.cancelled.store(true, Ordering::SeqCst);
+        st.wake_all_waiters();
+        self.written.load(Ordering::SeqCst)
+    }
+
+    pub fn written(&self) -> usize {
+        self.written.load(Ordering::SeqCst)
+    }
+}
+
+/// Bytes a batch holds *as a slice*: a 1,000-row slice of a 1,000,000-row column counts
+/// its 1,000 rows, not the parent buffer (`get_array_memory_size` would).
+pub fn batch_bytes(batch: &RecordBatch) -> usize {
+    batch
+        .columns()
+        .iter()
+        .map(|c| {
+            let data = c.to_data();
+            data.get_slice_memory_size().unwrap_or_else(|_| c.get_array_memory_size())
+        })
+        .sum()
 }
 
 /// Shared state of one streaming table: the queue, its limits and its lifecycle flags.
@@ -75,7 +153,6 @@ pub struct Channel {
     capacity: usize,
     max_bytes: Option<usize>,
     state: Mutex<State>,
-    room: Condvar,
 }
 
 impl Channel {
@@ -93,9 +170,9 @@ impl Channel {
                 failure_delivered: false,
                 reader: ReaderState::Unclaimed,
                 waker: None,
+                waiters: VecDeque::new(),
                 stats: Stats::default(),
             }),
-            room: Condvar::new(),
         })
     }
 
@@ -117,18 +194,30 @@ impl Channel {
         }
     }
 
-    /// Enqueue `batch`, blocking while the queue is full until `deadline`.
+    /// Wake the producer at the head of the line (after a pop, or when the head left).
+    fn wake_head(st: &State) {
+        if let Some(head) = st.waiters.front() {
+            head.wake.notify_one();
+        }
+    }
+
+    /// Enqueue `batch`, blocking while the queue is full until `deadline` (None: no limit).
     ///
-    /// `tick` runs every [`TICK`] while blocked, *without* the lock held; an `Err` from
-    /// it abandons the write (the batch is not enqueued).
+    /// Producers are served in arrival order. With `tick` (Python's main thread), the
+    /// caller's callback runs at least every [`TICK`] while blocked, *without* the lock
+    /// held, however often the producer is woken; an `Err` from it abandons the write.
+    /// Without `tick` the producer sleeps until a state change or its deadline.
     pub fn push<E>(
         &self,
         batch: RecordBatch,
         deadline: Option<Instant>,
-        mut tick: impl FnMut() -> Result<(), E>,
+        token: Option<&CancelToken>,
+        mut tick: Option<&mut dyn FnMut() -> Result<(), E>>,
     ) -> Result<(), PushError<E>> {
-        let bytes = batch.get_array_memory_size();
+        let bytes = batch_bytes(&batch);
         let mut blocked_since: Option<Instant> = None;
+        let mut me: Option<Arc<Waiter>> = None;
+        let mut next_tick = Instant::now() + TICK;
         let mut st = self.lock();
         let outcome = loop {
             if let Some(msg) = &st.failure {
@@ -140,37 +229,73 @@ impl Channel {
             if let ReaderState::Gone(why) = st.reader {
                 break Err(PushError::ReaderGone(why));
             }
-            if self.has_room(&st, bytes) {
+            if token.is_some_and(|t| t.cancelled.load(Ordering::SeqCst)) {
+                break Err(PushError::Cancelled);
+            }
+            let my_turn = match (&me, st.waiters.front()) {
+                (_, None) => true,
+                (Some(me), Some(head)) => Arc::ptr_eq(me, head),
+                (None, Some(_)) => false,
+            };
+            if my_turn && self.has_room(&st, bytes) {
                 st.queued_bytes += bytes;
                 st.stats.rows += batch.num_rows() as u64;
                 st.stats.batches += 1;
                 st.stats.bytes += bytes as u64;
                 st.queue.push_back((batch, bytes));
+                if let Some(t) = token {
+                    t.written.fetch_add(1, Ordering::SeqCst);
+                }
                 break Ok(st.waker.take());
             }
             let now = Instant::now();
             let since = *blocked_since.get_or_insert(now);
-            let mut wait = TICK;
+            let waiter = Arc::clone(me.get_or_insert_with(|| {
+                let w = Arc::new(Waiter::default());
+                st.waiters.push_back(Arc::clone(&w));
+                w
+            }));
+            let mut wait: Option<Duration> = None;
             if let Some(deadline) = deadline {
                 if now >= deadline {
                     break Err(PushError::Timeout(now - since));
                 }
-                wait = wait.min(deadline - now);
+                wait = Some(deadline - now);
             }
-            let (guard, timed_out) = self
-                .room
-                .wait_timeout(st, wait)
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
-            st = guard;
-            if timed_out.timed_out() {
+            if tick.is_some() {
+                if now >= next_tick {
+                    drop(st);
+                    let ticked = tick.as_mut().map_or(Ok(()), |f| f());
+                    st = self.lock();
+                    next_tick = Instant::now() + TICK;
+                    if let Err(e) = ticked {
+                        break Err(PushError::Interrupted(e));
+                    }
+                    continue;
+                }
+                let until_tick = next_tick - now;
+                wait = Some(wait.map_or(until_tick, |w| w.min(until_tick)));
+            }
+            st = match wait {
+                Some(d) => waiter.wake.wait_timeout(st, d).unwrap_or_else(|p| p.into_inner()).0,
+                None => waiter.wake.wait(st).unwrap_or_else(|p| p.into_inner()),
+            };
+            if FINALIZING.load(Ordering::SeqCst) && tick.is_none() {
+                // A daemon producer woken while the interpreter finalizes must not go back
+                // to Python: park it for good; the process is about to exit.
                 drop(st);
-                let ticked = tick();
-                st = self.lock();
-                if let Err(e) = ticked {
-                    break Err(PushError::Interrupted(e));
+                loop {
+                    std::thread::park();
                 }
             }
         };
+        if let Some(me) = &me {
+            st.leave_line(me);
+            // Whoever is at the head now may have room (we took none, or left some).
+            if self.has_room(&st, 0) {
+                Self::wake_head(&st);
+            }
+        }
         if let Some(since) = blocked_since {
             st.stats.blocked += since.elapsed();
         }
@@ -183,11 +308,12 @@ impl Channel {
     pub fn close(&self) {
         let mut st = self.lock();
         st.closed = true;
-        if let Some(waker) = st.waker.take() {
+        let waker = st.waker.take();
+        st.wake_all_waiters();
+        drop(st);
+        if let Some(waker) = waker {
             waker.wake();
         }
-        drop(st);
-        self.room.notify_all();
     }
 
     /// Record a failure for the reader. Never blocks. Returns false when it came too late
@@ -202,11 +328,12 @@ impl Channel {
         st.closed = true;
         st.queue.clear();
         st.queued_bytes = 0;
-        if let Some(waker) = st.waker.take() {
+        let waker = st.waker.take();
+        st.wake_all_waiters();
+        drop(st);
+        if let Some(waker) = waker {
             waker.wake();
         }
-        drop(st);
-        self.room.notify_all();
         true
     }
 
@@ -215,6 +342,7 @@ impl Channel {
         Stats {
             queued_batches: st.queue.len(),
             queued_bytes: st.queued_bytes,
+            waiting_writers: st.waiters.len(),
             closed: st.closed,
             failed: st.failure.is_some(),
             reader_gone: matches!(st.reader, ReaderState::Gone(_)),
@@ -230,8 +358,7 @@ impl Channel {
             st.waker = None;
         }
         st.reader = state;
-        drop(st);
-        self.room.notify_all();
+        st.wake_all_waiters();
     }
 }
 
@@ -298,8 +425,12 @@ impl Stream for ReaderStream {
         }
         if let Some((batch, bytes)) = st.queue.pop_front() {
             st.queued_bytes -= bytes;
+            let head = st.waiters.front().cloned();
             drop(st);
-            channel.room.notify_all();
+            // Only the producer at the head of the line can use the room (FIFO).
+            if let Some(head) = head {
+                head.wake.notify_one();
+            }
             return Poll::Ready(Some(Ok(batch)));
         }
         if st.closed {

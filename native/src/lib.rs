@@ -17,15 +17,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arrow::array::RecordBatch;
-use arrow::datatypes::Schema;
+use arrow::datatypes::{DataType, Schema};
 use arrow::ffi_stream::ArrowArrayStreamReader;
-use arrow::pyarrow::FromPyArrow;
+use arrow::pyarrow::{FromPyArrow, ToPyArrow};
 use arrow::record_batch::RecordBatchReader;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
 
-use channel::{Channel, PushError};
+use channel::{CancelToken, Channel, PushError};
+use schema::SchemaIssue;
 use provider::PyTableProvider;
 
 create_exception!(_native, NativeError, PyException, "Base of the native core's errors.");
@@ -34,6 +35,7 @@ create_exception!(_native, ReaderGoneError, NativeError, "The table's reader wen
 create_exception!(_native, SchemaError, NativeError, "A batch does not match the table schema.");
 create_exception!(_native, WriteTimeout, NativeError, "A write's timeout elapsed while blocked.");
 create_exception!(_native, InputError, NativeError, "The object is not Arrow data.");
+create_exception!(_native, Cancelled, NativeError, "The write's CancelToken was cancelled.");
 
 /// Run a conversion that third-party data can make panic (arrow-rs asserts on some
 /// malformed input) and turn a panic into a Python error instead of an abort.
@@ -51,6 +53,37 @@ fn guarded<T>(what: &str, f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
     }
 }
 
+/// A type as a Python user spells it: pyarrow's `str()` (`int32`, `timestamp[us, tz=UTC]`).
+fn pyarrow_type_name(py: Python<'_>, dt: &DataType) -> String {
+    dt.to_pyarrow(py)
+        .and_then(|t| t.str().map(|s| s.to_string()))
+        .unwrap_or_else(|_| dt.to_string())
+}
+
+fn schema_error(py: Python<'_>, table: &str, issue: &SchemaIssue) -> PyErr {
+    SchemaError::new_err(issue.describe(table, |dt| pyarrow_type_name(py, dt)))
+}
+
+/// Cancels one asynchronous write request (see `Sink.write(token=...)`).
+#[pyclass(module = "pushtable._native", name = "CancelToken", frozen)]
+struct PyCancelToken {
+    token: CancelToken,
+}
+
+#[pymethods]
+impl PyCancelToken {
+    /// Cancel: no batch of the request not yet enqueued will be. Returns how many were.
+    fn cancel(&self) -> usize {
+        self.token.cancel()
+    }
+
+    /// Batches of the request enqueued so far.
+    #[getter]
+    fn written(&self) -> usize {
+        self.token.written()
+    }
+}
+
 /// The sending side of one streaming table.
 #[pyclass(module = "pushtable._native", name = "Sink", frozen)]
 struct Sink {
@@ -58,12 +91,24 @@ struct Sink {
 }
 
 impl Sink {
-    fn push(&self, py: Python<'_>, batch: RecordBatch, deadline: Option<Instant>) -> PyResult<()> {
+    fn push(
+        &self,
+        py: Python<'_>,
+        batch: RecordBatch,
+        deadline: Option<Instant>,
+        interruptible: bool,
+        token: Option<&CancelToken>,
+    ) -> PyResult<()> {
         let name = &self.channel.name;
-        let batch = schema::conform(name, &self.channel.schema, batch).map_err(SchemaError::new_err)?;
+        let batch = schema::conform(&self.channel.schema, batch).map_err(|i| schema_error(py, name, &i))?;
         let channel = &self.channel;
         let result = py.detach(|| {
-            channel.push(batch, deadline, || Python::attach(|py| py.check_signals()))
+            // Only Python's main thread receives Ctrl-C: other producers never take the GIL
+            // while they wait.
+            let mut check = || Python::attach(|py| py.check_signals());
+            let tick: Option<&mut dyn FnMut() -> PyResult<()>> =
+                if interruptible { Some(&mut check) } else { None };
+            channel.push(batch, deadline, token, tick)
         });
         result.map_err(|e| match e {
             PushError::Closed => ClosedError::new_err(format!("streaming table '{name}' is closed")),
@@ -77,59 +122,107 @@ impl Sink {
                 "write to streaming table '{name}' timed out after {:.3}s with the queue full",
                 waited.as_secs_f64()
             )),
+            PushError::Cancelled => Cancelled::new_err(format!("write to streaming table '{name}' was cancelled")),
             PushError::Interrupted(err) => err,
         })
     }
+
+    /// Write every item of `data`; on an error, record on it how many batches were queued.
+    fn write_all(
+        &self,
+        py: Python<'_>,
+        data: &Bound<'_, PyAny>,
+        deadline: Option<Instant>,
+        interruptible: bool,
+        token: Option<&CancelToken>,
+    ) -> Result<usize, (PyErr, usize)> {
+        // A hostile object's __getattr__ may raise: that too is "not Arrow data".
+        let has = |name: &str| data.hasattr(name).map_err(|e| (InputError::new_err(e.to_string()), 0));
+        if has("__arrow_c_array__")? {
+            let batch = guarded("cannot import the batch", || {
+                RecordBatch::from_pyarrow_bound(data).map_err(|e| InputError::new_err(e.to_string()))
+            })
+            .map_err(|e| (e, 0))?;
+            self.push(py, batch, deadline, interruptible, token).map_err(|e| (e, 0))?;
+            return Ok(1);
+        }
+        if has("__arrow_c_stream__")? {
+            let mut reader = guarded("cannot import the stream", || {
+                ArrowArrayStreamReader::from_pyarrow_bound(data).map_err(|e| InputError::new_err(e.to_string()))
+            })
+            .map_err(|e| (e, 0))?;
+            // Check the stream's schema before anything is enqueued.
+            let name = &self.channel.name;
+            schema::check_schema(&self.channel.schema, &reader.schema())
+                .map_err(|i| (schema_error(py, name, &i), 0))?;
+            let mut written = 0;
+            loop {
+                // Batches are pulled one at a time: a lazy stream is read at the pace the
+                // queue admits them (backpressure reaches the stream's own producer).
+                let next = guarded("cannot read the stream", || Ok(reader.next())).map_err(|e| (e, written))?;
+                match next {
+                    None => return Ok(written),
+                    Some(Err(e)) => {
+                        return Err((InputError::new_err(format!("reading the stream failed: {e}")), written))
+                    }
+                    Some(Ok(batch)) => {
+                        self.push(py, batch, deadline, interruptible, token).map_err(|e| (e, written))?
+                    }
+                }
+                written += 1;
+            }
+        }
+        let got = data.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+        Err((
+            InputError::new_err(format!(
+                "expected Arrow data (a pyarrow RecordBatch or Table, or an object with \
+                 __arrow_c_array__ / __arrow_c_stream__), got {got}"
+            )),
+            0,
+        ))
+    }
 }
 
+/// `timeout` seconds from now; None (no limit) for None, infinity, or a deadline too far
+/// away to represent.
 fn deadline_from(timeout: Option<f64>) -> PyResult<Option<Instant>> {
     match timeout {
         None => Ok(None),
-        Some(t) if t.is_finite() && t >= 0.0 => Ok(Some(Instant::now() + Duration::from_secs_f64(t))),
-        Some(t) => Err(PyValueError::new_err(format!("timeout must be a finite number >= 0, got {t}"))),
+        Some(t) if t.is_nan() || t < 0.0 => {
+            Err(PyValueError::new_err(format!("timeout must be a number >= 0 or None, got {t}")))
+        }
+        Some(t) => Ok(Duration::try_from_secs_f64(t).ok().and_then(|d| Instant::now().checked_add(d))),
     }
 }
 
 #[pymethods]
 impl Sink {
     /// Write one batch (`__arrow_c_array__`) or every batch of a stream (`__arrow_c_stream__`).
-    #[pyo3(signature = (data, timeout=None))]
-    fn write(&self, py: Python<'_>, data: Bound<'_, PyAny>, timeout: Option<f64>) -> PyResult<usize> {
+    ///
+    /// `interruptible` (Python's main thread) checks for Ctrl-C while blocked; `token`
+    /// makes the request cancellable from another thread. An error raised after some
+    /// batches of a stream were queued carries their number as `batches_written`.
+    #[pyo3(signature = (data, timeout=None, interruptible=false, token=None))]
+    fn write(
+        &self,
+        py: Python<'_>,
+        data: Bound<'_, PyAny>,
+        timeout: Option<f64>,
+        interruptible: bool,
+        token: Option<Bound<'_, PyCancelToken>>,
+    ) -> PyResult<usize> {
         let deadline = deadline_from(timeout)?;
-        // A hostile object's __getattr__ may raise: that too is "not Arrow data".
-        let has = |name: &str| data.hasattr(name).map_err(|e| InputError::new_err(e.to_string()));
-        if has("__arrow_c_array__")? {
-            let batch = guarded("cannot import the batch", || {
-                RecordBatch::from_pyarrow_bound(&data).map_err(|e| InputError::new_err(e.to_string()))
-            })?;
-            self.push(py, batch, deadline)?;
-            return Ok(1);
-        }
-        if has("__arrow_c_stream__")? {
-            let mut reader = guarded("cannot import the stream", || {
-                ArrowArrayStreamReader::from_pyarrow_bound(&data).map_err(|e| InputError::new_err(e.to_string()))
-            })?;
-            // Check the stream's schema before anything is enqueued.
-            let name = &self.channel.name;
-            schema::check_schema(name, &self.channel.schema, &reader.schema()).map_err(SchemaError::new_err)?;
-            let mut written = 0;
-            loop {
-                let next = guarded("cannot read the stream", || Ok(reader.next()))?;
-                match next {
-                    None => return Ok(written),
-                    Some(Err(e)) => {
-                        return Err(InputError::new_err(format!("reading the stream failed: {e}")))
-                    }
-                    Some(Ok(batch)) => self.push(py, batch, deadline)?,
-                }
-                written += 1;
-            }
-        }
-        Err(InputError::new_err(format!(
-            "expected Arrow data (a pyarrow RecordBatch or Table, or an object with \
-             __arrow_c_array__ / __arrow_c_stream__), got {}",
-            data.get_type().name()?
-        )))
+        let token = token.as_ref().map(|t| &t.get().token);
+        self.write_all(py, &data, deadline, interruptible, token).map_err(|(err, written)| {
+            // Best effort: an exception instance that refuses attributes keeps its message.
+            let _ = err.value(py).setattr("batches_written", written);
+            err
+        })
+    }
+
+    /// A token that cancels one write request from another thread.
+    fn token(&self) -> PyCancelToken {
+        PyCancelToken { token: CancelToken::new(Arc::clone(&self.channel)) }
     }
 
     /// End of stream. Idempotent.
@@ -151,12 +244,26 @@ impl Sink {
         d.set_item("bytes", s.bytes)?;
         d.set_item("queued_batches", s.queued_batches)?;
         d.set_item("queued_bytes", s.queued_bytes)?;
+        d.set_item("waiting_writers", s.waiting_writers)?;
         d.set_item("blocked_seconds", s.blocked.as_secs_f64())?;
         d.set_item("closed", s.closed)?;
         d.set_item("failed", s.failed)?;
         d.set_item("reader_gone", s.reader_gone)?;
         Ok(d)
     }
+}
+
+/// Bytes the queue charges for `batch` (its slice, not the buffers it shares).
+#[pyfunction]
+fn batch_bytes(batch: Bound<'_, PyAny>) -> PyResult<usize> {
+    let batch = RecordBatch::from_pyarrow_bound(&batch)?;
+    Ok(channel::batch_bytes(&batch))
+}
+
+/// Called once from an `atexit` hook: producers woken after this never re-enter Python.
+#[pyfunction]
+fn interpreter_finalizing() {
+    channel::set_finalizing();
 }
 
 /// Create a streaming table: returns `(sink, provider)`; register the provider with a
@@ -188,6 +295,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<Sink>()?;
     m.add_class::<PyTableProvider>()?;
+    m.add_class::<PyCancelToken>()?;
+    m.add_function(wrap_pyfunction!(batch_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(interpreter_finalizing, m)?)?;
     m.add_function(wrap_pyfunction!(streaming_table, m)?)?;
     m.add("NativeError", py.get_type::<NativeError>())?;
     m.add("ClosedError", py.get_type::<ClosedError>())?;
@@ -195,5 +305,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("SchemaError", py.get_type::<SchemaError>())?;
     m.add("WriteTimeout", py.get_type::<WriteTimeout>())?;
     m.add("InputError", py.get_type::<InputError>())?;
+    m.add("Cancelled", py.get_type::<Cancelled>())?;
     Ok(())
 }

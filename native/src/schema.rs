@@ -4,66 +4,102 @@
 //! ignored); nullability is checked on the data: a column declared NOT NULL must hold no
 //! nulls. A batch that passes is re-labelled with the registered schema, which the scan
 //! requires to be identical for every batch.
+//!
+//! Problems are returned as [`SchemaIssue`] values and worded by the caller, which knows
+//! how the user spells types (pyarrow's `int32`, not arrow-rs's `Int32`).
 
 use arrow::array::{RecordBatch, RecordBatchOptions};
-use arrow::datatypes::{Schema, SchemaRef};
+use arrow::datatypes::{DataType, Schema, SchemaRef};
 
-/// Describe why `actual` cannot be written to a table of `expected`, naming the field.
-pub fn check_schema(table: &str, expected: &Schema, actual: &Schema) -> Result<(), String> {
+/// Why a batch cannot be written to a table, naming the field.
+#[derive(Debug)]
+pub enum SchemaIssue {
+    Missing { index: usize, name: String, expected: DataType, columns: usize },
+    Renamed { index: usize, got: String, expected: String },
+    Retyped { name: String, got: DataType, expected: DataType },
+    Extra { index: usize, name: String, got: DataType, columns: usize },
+    Nulls { name: String, nulls: usize },
+    Invalid(String),
+}
+
+impl SchemaIssue {
+    /// The message for table `table`, with types spelled by `type_name`.
+    pub fn describe(&self, table: &str, type_name: impl Fn(&DataType) -> String) -> String {
+        match self {
+            Self::Missing { index, name, expected, columns } => format!(
+                "table '{table}': missing field '{name}' at position {index} (expected {}, the batch has {columns} column(s))",
+                type_name(expected)
+            ),
+            Self::Renamed { index, got, expected } => {
+                format!("table '{table}': field {index} is named '{got}' in the batch, expected '{expected}'")
+            }
+            Self::Retyped { name, got, expected } => format!(
+                "table '{table}': field '{name}' has type {} in the batch, expected {}",
+                type_name(got),
+                type_name(expected)
+            ),
+            Self::Extra { index, name, got, columns } => format!(
+                "table '{table}': unexpected field '{name}' ({}) at position {index}; the table has {columns} column(s)",
+                type_name(got)
+            ),
+            Self::Nulls { name, nulls } => format!(
+                "table '{table}': field '{name}' is declared NOT NULL but the batch has {nulls} null value(s) in it"
+            ),
+            Self::Invalid(msg) => format!("table '{table}': {msg}"),
+        }
+    }
+}
+
+/// Check that data of schema `actual` can be written to a table of schema `expected`.
+pub fn check_schema(expected: &Schema, actual: &Schema) -> Result<(), SchemaIssue> {
     let want = expected.fields();
     let got = actual.fields();
-    for (i, field) in want.iter().enumerate() {
-        let Some(other) = got.get(i) else {
-            return Err(format!(
-                "table '{table}': missing field '{}' at position {i} (expected {}, the batch has {} column(s))",
-                field.name(),
-                field.data_type(),
-                got.len()
-            ));
+    for (index, field) in want.iter().enumerate() {
+        let Some(other) = got.get(index) else {
+            return Err(SchemaIssue::Missing {
+                index,
+                name: field.name().clone(),
+                expected: field.data_type().clone(),
+                columns: got.len(),
+            });
         };
         if other.name() != field.name() {
-            return Err(format!(
-                "table '{table}': field {i} is named '{}' in the batch, expected '{}'",
-                other.name(),
-                field.name()
-            ));
+            return Err(SchemaIssue::Renamed {
+                index,
+                got: other.name().clone(),
+                expected: field.name().clone(),
+            });
         }
         if !other.data_type().equals_datatype(field.data_type()) {
-            return Err(format!(
-                "table '{table}': field '{}' has type {} in the batch, expected {}",
-                field.name(),
-                other.data_type(),
-                field.data_type()
-            ));
+            return Err(SchemaIssue::Retyped {
+                name: field.name().clone(),
+                got: other.data_type().clone(),
+                expected: field.data_type().clone(),
+            });
         }
     }
     if let Some(extra) = got.get(want.len()) {
-        return Err(format!(
-            "table '{table}': unexpected field '{}' ({}) at position {}; the table has {} column(s)",
-            extra.name(),
-            extra.data_type(),
-            want.len(),
-            want.len()
-        ));
+        return Err(SchemaIssue::Extra {
+            index: want.len(),
+            name: extra.name().clone(),
+            got: extra.data_type().clone(),
+            columns: want.len(),
+        });
     }
     Ok(())
 }
 
-/// Check `batch` and re-label it with `schema`; the error message names the offending field.
-pub fn conform(table: &str, schema: &SchemaRef, batch: RecordBatch) -> Result<RecordBatch, String> {
-    check_schema(table, schema, batch.schema_ref())?;
+/// Check `batch` and re-label it with `schema`.
+pub fn conform(schema: &SchemaRef, batch: RecordBatch) -> Result<RecordBatch, SchemaIssue> {
+    check_schema(schema, batch.schema_ref())?;
     for (field, column) in schema.fields().iter().zip(batch.columns()) {
         if !field.is_nullable() && column.null_count() > 0 {
-            return Err(format!(
-                "table '{table}': field '{}' is declared NOT NULL but the batch has {} null value(s) in it",
-                field.name(),
-                column.null_count()
-            ));
+            return Err(SchemaIssue::Nulls { name: field.name().clone(), nulls: column.null_count() });
         }
     }
     let options = RecordBatchOptions::new()
         .with_match_field_names(false)
         .with_row_count(Some(batch.num_rows()));
     RecordBatch::try_new_with_options(schema.clone(), batch.columns().to_vec(), &options)
-        .map_err(|e| format!("table '{table}': {e}"))
+        .map_err(|e| SchemaIssue::Invalid(e.to_string()))
 }
