@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -14,7 +17,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pushtable import SessionContext
 from pushtable.lance_epochs import EpochCommitError, SchemaDriftError
 from pushtable.spark import ForeachBatchBridge
-from tests.conftest import query
+from tests.conftest import WAIT, query
 from tests.spark_support import (
     ARROW,
     DDL,
@@ -285,3 +288,24 @@ def test_commit_conflicts_are_retried_then_reported(
     with pytest.raises(EpochCommitError, match="retrying cannot resolve"):
         bridge(frame(spark, [(2, "a")]), 2)
     assert ids(uri) == [0, 1]
+
+
+# --- the interpreter Spark's Python workers run -------------------------------------------
+
+
+@pytest.mark.parametrize("preset", [None, "/opt/elsewhere/bin/python3"])
+def test_spark_workers_default_to_this_interpreter(preset: str | None) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PYSPARK_PYTHON"}
+    if preset is not None:
+        env["PYSPARK_PYTHON"] = preset
+    code = "import os, pushtable.spark; print(os.environ['PYSPARK_PYTHON'])"
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=WAIT
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == (preset or sys.executable)
+
+
+def test_a_python_worker_runs_the_interpreter_that_runs_pushtable(spark: SparkSession) -> None:
+    workers = spark.sparkContext.parallelize([0, 1], 2).map(lambda _: sys.executable).collect()
+    assert set(workers) == {sys.executable}

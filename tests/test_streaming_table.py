@@ -361,7 +361,7 @@ def test_dropping_the_table_unscanned_releases_blocked_writers(ctx: SessionConte
             pa.record_batch(
                 [pa.array([1], pa.int32()), pa.array([1], pa.int64())], names=["k", "v"]
             ),
-            r"field 'v' has type Int64 in the batch, expected Float64",
+            r"field 'v' has type int64 in the batch, expected double",
         ),
         (pa.record_batch([pa.array([1], pa.int32())], names=["k"]), r"missing field 'v'"),
         (
