@@ -19,6 +19,7 @@ from pushtable.context import SessionContext, register_streaming_table
 from pushtable.dataframe import DataFrame
 from pushtable.errors import (
     InvalidBatchError,
+    OrderViolationError,
     PushTableError,
     ReaderGoneError,
     SchemaMismatchError,
@@ -34,6 +35,7 @@ __version__ = _version("pushtable")
 __all__ = [
     "DataFrame",
     "InvalidBatchError",
+    "OrderViolationError",
     "PushTableError",
     "ReaderGoneError",
     "SchemaMismatchError",

@@ -7,7 +7,8 @@
 from __future__ import annotations
 
 from importlib.metadata import version
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Literal
 
 import datafusion
 import pyarrow as pa
@@ -44,6 +45,8 @@ def register_streaming_table(
     *,
     max_bytes: int | None = None,
     unbounded: bool = False,
+    order_by: str | Sequence[str] | None = None,
+    late: Literal["reject", "drop"] = "reject",
 ) -> TableSink:
     """Register a single-scan table named ``name`` in ``ctx`` and return its :class:`TableSink`.
 
@@ -51,6 +54,12 @@ def register_streaming_table(
     producers are still writing. ``capacity`` (>= 1) bounds the queued batches and
     ``max_bytes`` the queued bytes; writers block beyond either. ``unbounded=True`` marks the
     table infinite, so DataFusion rejects plans that could only finish at end of stream.
+
+    ``order_by`` (a column or a list, ascending) declares the order rows arrive in, so
+    DataFusion can stream sorted aggregates and windows over it; the sink *enforces* it: a
+    batch out of order within itself or behind the newest value written raises
+    :class:`OrderViolationError` and is not queued (``late="reject"``), or loses its late rows,
+    counted in ``stats.late_rows`` (``late="drop"``). Nulls in an order column are rejected.
 
     Example:
         >>> import datafusion, pyarrow as pa
@@ -74,7 +83,12 @@ def register_streaming_table(
         schema = pa.schema(schema)
     if ctx.table_exist(name):
         raise ValueError(f"a table named {name!r} is already registered in this context")
-    native, provider = _native.streaming_table(name, schema, capacity, max_bytes, unbounded)
+    order = [order_by] if isinstance(order_by, str) else list(order_by or [])
+    if late not in ("reject", "drop"):
+        raise ValueError(f"late must be 'reject' or 'drop', got {late!r}")
+    native, provider = _native.streaming_table(
+        name, schema, capacity, max_bytes, unbounded, order, late
+    )
     ctx.register_table(name, provider)
     # `provider` handed its only reference to the session: from now on the session owns the
     # table, and dropping it unscanned releases blocked producers with ReaderGoneError.
@@ -109,10 +123,19 @@ class SessionContext(datafusion.SessionContext):
         *,
         max_bytes: int | None = None,
         unbounded: bool = False,
+        order_by: str | Sequence[str] | None = None,
+        late: Literal["reject", "drop"] = "reject",
     ) -> TableSink:
         """Register a single-scan streaming table; see :func:`register_streaming_table`."""
         return register_streaming_table(
-            self, name, schema, capacity, max_bytes=max_bytes, unbounded=unbounded
+            self,
+            name,
+            schema,
+            capacity,
+            max_bytes=max_bytes,
+            unbounded=unbounded,
+            order_by=order_by,
+            late=late,
         )
 
     def sql(self, query: str, *args: Any, **kwargs: Any) -> DataFrame:

@@ -13,6 +13,7 @@ from collections import OrderedDict
 
 __all__ = [
     "InvalidBatchError",
+    "OrderViolationError",
     "PushTableError",
     "ReaderGoneError",
     "SchemaMismatchError",
@@ -61,6 +62,14 @@ class StreamFailedError(PushTableError):
 
 class SchemaMismatchError(PushTableError, ValueError):
     """A batch does not match the registered schema; the message names the field and both types."""
+
+
+class OrderViolationError(PushTableError, ValueError):
+    """A batch breaks the table's declared ``order_by``; nothing of it was queued.
+
+    The message names the order column(s), the offending value and the previous maximum
+    (or the two rows out of order within the batch). A null in an order column raises it too.
+    """
 
 
 class InvalidBatchError(PushTableError, TypeError):

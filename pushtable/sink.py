@@ -22,6 +22,7 @@ import pyarrow as pa
 from pushtable import _native
 from pushtable.errors import (
     InvalidBatchError,
+    OrderViolationError,
     PushTableError,
     ReaderGoneError,
     SchemaMismatchError,
@@ -38,6 +39,7 @@ _ERRORS: dict[type[BaseException], type[PushTableError]] = {
     _native.SchemaError: SchemaMismatchError,
     _native.WriteTimeout: WriteTimeoutError,
     _native.InputError: InvalidBatchError,
+    _native.OrderError: OrderViolationError,
 }
 
 
@@ -76,7 +78,8 @@ class SinkStats:
     ``rows``/``batches``/``bytes`` count what was accepted (``bytes`` counts each batch's
     own slice of its buffers); ``queued_*`` is what waits for the reader now;
     ``waiting_writers`` is how many writes are blocked for room right now, served in arrival
-    order; ``blocked_seconds`` is the total time producers spent waiting for room.
+    order; ``late_rows`` counts rows an ordered table with ``late="drop"`` dropped for arriving
+    behind the newest value; ``blocked_seconds`` is the total time producers spent waiting.
     """
 
     rows: int
@@ -85,6 +88,7 @@ class SinkStats:
     queued_batches: int
     queued_bytes: int
     waiting_writers: int
+    late_rows: int
     blocked_seconds: float
     closed: bool
     failed: bool

@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 
+import datafusion
 import pyarrow as pa
 import pytest
 
@@ -45,7 +46,9 @@ def _waiting(sink: TableSink, n: int) -> bool:
 
 
 @pytest.mark.parametrize("run", range(5))
-def test_blocked_writers_are_served_in_arrival_order(ctx: SessionContext, run: int) -> None:
+def test_blocked_writers_are_served_in_arrival_order(run: int) -> None:
+    # One scan partition, so the query's output order is the queue's order.
+    ctx = SessionContext(datafusion.SessionConfig().with_target_partitions(1))
     sink = ctx.register_streaming_table("t", SCHEMA, capacity=1)
     sink.write(batch(1, 0))
     writers = []

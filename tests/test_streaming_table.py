@@ -196,7 +196,10 @@ def test_close_unblocks_a_blocked_writer(ctx: SessionContext) -> None:
     sink = ctx.register_streaming_table("t", SCHEMA, capacity=1)
     sink.write(batch(1))
     blocked = Background(lambda: sink.write(batch(1, 1), timeout=WAIT))
-    time.sleep(0.1)
+    deadline = time.monotonic() + WAIT
+    while sink.stats.waiting_writers == 0:  # the close below must find it blocked
+        assert time.monotonic() < deadline, "the writer never blocked"
+        time.sleep(0.001)
     assert not blocked.done.is_set()
     sink.close()
     assert isinstance(blocked.join_error(), SinkClosedError)
@@ -298,11 +301,21 @@ def test_stream_consumed_error_is_part_of_the_hierarchy() -> None:
 
 
 def _blocked_writer(sink: pushtable.TableSink) -> Background:
-    """Fill the queue and return a writer blocked on it (bounded by WAIT)."""
-    while sink.stats.queued_batches < sink.capacity:
-        sink.write(batch(1), timeout=WAIT)
-    writer = Background(lambda: sink.write(batch(1), timeout=WAIT))
-    time.sleep(0.05)
+    """A writer that writes until the queue is full, returned once it is blocked on it.
+
+    (A running scan's partitions may take batches ahead of the query, so the writer keeps
+    writing until one write has to wait; every wait is bounded by WAIT.)
+    """
+
+    def write_until_it_fails() -> None:
+        while True:
+            sink.write(batch(1), timeout=WAIT)
+
+    writer = Background(write_until_it_fails)
+    deadline = time.monotonic() + WAIT
+    while sink.stats.waiting_writers == 0 and not writer.done.is_set():
+        assert time.monotonic() < deadline, "the writer never blocked"
+        time.sleep(0.001)
     return writer
 
 

@@ -24,6 +24,8 @@ use datafusion_common::{DataFusionError, Result as DFResult};
 use datafusion_execution::RecordBatchStream;
 use futures::Stream;
 
+use crate::order::{Newest, OrderGate};
+
 /// How often a blocked *interruptible* producer (Python's main thread) checks for Ctrl-C.
 const TICK: Duration = Duration::from_millis(50);
 
@@ -45,6 +47,8 @@ pub enum PushError<E> {
     Timeout(Duration),
     /// The request's [`CancelToken`] was cancelled.
     Cancelled,
+    /// The batch breaks the table's declared ordering (the message says how).
+    Order(String),
     /// The caller's tick callback asked to stop (e.g. a pending KeyboardInterrupt).
     Interrupted(E),
 }
@@ -66,6 +70,7 @@ pub struct Stats {
     pub queued_batches: usize,
     pub queued_bytes: usize,
     pub waiting_writers: usize,
+    pub late_rows: u64,
     pub blocked: Duration,
     pub closed: bool,
     pub failed: bool,
@@ -86,8 +91,10 @@ struct State {
     failure: Option<String>,
     failure_delivered: bool,
     reader: ReaderState,
-    waker: Option<Waker>,
+    /// The scan's idle partitions (one waker each; a table's scan may read with several).
+    wakers: Vec<Waker>,
     waiters: VecDeque<Arc<Waiter>>,
+    newest: Option<Newest>,
     stats: Stats,
 }
 
@@ -152,16 +159,24 @@ pub struct Channel {
     pub schema: SchemaRef,
     capacity: usize,
     max_bytes: Option<usize>,
+    order: Option<OrderGate>,
     state: Mutex<State>,
 }
 
 impl Channel {
-    pub fn new(name: String, schema: SchemaRef, capacity: usize, max_bytes: Option<usize>) -> Arc<Self> {
+    pub fn new(
+        name: String,
+        schema: SchemaRef,
+        capacity: usize,
+        max_bytes: Option<usize>,
+        order: Option<OrderGate>,
+    ) -> Arc<Self> {
         Arc::new(Self {
             name,
             schema,
             capacity,
             max_bytes,
+            order,
             state: Mutex::new(State {
                 queue: VecDeque::with_capacity(capacity.min(1024)),
                 queued_bytes: 0,
@@ -169,8 +184,9 @@ impl Channel {
                 failure: None,
                 failure_delivered: false,
                 reader: ReaderState::Unclaimed,
-                waker: None,
+                wakers: Vec::new(),
                 waiters: VecDeque::new(),
+                newest: None,
                 stats: Stats::default(),
             }),
         })
@@ -214,7 +230,17 @@ impl Channel {
         token: Option<&CancelToken>,
         mut tick: Option<&mut dyn FnMut() -> Result<(), E>>,
     ) -> Result<(), PushError<E>> {
-        let bytes = batch_bytes(&batch);
+        // The ordering is checked within the batch before the lock, and against the newest
+        // value written when the batch is admitted, under it.
+        let (mut unordered, mut checked) = match &self.order {
+            Some(gate) => (None, Some(gate.check(batch).map_err(PushError::Order)?)),
+            None => (Some(batch), None),
+        };
+        let mut bytes = match (&unordered, &checked) {
+            (Some(b), _) => batch_bytes(b),
+            (None, Some(c)) => batch_bytes(c.batch()),
+            (None, None) => 0,
+        };
         let mut blocked_since: Option<Instant> = None;
         let mut me: Option<Arc<Waiter>> = None;
         let mut next_tick = Instant::now() + TICK;
@@ -238,6 +264,27 @@ impl Channel {
                 (None, Some(_)) => false,
             };
             if my_turn && self.has_room(&st, bytes) {
+                let batch = match (unordered.take(), &self.order, checked.take()) {
+                    (Some(batch), _, _) => batch,
+                    (None, Some(gate), Some(c)) => {
+                        let late_in_batch = c.dropped;
+                        let offered = c.batch().num_rows() + late_in_batch;
+                        match gate.admit(c, &mut st.newest) {
+                            Ok((admitted, late)) => {
+                                st.stats.late_rows += (late_in_batch + late) as u64;
+                                if late > 0 {
+                                    bytes = batch_bytes(&admitted);
+                                }
+                                if admitted.num_rows() == 0 && offered > 0 {
+                                    break Ok(None); // every row was late: nothing to enqueue
+                                }
+                                admitted
+                            }
+                            Err(msg) => break Err(PushError::Order(msg)),
+                        }
+                    }
+                    _ => unreachable!("a batch is either unordered or checked"),
+                };
                 st.queued_bytes += bytes;
                 st.stats.rows += batch.num_rows() as u64;
                 st.stats.batches += 1;
@@ -246,7 +293,8 @@ impl Channel {
                 if let Some(t) = token {
                     t.written.fetch_add(1, Ordering::SeqCst);
                 }
-                break Ok(st.waker.take());
+                // One idle partition is enough to take the batch.
+                break Ok(st.wakers.pop());
             }
             let now = Instant::now();
             let since = *blocked_since.get_or_insert(now);
@@ -308,12 +356,10 @@ impl Channel {
     pub fn close(&self) {
         let mut st = self.lock();
         st.closed = true;
-        let waker = st.waker.take();
+        let wakers = std::mem::take(&mut st.wakers);
         st.wake_all_waiters();
         drop(st);
-        if let Some(waker) = waker {
-            waker.wake();
-        }
+        wakers.into_iter().for_each(Waker::wake);
     }
 
     /// Record a failure for the reader. Never blocks. Returns false when it came too late
@@ -328,12 +374,10 @@ impl Channel {
         st.closed = true;
         st.queue.clear();
         st.queued_bytes = 0;
-        let waker = st.waker.take();
+        let wakers = std::mem::take(&mut st.wakers);
         st.wake_all_waiters();
         drop(st);
-        if let Some(waker) = waker {
-            waker.wake();
-        }
+        wakers.into_iter().for_each(Waker::wake);
         true
     }
 
@@ -355,7 +399,7 @@ impl Channel {
         if let ReaderState::Gone(_) = state {
             st.queue.clear();
             st.queued_bytes = 0;
-            st.waker = None;
+            st.wakers.clear();
         }
         st.reader = state;
         st.wake_all_waiters();
@@ -375,11 +419,12 @@ impl Reader {
         Self { channel, started: false }
     }
 
-    /// Turn the claim into the stream a scan polls.
-    pub fn into_stream(mut self) -> ReaderStream {
+    /// Start reading: the returned claim is shared by the scan's partition streams, and the
+    /// reader is gone when the last of them is dropped.
+    pub fn start(mut self) -> Arc<Reader> {
         self.started = true;
         self.channel.set_reader(ReaderState::Reading);
-        ReaderStream { reader: self, done: false }
+        Arc::new(self)
     }
 }
 
@@ -394,11 +439,18 @@ impl Drop for Reader {
     }
 }
 
-/// The record-batch stream handed to DataFusion for the table's single scan.
+/// One partition of the scan: a record-batch stream over the shared queue. Several may read
+/// one channel concurrently (each batch goes to exactly one of them).
 #[derive(Debug)]
 pub struct ReaderStream {
-    reader: Reader,
+    reader: Arc<Reader>,
     done: bool,
+}
+
+impl ReaderStream {
+    pub fn new(reader: Arc<Reader>) -> Self {
+        Self { reader, done: false }
+    }
 }
 
 impl Stream for ReaderStream {
@@ -438,9 +490,8 @@ impl Stream for ReaderStream {
             self.done = true;
             return Poll::Ready(None);
         }
-        match &st.waker {
-            Some(w) if w.will_wake(cx.waker()) => {}
-            _ => st.waker = Some(cx.waker().clone()),
+        if !st.wakers.iter().any(|w| w.will_wake(cx.waker())) {
+            st.wakers.push(cx.waker().clone());
         }
         Poll::Pending
     }

@@ -9,6 +9,7 @@
 //! package maps them onto its public hierarchy).
 
 mod channel;
+mod order;
 mod provider;
 mod schema;
 
@@ -26,6 +27,7 @@ use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
 
 use channel::{CancelToken, Channel, PushError};
+use order::{Late, OrderGate};
 use schema::SchemaIssue;
 use provider::PyTableProvider;
 
@@ -36,6 +38,7 @@ create_exception!(_native, SchemaError, NativeError, "A batch does not match the
 create_exception!(_native, WriteTimeout, NativeError, "A write's timeout elapsed while blocked.");
 create_exception!(_native, InputError, NativeError, "The object is not Arrow data.");
 create_exception!(_native, Cancelled, NativeError, "The write's CancelToken was cancelled.");
+create_exception!(_native, OrderError, NativeError, "A batch breaks the table's declared ordering.");
 
 /// Run a conversion that third-party data can make panic (arrow-rs asserts on some
 /// malformed input) and turn a panic into a Python error instead of an abort.
@@ -123,6 +126,7 @@ impl Sink {
                 waited.as_secs_f64()
             )),
             PushError::Cancelled => Cancelled::new_err(format!("write to streaming table '{name}' was cancelled")),
+            PushError::Order(msg) => OrderError::new_err(format!("table '{name}': {msg}")),
             PushError::Interrupted(err) => err,
         })
     }
@@ -245,6 +249,7 @@ impl Sink {
         d.set_item("queued_batches", s.queued_batches)?;
         d.set_item("queued_bytes", s.queued_bytes)?;
         d.set_item("waiting_writers", s.waiting_writers)?;
+        d.set_item("late_rows", s.late_rows)?;
         d.set_item("blocked_seconds", s.blocked.as_secs_f64())?;
         d.set_item("closed", s.closed)?;
         d.set_item("failed", s.failed)?;
@@ -269,13 +274,15 @@ fn interpreter_finalizing() {
 /// Create a streaming table: returns `(sink, provider)`; register the provider with a
 /// datafusion-python `SessionContext` and keep the sink for the producers.
 #[pyfunction]
-#[pyo3(signature = (name, schema, capacity, max_bytes=None, unbounded=false))]
+#[pyo3(signature = (name, schema, capacity, max_bytes=None, unbounded=false, order_by=vec![], late="reject"))]
 fn streaming_table(
     name: String,
     schema: Bound<'_, PyAny>,
     capacity: usize,
     max_bytes: Option<usize>,
     unbounded: bool,
+    order_by: Vec<String>,
+    late: &str,
 ) -> PyResult<(Sink, PyTableProvider)> {
     if capacity == 0 {
         return Err(PyValueError::new_err("capacity must be at least 1"));
@@ -284,9 +291,18 @@ fn streaming_table(
         return Err(PyValueError::new_err("max_bytes must be at least 1"));
     }
     let schema = Arc::new(Schema::from_pyarrow_bound(&schema)?);
-    let channel = Channel::new(name, schema, capacity, max_bytes);
-    let table = provider::streaming_table(Arc::clone(&channel), unbounded)
-        .map_err(|e| PyValueError::new_err(e.to_string()))?;
+    let late = match late {
+        "reject" => Late::Reject,
+        "drop" => Late::Drop,
+        other => return Err(PyValueError::new_err(format!("late must be 'reject' or 'drop', got {other:?}"))),
+    };
+    let gate = if order_by.is_empty() {
+        None
+    } else {
+        Some(OrderGate::new(&schema, &order_by, late).map_err(PyValueError::new_err)?)
+    };
+    let channel = Channel::new(name, schema, capacity, max_bytes, gate);
+    let table = provider::live_table(Arc::clone(&channel), unbounded, &order_by);
     Ok((Sink { channel }, PyTableProvider::new(table)))
 }
 
@@ -306,5 +322,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("WriteTimeout", py.get_type::<WriteTimeout>())?;
     m.add("InputError", py.get_type::<InputError>())?;
     m.add("Cancelled", py.get_type::<Cancelled>())?;
+    m.add("OrderError", py.get_type::<OrderError>())?;
     Ok(())
 }

@@ -227,11 +227,13 @@ def reader_gone_latency(reps: int = 20) -> dict[str, float]:
         stream = ctx.sql("SELECT * FROM t").execute_stream()
         sink.write(one)
         next(iter(stream))
-        sink.write(one)  # the queue is full now
         raised_at: list[float] = []
         writer = threading.Thread(target=_write_expecting_gone, args=(sink, one, raised_at))
         writer.start()
-        time.sleep(0.05)
+        # The scan's partitions may take a few batches ahead: wait until the writer blocks.
+        blocked_by = time.monotonic() + 10
+        while sink.stats.waiting_writers == 0 and time.monotonic() < blocked_by:
+            time.sleep(0.001)
         dropped_at = time.perf_counter()
         del stream  # the last reference: CPython drops the native stream right here
         writer.join(10)
@@ -242,8 +244,10 @@ def reader_gone_latency(reps: int = 20) -> dict[str, float]:
 
 
 def _write_expecting_gone(sink: TableSink, b: pa.RecordBatch, raised_at: list[float]) -> None:
+    """Write until the queue is full and the write blocks; record when it raises."""
     try:
-        sink.write(b, timeout=10)
+        while True:
+            sink.write(b, timeout=10)
     except ReaderGoneError:
         raised_at.append(time.perf_counter())
 

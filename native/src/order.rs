@@ -1,0 +1,205 @@
+//! Enforcing a declared ordering (`order_by=`) on everything written to a table.
+//!
+//! DataFusion trusts a declared ordering and never checks it: a sorted aggregate fed rows
+//! out of order silently emits wrong groups. So each batch is checked twice: within itself
+//! (before the channel lock, O(rows)), and against the last value written (under the lock,
+//! by [`OrderGate::admit`], O(1) for `late="reject"`, O(log rows) for `late="drop"`), so
+//! concurrent producers cannot interleave out of order.
+
+use std::sync::Arc;
+
+use arrow::array::{Array, ArrayRef, BooleanArray, RecordBatch};
+use arrow::compute::filter_record_batch;
+use arrow::datatypes::SchemaRef;
+use arrow::row::{OwnedRow, RowConverter, Rows, SortField};
+use arrow::util::display::{ArrayFormatter, FormatOptions};
+
+/// What to do with rows that arrive behind the newest value written.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Late {
+    Reject,
+    Drop,
+}
+
+/// The declared ordering of a table: ascending on `columns`, lexicographically.
+#[derive(Debug)]
+pub struct OrderGate {
+    names: Vec<String>,
+    indices: Vec<usize>,
+    converter: RowConverter,
+    late: Late,
+}
+
+/// A batch checked within itself, waiting for [`OrderGate::admit`] under the lock.
+#[derive(Debug)]
+pub struct Checked {
+    batch: RecordBatch,
+    rows: Rows,
+    /// Rows dropped within the batch (late="drop").
+    pub dropped: usize,
+}
+
+impl Checked {
+    pub fn batch(&self) -> &RecordBatch {
+        &self.batch
+    }
+}
+
+/// The newest ordering key written so far: its row form (to compare) and its values (to
+/// name them in an error).
+#[derive(Debug)]
+pub struct Newest {
+    row: OwnedRow,
+    values: Vec<ArrayRef>,
+}
+
+impl OrderGate {
+    pub fn new(schema: &SchemaRef, columns: &[String], late: Late) -> Result<Self, String> {
+        if columns.is_empty() {
+            return Err("order_by names no column".into());
+        }
+        let mut indices = Vec::with_capacity(columns.len());
+        let mut fields = Vec::with_capacity(columns.len());
+        for name in columns {
+            let index = schema.index_of(name).map_err(|_| {
+                format!("order_by column '{name}' is not in the schema (columns: {:?})", schema.fields().iter().map(|f| f.name()).collect::<Vec<_>>())
+            })?;
+            let dt = schema.field(index).data_type().clone();
+            if !RowConverter::supports_fields(&[SortField::new(dt.clone())]) {
+                return Err(format!("order_by column '{name}' has type {dt}, which cannot be ordered"));
+            }
+            indices.push(index);
+            fields.push(SortField::new(dt));
+        }
+        let converter = RowConverter::new(fields).map_err(|e| e.to_string())?;
+        Ok(Self { names: columns.to_vec(), indices, converter, late })
+    }
+
+    fn key_columns(&self, batch: &RecordBatch) -> Vec<ArrayRef> {
+        self.indices.iter().map(|&i| Arc::clone(batch.column(i))).collect()
+    }
+
+    /// `row`'s ordering key, worded: `ts=2024-01-01T00:00:01` (or `a=1, b=2`).
+    fn describe(&self, columns: &[ArrayRef], row: usize) -> String {
+        let options = FormatOptions::default();
+        self.names
+            .iter()
+            .zip(columns)
+            .map(|(name, col)| {
+                let value = ArrayFormatter::try_new(col.as_ref(), &options)
+                    .map(|f| f.value(row).to_string())
+                    .unwrap_or_else(|_| "?".into());
+                format!("{name}={value}")
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+
+    fn column_list(&self) -> String {
+        self.names.iter().map(|n| format!("'{n}'")).collect::<Vec<_>>().join(", ")
+    }
+
+    /// Check `batch` within itself: no nulls in the order columns; sorted (reject) or with
+    /// the rows behind the batch's own running maximum removed (drop).
+    pub fn check(&self, batch: RecordBatch) -> Result<Checked, String> {
+        let columns = self.key_columns(&batch);
+        for (name, col) in self.names.iter().zip(&columns) {
+            if col.null_count() > 0 {
+                return Err(format!(
+                    "order column '{name}' holds {} null value(s); an ordered table cannot place them",
+                    col.null_count()
+                ));
+            }
+        }
+        let rows = self.converter.convert_columns(&columns).map_err(|e| e.to_string())?;
+        let n = rows.num_rows();
+        match self.late {
+            Late::Reject => {
+                for i in 1..n {
+                    if rows.row(i) < rows.row(i - 1) {
+                        return Err(format!(
+                            "out of order on {}: row {i} has {} after row {} with {} (the batch must be sorted ascending)",
+                            self.column_list(),
+                            self.describe(&columns, i),
+                            i - 1,
+                            self.describe(&columns, i - 1)
+                        ));
+                    }
+                }
+                Ok(Checked { batch, rows, dropped: 0 })
+            }
+            Late::Drop => {
+                let mut keep = Vec::with_capacity(n);
+                let mut max: Option<usize> = None;
+                for i in 0..n {
+                    let ok = max.is_none_or(|m| rows.row(i) >= rows.row(m));
+                    if ok {
+                        max = Some(i);
+                    }
+                    keep.push(ok);
+                }
+                let dropped = keep.iter().filter(|k| !**k).count();
+                if dropped == 0 {
+                    return Ok(Checked { batch, rows, dropped });
+                }
+                let batch = filter_record_batch(&batch, &BooleanArray::from(keep))
+                    .map_err(|e| e.to_string())?;
+                let rows = self
+                    .converter
+                    .convert_columns(&self.key_columns(&batch))
+                    .map_err(|e| e.to_string())?;
+                Ok(Checked { batch, rows, dropped })
+            }
+        }
+    }
+
+    /// Admit a checked batch after the newest value written (call under the channel lock).
+    /// Returns the batch to enqueue (late rows removed when dropping) and how many rows were
+    /// dropped here; updates `newest`.
+    pub fn admit(&self, checked: Checked, newest: &mut Option<Newest>) -> Result<(RecordBatch, usize), String> {
+        let Checked { batch, rows, .. } = checked;
+        let n = rows.num_rows();
+        if n == 0 {
+            return Ok((batch, 0));
+        }
+        let mut start = 0;
+        if let Some(prev) = newest.as_ref() {
+            let prev_row = prev.row.row();
+            if rows.row(0) < prev_row {
+                match self.late {
+                    Late::Reject => {
+                        return Err(format!(
+                            "out of order on {}: the batch starts at {}, before the previous maximum {}",
+                            self.column_list(),
+                            self.describe(&self.key_columns(&batch), 0),
+                            self.describe(&prev.values, 0)
+                        ))
+                    }
+                    // The kept rows are sorted: skip the prefix behind the newest value.
+                    Late::Drop => start = partition_point(n, |i| rows.row(i) < prev_row),
+                }
+            }
+        }
+        let batch = if start > 0 { batch.slice(start, n - start) } else { batch };
+        if batch.num_rows() > 0 {
+            let last = batch.num_rows() - 1;
+            let values: Vec<ArrayRef> = self.key_columns(&batch).iter().map(|c| c.slice(last, 1)).collect();
+            *newest = Some(Newest { row: rows.row(n - 1).owned(), values });
+        }
+        Ok((batch, start))
+    }
+}
+
+/// The first index in `0..n` for which `before(i)` is false (`before` is monotone).
+fn partition_point(n: usize, before: impl Fn(usize) -> bool) -> usize {
+    let (mut lo, mut hi) = (0, n);
+    while lo < hi {
+        let mid = (lo + hi) / 2;
+        if before(mid) {
+            lo = mid + 1;
+        } else {
+            hi = mid;
+        }
+    }
+    lo
+}
