@@ -6,8 +6,8 @@
 
 from __future__ import annotations
 
-from importlib.metadata import version
 from collections.abc import Sequence
+from importlib.metadata import version
 from typing import Any, Literal
 
 import datafusion
