@@ -1,7 +1,7 @@
 """``pushtable bench``: every performance claim, reproducible in one run.
 
 Suites: ``core`` (live-table throughput vs DuckDB and a Python drain), ``spark`` (the bridge's
-per-epoch split vs ``toArrow``), ``memory`` (RSS stays bounded with a slow reader) and
+per-epoch split vs ``toArrow``), ``latency`` (write -> result time of live queries), ``memory`` (RSS stays bounded with a slow reader) and
 ``bandwidth`` (the machine's copy rate, the physical limit). Needs the ``cli`` extra.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-SUITES: tuple[str, ...] = ("core", "spark", "memory", "bandwidth")
+SUITES: tuple[str, ...] = ("core", "latency", "spark", "memory", "bandwidth")
 
 
 def run(
@@ -27,7 +27,7 @@ def run(
     The suites run from the lightest footprint to the heaviest (memory, spark, core), so a
     suite's figures are not skewed by what an earlier one left in the process's heap.
     """
-    from pushtable.bench import core, machine, memory, spark
+    from pushtable.bench import core, latency, machine, memory, spark
 
     out: dict[str, Any] = {"machine": machine.describe(), "quick": quick}
     say(f"machine: {out['machine']['cores']} cores, {out['machine']['memory_gb']} GB")
@@ -45,6 +45,9 @@ def run(
     if "spark" in suites:
         out["spark"] = spark.run(quick)
         say(spark.report(out["spark"]))
+    if "latency" in suites:
+        out["latency"] = latency.run(quick)
+        say(latency.table(out["latency"]))
     if "core" in suites:
         out["core"] = core.run(quick)
         say(core.table(out["core"]))

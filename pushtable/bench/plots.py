@@ -91,6 +91,29 @@ def spark_split(suite: dict[str, Any], cores: int, path: Path) -> Path:
     return path
 
 
+def latency(suite: dict[str, Any], path: Path) -> Path:
+    """Write -> result p50 and p99 per query and batch size (log scale), one panel per rate."""
+    rates = sorted({c["batches_per_s"] for c in suite["cases"]}, reverse=True)
+    fig, axes = plt.subplots(1, len(rates), figsize=(6 * len(rates), 3.6), squeeze=False)
+    for ax, rate in zip(axes[0], rates, strict=True):
+        cases = [c for c in suite["cases"] if c["batches_per_s"] == rate]
+        labels = [f"{c['query']}\n{c['batch_rows']} rows" for c in cases]
+        xs = range(len(cases))
+        ax.bar([x - 0.2 for x in xs], [c["p50_ms"] for c in cases], 0.4, label="p50")
+        ax.bar([x + 0.2 for x in xs], [c["p99_ms"] for c in cases], 0.4, label="p99")
+        ax.axhline(20, color="grey", linestyle="--", linewidth=1, label="20 ms")
+        ax.set_yscale("log")
+        ax.set_xticks(list(xs), labels, fontsize=7)
+        ax.set_ylabel("ms from write to result")
+        ax.set_title(f"{rate:g} batch(es) per second")
+        ax.legend(fontsize=8)
+    fig.suptitle("Live answers: write -> result latency")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def render(results: dict[str, Any], plot_dir: Path) -> list[Path]:
     """Every plot a ``pushtable bench`` JSON result supports, into ``plot_dir``."""
     plot_dir.mkdir(parents=True, exist_ok=True)
@@ -101,6 +124,8 @@ def render(results: dict[str, Any], plot_dir: Path) -> list[Path]:
         out.append(core_throughput(results["core"], cores, plot_dir / "core_throughput.png", limit))
     if "spark" in results:
         out.append(spark_split(results["spark"], cores, plot_dir / "spark_epoch_split.png"))
+    if "latency" in results:
+        out.append(latency(results["latency"], plot_dir / "latency.png"))
     return out
 
 

@@ -1,0 +1,244 @@
+"""Answers while data arrives: filters run in the scan (no operator waits for `batch_size`
+rows), the scan reads with several partitions, and ordered tables enforce their order."""
+
+from __future__ import annotations
+
+import queue
+import threading
+from pathlib import Path
+from typing import Any
+
+import datafusion
+import lance
+import pyarrow as pa
+import pytest
+
+from pushtable import OrderViolationError, SessionContext, StreamConsumedError
+from tests.conftest import SCHEMA, WAIT, Background, batch, query
+
+
+def physical_plan(ctx: SessionContext, sql: str) -> str:
+    return str(ctx.sql(sql).execution_plan().display_indent())
+
+
+class Results:
+    """A query's result batches as they come, read in a background thread."""
+
+    def __init__(self, ctx: SessionContext, sql: str) -> None:
+        self.batches: queue.Queue[Any] = queue.Queue()
+
+        def read() -> None:
+            try:
+                for b in ctx.sql(sql).execute_stream():
+                    self.batches.put(b.to_pyarrow())
+            except Exception as exc:  # noqa: BLE001 - handed to the test
+                self.batches.put(exc)
+            self.batches.put(None)
+
+        threading.Thread(target=read, daemon=True).start()
+
+    def rows(self, n: int) -> list[dict[str, Any]]:
+        """The next ``n`` result rows; fails the test if they do not come within WAIT."""
+        out: list[dict[str, Any]] = []
+        while len(out) < n:
+            try:
+                item = self.batches.get(timeout=WAIT)
+            except queue.Empty:
+                pytest.fail(f"only {len(out)} of {n} rows arrived without more data")
+            assert item is not None, f"stream ended after {len(out)} of {n} rows"
+            if isinstance(item, BaseException):
+                raise item
+            out.extend(item.to_pylist())
+        return out
+
+
+# --- filters and projections answer per batch -------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 100, 8192])
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "SELECT k FROM t WHERE k % 2 = 0",
+        "SELECT k, v * 2 AS w FROM t",
+        "SELECT k FROM t WHERE v >= 0 AND k < 1000000",
+    ],
+)
+def test_each_batch_is_answered_before_the_next_write(rows: int, sql: str) -> None:
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table("t", SCHEMA, capacity=4)
+    results = Results(ctx, sql)
+    for i in (0, 2, 4):  # nothing else is written until this batch's rows came out
+        sink.write(batch(rows, i * rows))
+        ks = range(i * rows, (i + 1) * rows)
+        expected = [k for k in ks if k % 2 == 0] if "% 2" in sql else list(ks)
+        got = results.rows(len(expected))
+        assert sorted(r["k"] for r in got) == expected
+    sink.close()
+
+
+def test_a_filter_is_evaluated_in_the_scan_not_by_a_filter_operator(ctx: SessionContext) -> None:
+    ctx.register_streaming_table("t", SCHEMA)
+    plan = physical_plan(ctx, "SELECT k, v * 2 FROM t WHERE k > 3 AND v < 1")
+    assert "StreamingTableExec" in plan
+    assert "FilterExec" not in plan
+    # No repartition between the scan and the projection: one holds rows for batch_size.
+    assert "RepartitionExec" not in plan
+    assert "CoalesceBatchesExec" not in plan
+
+
+def test_the_scan_reads_with_target_partitions_partitions() -> None:
+    ctx = SessionContext(datafusion.SessionConfig().with_target_partitions(3))
+    ctx.register_streaming_table("t", SCHEMA)
+    ctx.register_streaming_table("o", SCHEMA, order_by="k")
+    assert ctx.sql("SELECT k FROM t").execution_plan().partition_count == 3
+    # An ordered table keeps one partition, in order.
+    assert ctx.sql("SELECT k FROM o").execution_plan().partition_count == 1
+
+
+def test_filtered_results_are_exact(ctx: SessionContext) -> None:
+    sink = ctx.register_streaming_table("t", SCHEMA, capacity=2)
+    reader = query(
+        ctx, "SELECT count(*) AS n, sum(k) AS s FROM t WHERE k % 3 = 0 AND v BETWEEN 1 AND 50"
+    )
+    for i in range(50):
+        sink.write(batch(10, i * 10), timeout=WAIT)
+    sink.close()
+    ks = [k for k in range(500) if k % 3 == 0 and 1 <= k / 10 <= 50]
+    assert reader.join() == {"n": [len(ks)], "s": [sum(ks)]}
+
+
+def test_a_filter_with_a_limit_stops_after_enough_matches(ctx: SessionContext) -> None:
+    sink = ctx.register_streaming_table("t", SCHEMA, capacity=2)
+    reader = query(ctx, "SELECT k FROM t WHERE k >= 5 LIMIT 3")
+    writer = Background(lambda: [sink.write(batch(1, i), timeout=WAIT) for i in range(100)])
+    assert sorted(reader.join()["k"]) == [5, 6, 7]
+    writer.join_error()  # the reader went away: later writes raise ReaderGoneError
+
+
+def test_a_volatile_filter_stays_above_the_scan(ctx: SessionContext) -> None:
+    sink = ctx.register_streaming_table("t", SCHEMA)
+    sink.write(batch(5))
+    sink.close()
+    plan = physical_plan(ctx, "SELECT k FROM t WHERE random() < 2")
+    assert "FilterExec" in plan
+    assert ctx.sql("SELECT k FROM t WHERE random() < 2").to_pydict() == {"k": [0, 1, 2, 3, 4]}
+
+
+def test_a_live_table_joins_a_lance_dataset_with_its_filter_in_the_scan(tmp_path: Path) -> None:
+    names = pa.table({"k": pa.array(range(10), pa.int32()), "name": [f"n{i}" for i in range(10)]})
+    dataset = lance.write_dataset(names, str(tmp_path / "names.lance"))
+    ctx = SessionContext()
+    ctx.register_table("names", lance.FFILanceTableProvider(dataset))
+    sink = ctx.register_streaming_table("t", SCHEMA)
+    sql = "SELECT t.k, n.name FROM t JOIN names n ON t.k = n.k WHERE t.v >= 0.5 ORDER BY t.k"
+    assert "FilterExec" not in physical_plan(ctx, sql)
+    reader = query(ctx, sql)
+    sink.write(batch(10))
+    sink.close()
+    assert reader.join() == {"k": [5, 6, 7, 8, 9], "name": ["n5", "n6", "n7", "n8", "n9"]}
+
+
+def test_several_partitions_still_scan_once(ctx: SessionContext) -> None:
+    sink = ctx.register_streaming_table("t", SCHEMA)
+    sink.write(batch(4))
+    sink.close()
+    assert ctx.sql("SELECT count(*) AS n FROM t WHERE k > 0").to_pydict() == {"n": [3]}
+    with pytest.raises(StreamConsumedError):
+        ctx.sql("SELECT k FROM t WHERE k > 0").collect()
+
+
+# --- ordered streams --------------------------------------------------------------------------
+
+TS = pa.schema([("ts", pa.int64()), ("v", pa.float64())])
+
+
+def ts_batch(*ts: int | None) -> pa.RecordBatch:
+    return pa.record_batch([pa.array(ts, pa.int64()), pa.array([1.0] * len(ts))], schema=TS)
+
+
+def test_an_out_of_order_batch_is_rejected_whole_and_named(ctx: SessionContext) -> None:
+    sink = ctx.register_streaming_table("t", TS, order_by="ts")
+    sink.write(ts_batch(1, 2, 5))
+    with pytest.raises(OrderViolationError) as info:
+        sink.write(ts_batch(4, 6))  # starts behind the newest value written
+    message = str(info.value)
+    assert "'ts'" in message
+    assert "ts=4" in message
+    assert "previous maximum ts=5" in message
+    assert sink.stats.batches == 1  # nothing of it was queued
+    sink.write(ts_batch(5, 7))  # equal to the maximum is in order; the sink stays usable
+    sink.close()
+    assert ctx.sql("SELECT ts FROM t").to_pydict() == {"ts": [1, 2, 5, 5, 7]}
+
+
+def test_disorder_within_a_batch_is_rejected(ctx: SessionContext) -> None:
+    sink = ctx.register_streaming_table("t", TS, order_by=["ts"])
+    with pytest.raises(OrderViolationError, match=r"row 2 has ts=3 after row 1 with ts=8"):
+        sink.write(ts_batch(1, 8, 3))
+    assert sink.stats.batches == 0
+    assert isinstance(OrderViolationError("x"), ValueError)
+
+
+def test_nulls_in_an_order_column_are_rejected(ctx: SessionContext) -> None:
+    sink = ctx.register_streaming_table("t", TS, order_by="ts", late="drop")
+    with pytest.raises(OrderViolationError, match="'ts' holds 1 null"):
+        sink.write(ts_batch(1, None, 3))
+    assert sink.stats.batches == 0
+
+
+def test_late_rows_are_dropped_and_counted(ctx: SessionContext) -> None:
+    sink = ctx.register_streaming_table("t", TS, order_by="ts", late="drop")
+    sink.write(ts_batch(1, 5, 3, 6))  # 3 is behind 5 within the batch
+    sink.write(ts_batch(2, 4, 6, 9))  # 2 and 4 are behind the newest value, 6
+    sink.write(ts_batch(1, 2))  # wholly late: nothing is queued
+    assert sink.stats.late_rows == 5
+    assert sink.stats.batches == 2
+    sink.close()
+    assert ctx.sql("SELECT ts FROM t").to_pydict() == {"ts": [1, 5, 6, 6, 9]}
+
+
+def test_a_multi_column_order_is_lexicographic(ctx: SessionContext) -> None:
+    schema = pa.schema([("day", pa.int32()), ("seq", pa.int32())])
+    sink = ctx.register_streaming_table("t", schema, order_by=["day", "seq"])
+
+    def rows(*pairs: tuple[int, int]) -> pa.RecordBatch:
+        days, seqs = zip(*pairs, strict=True)
+        return pa.record_batch([pa.array(days, pa.int32()), pa.array(seqs, pa.int32())], schema=schema)
+
+    sink.write(rows((1, 5), (1, 9), (2, 0)))
+    with pytest.raises(OrderViolationError, match=r"day=1, seq=3.*day=2, seq=0"):
+        sink.write(rows((1, 3)))
+    sink.write(rows((2, 1), (3, 0)))
+    sink.close()
+    assert ctx.sql("SELECT count(*) AS n FROM t").to_pydict() == {"n": [5]}
+
+
+def test_concurrent_producers_cannot_interleave_out_of_order() -> None:
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table("t", TS, capacity=4, order_by="ts", late="drop")
+    reader = query(ctx, "SELECT ts FROM t")
+    counter = iter(range(1_000_000))
+    lock = threading.Lock()
+
+    def produce() -> None:
+        for _ in range(200):
+            with lock:  # stamps come from one clock, but writes race each other
+                first = next(counter)
+                second = next(counter)
+            sink.write(ts_batch(first, second), timeout=WAIT)
+
+    producers = [Background(produce) for _ in range(4)]
+    for p in producers:
+        p.join()
+    sink.close()
+    seen = reader.join()["ts"]
+    assert seen == sorted(seen)  # whatever arrived late was dropped, never misplaced
+    assert len(seen) + sink.stats.late_rows == 1600
+
+
+def test_order_by_names_a_column_of_the_schema(ctx: SessionContext) -> None:
+    with pytest.raises(ValueError, match="order_by column 'nope' is not in the schema"):
+        ctx.register_streaming_table("t", TS, order_by="nope")
+    with pytest.raises(ValueError, match="late must be"):
+        ctx.register_streaming_table("u", TS, order_by="ts", late="ignore")  # type: ignore[arg-type]
