@@ -13,7 +13,12 @@ import lance
 import pyarrow as pa
 import pytest
 
-from pushtable import OrderViolationError, SessionContext, StreamConsumedError
+from pushtable import (
+    OrderViolationError,
+    ReaderGoneError,
+    SessionContext,
+    StreamConsumedError,
+)
 from tests.conftest import SCHEMA, WAIT, Background, batch, query
 
 
@@ -111,9 +116,14 @@ def test_filtered_results_are_exact(ctx: SessionContext) -> None:
 def test_a_filter_with_a_limit_stops_after_enough_matches(ctx: SessionContext) -> None:
     sink = ctx.register_streaming_table("t", SCHEMA, capacity=2)
     reader = query(ctx, "SELECT k FROM t WHERE k >= 5 LIMIT 3")
-    writer = Background(lambda: [sink.write(batch(1, i), timeout=WAIT) for i in range(100)])
+
+    def write_all() -> None:
+        for i in range(100):
+            sink.write(batch(1, i), timeout=WAIT)
+
+    writer = Background(write_all)
     assert sorted(reader.join()["k"]) == [5, 6, 7]
-    writer.join_error()  # the reader went away: later writes raise ReaderGoneError
+    assert isinstance(writer.join_error(), ReaderGoneError)  # the reader went away
 
 
 def test_a_volatile_filter_stays_above_the_scan(ctx: SessionContext) -> None:
@@ -204,7 +214,8 @@ def test_a_multi_column_order_is_lexicographic(ctx: SessionContext) -> None:
 
     def rows(*pairs: tuple[int, int]) -> pa.RecordBatch:
         days, seqs = zip(*pairs, strict=True)
-        return pa.record_batch([pa.array(days, pa.int32()), pa.array(seqs, pa.int32())], schema=schema)
+        columns = [pa.array(days, pa.int32()), pa.array(seqs, pa.int32())]
+        return pa.record_batch(columns, schema=schema)
 
     sink.write(rows((1, 5), (1, 9), (2, 0)))
     with pytest.raises(OrderViolationError, match=r"day=1, seq=3.*day=2, seq=0"):

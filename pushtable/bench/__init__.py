@@ -1,8 +1,9 @@
 """``pushtable bench``: every performance claim, reproducible in one run.
 
-Suites: ``core`` (live-table throughput vs DuckDB and a Python drain), ``spark`` (the bridge's
-per-epoch split vs ``toArrow``), ``latency`` (write -> result time of live queries), ``memory`` (RSS stays bounded with a slow reader) and
-``bandwidth`` (the machine's copy rate, the physical limit). Needs the ``cli`` extra.
+Suites: ``core`` (live-table throughput vs DuckDB and a Python drain), ``latency`` (write ->
+result time of live queries), ``spark`` (the bridge's per-epoch split vs ``toArrow``),
+``memory`` (RSS stays bounded with a slow reader) and ``bandwidth`` (the machine's copy rate,
+the physical limit). Needs the ``cli`` extra.
 """
 
 from __future__ import annotations
