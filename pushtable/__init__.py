@@ -28,6 +28,7 @@ from pushtable.errors import (
     StreamFailedError,
     WriteTimeoutError,
 )
+from pushtable.explain import LiveExplanation, explain_live
 from pushtable.sink import SinkStats, TableSink
 
 __version__ = _version("pushtable")
@@ -35,6 +36,7 @@ __version__ = _version("pushtable")
 __all__ = [
     "DataFrame",
     "InvalidBatchError",
+    "LiveExplanation",
     "OrderViolationError",
     "PushTableError",
     "ReaderGoneError",
@@ -46,5 +48,6 @@ __all__ = [
     "StreamFailedError",
     "TableSink",
     "WriteTimeoutError",
+    "explain_live",
     "register_streaming_table",
 ]

@@ -15,6 +15,7 @@ import pyarrow as pa
 
 from pushtable import _native
 from pushtable.dataframe import DataFrame
+from pushtable.explain import LiveExplanation, explain_live
 from pushtable.sink import TableSink
 
 __all__ = ["SessionContext", "register_streaming_table"]
@@ -155,3 +156,17 @@ class SessionContext(datafusion.SessionContext):
     def table(self, name: str) -> DataFrame:
         """The registered table ``name`` as a :class:`pushtable.DataFrame`."""
         return DataFrame(super().table(name).df)
+
+    def explain_live(self, sql: str) -> LiveExplanation:
+        """Whether ``sql`` answers while data arrives; see :func:`pushtable.explain_live`.
+
+        Example:
+            >>> import pyarrow as pa
+            >>> from pushtable import SessionContext
+            >>> ctx = SessionContext()
+            >>> schema = pa.schema([("k", pa.int64())])
+            >>> _ = ctx.register_streaming_table("t", schema, unbounded=True)
+            >>> print(ctx.explain_live("SELECT k FROM t ORDER BY k"))  # doctest: +ELLIPSIS
+            rejected: an unbounded table cannot feed SortExec...
+        """
+        return explain_live(self, sql)

@@ -253,3 +253,42 @@ def test_order_by_names_a_column_of_the_schema(ctx: SessionContext) -> None:
         ctx.register_streaming_table("t", TS, order_by="nope")
     with pytest.raises(ValueError, match="late must be"):
         ctx.register_streaming_table("u", TS, order_by="ts", late="ignore")  # type: ignore[arg-type]
+
+
+# --- know before you run ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("sql", "mode", "says"),
+    [
+        ("SELECT k FROM t WHERE k > 1", "incremental", None),
+        ("SELECT k, v FROM t LIMIT 5", "incremental", None),
+        # The limit gathers one partition; DataFusion then spreads the projection round-robin.
+        ("SELECT k, v * 2 AS w FROM t LIMIT 5", "batched", "repartition"),
+        ("SELECT t.k, d.name FROM t JOIN dim d ON t.k = d.k", "batched", "join"),
+        ("SELECT k FROM t WHERE random() < 0.5", "batched", "volatile"),
+        ("SELECT k, count(*) FROM t GROUP BY k", "at_end", "whole stream"),
+        ("SELECT k FROM t ORDER BY v", "at_end", "ORDER BY"),
+        ("SELECT k, count(*) FROM u GROUP BY k", "rejected", "AggregateExec"),
+        ("SELECT k FROM u ORDER BY v", "rejected", "SortExec"),
+        ("SELECT k FROM u WHERE k > 0", "incremental", None),
+    ],
+)
+def test_explain_live_says_how_a_query_will_answer(sql: str, mode: str, says: str | None) -> None:
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table("t", SCHEMA)
+    ctx.register_streaming_table("u", SCHEMA, unbounded=True)
+    ctx.register_record_batches(
+        "dim", [[pa.record_batch({"k": pa.array([1], pa.int32()), "name": ["one"]})]]
+    )
+    explained = ctx.explain_live(sql)
+    assert explained.mode == mode, str(explained)
+    if says is None:
+        assert explained.reasons == []
+    else:
+        assert any(says in r for r in explained.reasons), explained.reasons
+        assert explained.hint
+    # Explaining planned the query but did not consume the table.
+    sink.write(batch(2))
+    sink.close()
+    assert ctx.sql("SELECT count(*) AS n FROM t").to_pydict() == {"n": [2]}
