@@ -61,6 +61,22 @@ class _Mark:
     mode: str | None
 
 
+def _not_found(exc: BaseException) -> bool:
+    """Whether a Lance error says a version, manifest or tag does not exist.
+
+    Only that may end a history walk or stand for "no tag": any other error (I/O, auth,
+    throttling) must propagate, or a fresh process would think an epoch uncommitted and
+    write it twice. pylance 14 raises ``ValueError("Ref not found ...")`` for a missing tag
+    and ``OSError("... was not found: Not found: ...")`` for a missing manifest.
+    """
+    if isinstance(exc, FileNotFoundError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, (OSError, ValueError)) and (
+        "not found" in text or "does not exist" in text
+    )
+
+
 def _props(tx: Any) -> dict[str, str] | None:
     """A transaction's properties ({} when it has none); None when it is gone."""
     if tx is None:
@@ -171,8 +187,8 @@ class LanceEpochWriter:
     def _dataset(self) -> lance.LanceDataset | None:
         try:
             return lance.dataset(self.uri, storage_options=self.storage_options)
-        except (ValueError, FileNotFoundError, OSError) as exc:
-            if "not found" in str(exc).lower() or "does not exist" in str(exc).lower():
+        except (OSError, ValueError) as exc:
+            if _not_found(exc):
                 return None
             raise
 
@@ -196,8 +212,10 @@ class LanceEpochWriter:
             want = min(page, ds.version - stop)
             try:
                 txs = ds.get_transactions(want)
-            except Exception:  # noqa: BLE001 - a cleaned-up version: the walk ends here
-                return floor
+            except (OSError, ValueError) as exc:
+                if not _not_found(exc):
+                    raise  # I/O, auth, throttling: Spark fails the epoch and retries it
+                return floor  # a cleaned-up version: the walk ends here
             for offset in range(seen, len(txs)):
                 version = ds.version - offset
                 props = _props(txs[offset])
@@ -213,14 +231,18 @@ class LanceEpochWriter:
     def _tagged_version(self, ds: lance.LanceDataset) -> int | None:
         try:
             return int(ds.tags.get_version(self._tag))
-        except Exception:  # noqa: BLE001 - no tag yet
-            return None
+        except (OSError, ValueError) as exc:
+            if not _not_found(exc):
+                raise
+            return None  # no tag yet (or its version was removed)
 
     def _mark_at(self, ds: lance.LanceDataset, version: int) -> _Mark | None:
         try:
             props = _props(ds.read_transaction(version))
-        except Exception:  # noqa: BLE001 - unreadable: ignore the tag
-            return None
+        except (OSError, ValueError) as exc:
+            if not _not_found(exc):
+                raise
+            return None  # the tagged version was cleaned up: ignore the tag
         if props is None or props.get(QUERY_KEY) != self.query_id:
             return None
         return _Mark(version, int(props[EPOCH_KEY]), props.get(MODE_KEY))
@@ -348,8 +370,10 @@ class LanceEpochWriter:
             self._fault("after_commit", epoch_id)
         try:
             ds.tags.update(self._tag, ds.version)
-        except Exception:  # noqa: BLE001 - first commit of this query: no tag yet
-            ds.tags.create(self._tag, ds.version)
+        except (OSError, ValueError) as exc:
+            if not _not_found(exc):
+                raise
+            ds.tags.create(self._tag, ds.version)  # first commit of this query: no tag yet
         self._commits += 1
         if self.compact_every and self._commits % self.compact_every == 0:
             self.upkeep(ds)

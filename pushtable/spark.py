@@ -26,16 +26,17 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import pyarrow as pa
 
-from pushtable.errors import PushTableError, ReaderGoneError, SinkClosedError
+from pushtable.errors import PushTableError, ReaderGoneError, SinkClosedError, WriteTimeoutError
 from pushtable.lance_epochs import (
     MODES,
     CommitResult,
     LanceEpochWriter,
     Mode,
+    SchemaDriftError,
     conform_to,
 )
 from pushtable.sink import TableSink
@@ -44,7 +45,14 @@ if TYPE_CHECKING:
     from pyspark.sql import DataFrame, SparkSession
     from pyspark.sql.streaming.query import StreamingQuery
 
-__all__ = ["EpochReport", "ForeachBatchBridge", "StreamingQueryFailedError", "local_spark"]
+__all__ = [
+    "EpochReport",
+    "ForeachBatchBridge",
+    "IncompatibleSinkError",
+    "SlowReaderError",
+    "StreamingQueryFailedError",
+    "local_spark",
+]
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +90,20 @@ class StreamingQueryFailedError(PushTableError):
     """The Spark streaming query feeding a live table failed; the message is Spark's."""
 
 
+class SlowReaderError(PushTableError):
+    """A live table's reader did not take an epoch within ``push_timeout``: it was detached.
+
+    Its query fails with this error (as the cause of ``StreamFailedError``): it missed data.
+    """
+
+
+class IncompatibleSinkError(PushTableError):
+    """A live table cannot take the query's epochs (columns, types or NOT NULL): detached.
+
+    The Lance commit and the query go on; the table's reader gets this error.
+    """
+
+
 @dataclass(frozen=True)
 class EpochReport:
     """What the bridge did with one epoch, and how long each step took (seconds)."""
@@ -115,6 +137,12 @@ class ForeachBatchBridge:
         compact_every: compact the dataset after every N committed epochs (off by default).
         cleanup_older_than: with ``compact_every``, also remove versions older than this;
             the newest commit of every query that used this bridge stays (it is tagged).
+        push_timeout: seconds an epoch's write to one live table may wait for its reader
+            (default 30). Finite, so a slow or absent reader cannot stall Spark for good.
+        on_slow_reader: ``"detach"`` (default): after ``push_timeout`` the table is failed
+            with :class:`SlowReaderError` (its reader learns it missed data) and gets no more
+            epochs, while the query goes on persisting; ``"block"``: wait without limit, so
+            the reader paces Spark.
 
     Example:
         >>> from pushtable import SessionContext
@@ -139,6 +167,8 @@ class ForeachBatchBridge:
         cleanup_older_than: timedelta | None = None,
         max_commit_retries: int = 8,
         storage_options: dict[str, str] | None = None,
+        push_timeout: float = 30.0,
+        on_slow_reader: Literal["detach", "block"] = "detach",
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
@@ -150,10 +180,28 @@ class ForeachBatchBridge:
         for sink in sinks:
             if not isinstance(sink, TableSink):
                 raise TypeError(f"sinks must be TableSink objects, got {type(sink).__name__}")
+        if sinks and mode != "append":
+            # A live table appends what it is given: in complete mode each epoch is the whole
+            # result again (N epochs -> N copies), in update mode keys repeat. A reader would
+            # see silently duplicated results, so the combination is refused.
+            raise ValueError(
+                f"live sinks need mode='append': in {mode!r} mode every epoch restates "
+                "results (complete: the whole table; update: changed keys), and a live table "
+                "would show them duplicated; persist with lance_uri=... only, and query the "
+                "Lance dataset for the latest state"
+            )
         if cleanup_older_than is not None and compact_every is None:
             raise ValueError("cleanup_older_than runs during upkeep: set compact_every too")
         if query_id is not None and not query_id:
             raise ValueError("query_id must be a non-empty string or None")
+        if on_slow_reader not in ("detach", "block"):
+            raise ValueError(f"on_slow_reader must be 'detach' or 'block', got {on_slow_reader!r}")
+        if not push_timeout > 0 or push_timeout == float("inf"):
+            raise ValueError(
+                f"push_timeout must be a finite number of seconds > 0, got {push_timeout}"
+            )
+        self.push_timeout = float(push_timeout)
+        self.on_slow_reader = on_slow_reader
         self.sinks = list(sinks)
         self.lance_uri = None if lance_uri is None else str(lance_uri)
         self.mode: Mode = mode
@@ -169,9 +217,11 @@ class ForeachBatchBridge:
         self._writers: dict[str, LanceEpochWriter] = {}
         self._pushed: dict[str, int] = {}  # newest epoch pushed, per query id
         self._detached: set[int] = set()  # sinks whose reader went away
+        self._checked: set[str] = set()  # epoch schemas already checked against the sinks
         self._watched: set[str] = set()  # Spark query ids whose end settles the sinks
         self._listener: Any = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one epoch at a time
+        self._watch_lock = threading.Lock()  # listener bookkeeping: never waits on an epoch
         #: test hook: called as fault(step, epoch_id) at each step of an epoch
         self.fault: Callable[[str, int], None] | None = None
 
@@ -200,6 +250,8 @@ class ForeachBatchBridge:
         table: pa.Table | None = None
         to_arrow_s = commit_s = push_s = 0.0
         result = CommitResult(False, None, None, "no Lance dataset configured")
+        if self._live_sinks():
+            self._check_sinks(batch_df, epoch_id)
         if self.lance_uri is not None:
             writer = self._writer(query_id)
             if self.executor_writes:
@@ -224,7 +276,7 @@ class ForeachBatchBridge:
                 to_arrow_s += time.perf_counter() - started
             self._step("before_push", epoch_id)
             started = time.perf_counter()
-            self._push(table)
+            self._push(table, epoch_id)
             push_s = time.perf_counter() - started
             self._pushed[query_id] = epoch_id
             pushed = True
@@ -256,15 +308,58 @@ class ForeachBatchBridge:
     def _live_sinks(self) -> list[TableSink]:
         return [s for s in self.sinks if id(s) not in self._detached]
 
-    def _push(self, table: pa.Table) -> None:
+    def _detach(self, sink: TableSink, error: PushTableError | None, why: str) -> None:
+        """Stop feeding ``sink``; with ``error``, its reader's query raises it."""
+        log.warning("live table %r detached: %s", sink.name, why)
+        self._detached.add(id(sink))
+        if error is not None:
+            sink.fail(error)
+
+    def _check_sinks(self, batch_df: DataFrame, epoch_id: int) -> None:
+        """Before the commit, once per epoch schema: detach sinks that cannot take it."""
+        from pyspark.sql.pandas.types import to_arrow_schema
+
+        schema = to_arrow_schema(batch_df.schema)
+        key = schema.to_string()
+        if key in self._checked:
+            return
+        self._checked.add(key)
         for sink in self._live_sinks():
-            data = table if table.schema.equals(sink.schema) else conform_to(table, sink.schema)
             try:
-                sink.write(data)
+                conform_to(schema.empty_table(), sink.schema)
+            except (SchemaDriftError, pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+                error = IncompatibleSinkError(
+                    f"live table {sink.name!r} cannot take epoch {epoch_id} of this query: {exc}"
+                )
+                self._detach(sink, error, str(exc))
+
+    def _push(self, table: pa.Table, epoch_id: int) -> None:
+        timeout = None if self.on_slow_reader == "block" else self.push_timeout
+        for sink in self._live_sinks():
+            try:
+                # Names and types are conformed here; NOT NULL is checked by the sink on the
+                # data, with a message naming the field.
+                relaxed = pa.schema([f.with_nullable(True) for f in sink.schema])
+                data = table if table.schema.equals(relaxed) else conform_to(table, relaxed)
+                sink.write(data, timeout=timeout)
             except (ReaderGoneError, SinkClosedError) as exc:
                 # A reader that stopped early must not stop the persisting query.
-                log.warning("live table %r no longer takes epochs: %s", sink.name, exc)
-                self._detached.add(id(sink))
+                self._detach(sink, None, str(exc))
+            except WriteTimeoutError as exc:
+                slow = SlowReaderError(
+                    f"live table {sink.name!r} missed epoch {epoch_id}: its reader did not take "
+                    f"it within push_timeout={self.push_timeout:g}s, so it gets no more epochs "
+                    f"(on_slow_reader='detach'); the query goes on persisting"
+                )
+                self._detach(sink, slow, str(exc))
+            except (PushTableError, ValueError) as exc:  # SchemaDriftError, ArrowInvalid too
+                # The epoch is committed already: a sink that rejects it (a NOT NULL column
+                # with a null, say) is detached with the error for its reader, or the epoch
+                # would fail on every restart and wedge the query.
+                error = IncompatibleSinkError(
+                    f"live table {sink.name!r} rejected epoch {epoch_id}: {exc}"
+                )
+                self._detach(sink, error, str(exc))
 
     # -- executor-side writes -----------------------------------------------------------
 
@@ -320,7 +415,7 @@ class ForeachBatchBridge:
             self._settle(str(query.id), None if error is None else str(error))
 
     def _watch_id(self, spark: SparkSession, spark_query_id: str) -> None:
-        with self._lock:
+        with self._watch_lock:
             if spark_query_id in self._watched:
                 return
             self._watched.add(spark_query_id)

@@ -309,3 +309,16 @@ def test_spark_workers_default_to_this_interpreter(preset: str | None) -> None:
 def test_a_python_worker_runs_the_interpreter_that_runs_pushtable(spark: SparkSession) -> None:
     workers = spark.sparkContext.parallelize([0, 1], 2).map(lambda _: sys.executable).collect()
     assert set(workers) == {sys.executable}
+
+
+# --- live sinks and output modes ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["complete", "update"])
+def test_live_sinks_are_refused_outside_append_mode(mode: str, tmp_path: Path) -> None:
+    live = SessionContext().register_streaming_table("t", ARROW)
+    with pytest.raises(ValueError, match=rf"live sinks need mode='append': in '{mode}' mode"):
+        ForeachBatchBridge(sinks=[live], lance_uri=tmp_path / "x.lance", mode=mode)  # type: ignore[arg-type]
+    # Persisting alone in that mode is fine, and so are sinks in append mode.
+    ForeachBatchBridge(lance_uri=tmp_path / "x.lance", mode=mode)  # type: ignore[arg-type]
+    ForeachBatchBridge(sinks=[live], lance_uri=tmp_path / "x.lance", mode="append")

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use arrow::array::RecordBatch;
 use arrow::datatypes::{DataType, Schema};
 use arrow::ffi_stream::ArrowArrayStreamReader;
-use arrow::pyarrow::{FromPyArrow, ToPyArrow};
+use arrow_pyarrow::{FromPyArrow, ToPyArrow};
 use arrow::record_batch::RecordBatchReader;
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyValueError};
