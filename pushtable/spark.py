@@ -218,8 +218,10 @@ class ForeachBatchBridge:
         self._pushed: dict[str, int] = {}  # newest epoch pushed, per query id
         self._detached: set[int] = set()  # sinks whose reader went away
         self._checked: set[str] = set()  # epoch schemas already checked against the sinks
-        self._watched: set[str] = set()  # Spark query ids whose end settles the sinks
-        self._listener: Any = None
+        # Spark query ids watched for their end -> the key of the manager listening for it
+        self._watched: dict[str, str] = {}
+        self._ended: set[str] = set()
+        self._listeners: dict[str, tuple[Any, Any]] = {}  # manager key -> (manager, listener)
         self._lock = threading.Lock()  # one epoch at a time
         self._watch_lock = threading.Lock()  # listener bookkeeping: never waits on an epoch
         #: test hook: called as fault(step, epoch_id) at each step of an epoch
@@ -237,7 +239,7 @@ class ForeachBatchBridge:
                 "or pass query_id=... when calling it directly"
             )
         if spark_query_id:
-            self._watch_id(spark, spark_query_id)
+            self._watch_epoch(batch_df, spark_query_id)
         with self._lock:
             self._run_epoch(batch_df, int(epoch_id), query_id)
 
@@ -401,36 +403,72 @@ class ForeachBatchBridge:
     def watch(self, query: StreamingQuery, spark: SparkSession | None = None) -> None:
         """Close the sinks when ``query`` terminates, fail them when it fails.
 
-        The bridge does this by itself from the first epoch on; call ``watch`` right after
-        ``start()`` to also cover a query that fails before its first epoch. ``spark`` is
-        the query's session (default: the active one).
+        The bridge does this by itself from the query's first epoch on, whichever session
+        started it; call ``watch`` right after ``start()`` to also cover a query that fails
+        before its first epoch. ``spark`` is accepted for compatibility and not needed.
         """
-        if spark is None:
-            from pyspark.sql import SparkSession
-
-            spark = SparkSession.active()
-        self._watch_id(spark, str(query.id))
+        jsession = query._jsq.sparkSession()  # the session that started the query
+        self._watch(jsession, str(query.id))
         if not query.isActive:
             error = query.exception()
-            self._settle(str(query.id), None if error is None else str(error))
+            self._on_terminated(str(query.id), None if error is None else str(error))
 
-    def _watch_id(self, spark: SparkSession, spark_query_id: str) -> None:
+    def _watch_epoch(self, batch_df: DataFrame, spark_query_id: str) -> None:
+        """From inside ``foreachBatch``: find the session that started the query and watch it.
+
+        ``batch_df.sparkSession`` is the stream's *clone* of that session, with a streaming
+        query manager of its own that never hears of the query's end; the starting session
+        is the one Spark's shared state records for the running query.
+        """
         with self._watch_lock:
-            if spark_query_id in self._watched:
+            if spark_query_id in self._watched or spark_query_id in self._ended:
                 return
-            self._watched.add(spark_query_id)
-            if self._listener is None:
-                self._listener = _termination_listener(self._settle)
-                spark.streams.addListener(self._listener)
+        jspark = batch_df.sparkSession._jsparkSession
+        jvm = batch_df.sparkSession.sparkContext._jvm
+        assert jvm is not None
+        running = (
+            jspark.sharedState()
+            .activeStreamingQueries()
+            .get(jvm.java.util.UUID.fromString(spark_query_id))
+        )
+        self._watch(running.sparkSession() if running is not None else jspark, spark_query_id)
 
-    def _settle(self, spark_query_id: str, exception: str | None) -> None:
-        if spark_query_id not in self._watched:
-            return
+    def _watch(self, jsession: Any, spark_query_id: str) -> None:
+        """Listen for ``spark_query_id``'s end on the manager of ``jsession`` (one listener per
+        manager, removed when its last watched query ended)."""
+        from pyspark.sql.streaming.query import StreamingQueryManager
+
+        with self._watch_lock:
+            if spark_query_id in self._watched or spark_query_id in self._ended:
+                return
+            key = str(jsession.toString())
+            self._watched[spark_query_id] = key
+            if key not in self._listeners:
+                manager = StreamingQueryManager(jsession.streams())
+                listener = _termination_listener(self._on_terminated)
+                manager.addListener(listener)
+                self._listeners[key] = (manager, listener)
+
+    def _on_terminated(self, spark_query_id: str, exception: str | None) -> None:
+        """A watched query ended: fail the sinks if it failed; close them once none runs."""
+        with self._watch_lock:
+            key = self._watched.pop(spark_query_id, None)
+            if key is None:
+                return
+            self._ended.add(spark_query_id)
+            unused = None
+            if key not in self._watched.values():
+                unused = self._listeners.pop(key, None)
+            last = not self._watched
+        if unused is not None:
+            # Not from inside the listener's own callback: Spark's listener bus thread.
+            manager, listener = unused
+            threading.Thread(target=manager.removeListener, args=(listener,), daemon=True).start()
         for sink in self.sinks:
-            if exception is None:
-                sink.close()
-            else:
+            if exception is not None:
                 sink.fail(StreamingQueryFailedError(exception))
+            elif last:
+                sink.close()
 
 
 def _termination_listener(settle: Callable[[str, str | None], None]) -> Any:
