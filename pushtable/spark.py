@@ -257,9 +257,22 @@ class ForeachBatchBridge:
         if self.lance_uri is not None:
             writer = self._writer(query_id)
             if self.executor_writes:
-                started = time.perf_counter()
-                result = self._commit_on_executors(batch_df, writer, epoch_id)
-                commit_s = time.perf_counter() - started
+                # Live sinks read the epoch too: cache it, so both reads see one computation
+                # (a non-deterministic column would otherwise differ between Lance and live).
+                live = bool(self._live_sinks()) and epoch_id > self._pushed.get(query_id, -1)
+                if live:
+                    batch_df = batch_df.persist()
+                try:
+                    started = time.perf_counter()
+                    result = self._commit_on_executors(batch_df, writer, epoch_id)
+                    commit_s = time.perf_counter() - started
+                    if live:
+                        started = time.perf_counter()
+                        table = batch_df.toArrow()
+                        to_arrow_s = time.perf_counter() - started
+                finally:
+                    if live:
+                        batch_df.unpersist()
             else:
                 started = time.perf_counter()
                 if skipped := writer.replayed(epoch_id):  # no need to convert a replay
@@ -372,7 +385,9 @@ class ForeachBatchBridge:
 
         if skipped := writer.replayed(epoch_id):
             return skipped
-        target = writer.schema_for(batch_df.limit(0).toArrow().schema)
+        from pyspark.sql.pandas.types import to_arrow_schema
+
+        target = writer.schema_for(to_arrow_schema(batch_df.schema))  # no Spark job for it
         uri, options = writer.uri, writer.storage_options
 
         def write_partition(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:

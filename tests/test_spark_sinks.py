@@ -6,9 +6,11 @@ Real local Spark and real Lance; every wait is bounded.
 from __future__ import annotations
 
 import json
+import random
 import threading
 from pathlib import Path
 
+import lance
 import pyarrow as pa
 import pytest
 from pyspark.sql import SparkSession
@@ -139,3 +141,24 @@ def test_push_options_are_checked(tmp_path: Path) -> None:
         ForeachBatchBridge(sinks=[live], push_timeout=float("inf"))
     with pytest.raises(ValueError, match="on_slow_reader"):
         ForeachBatchBridge(sinks=[live], on_slow_reader="drop")  # type: ignore[arg-type]
+
+
+def test_executor_writes_with_sinks_read_one_computation(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    from pyspark.sql import functions as F
+
+    write_epochs(tmp_path / "src", 3)
+    ctx = SessionContext()
+    schema = pa.schema([("id", pa.int64()), ("level", pa.string()), ("r", pa.float64())])
+    live = ctx.register_streaming_table("live", schema)
+    reader = query(ctx, "SELECT id, r FROM live ORDER BY id")
+    uri = tmp_path / "out.lance"
+    bridge = ForeachBatchBridge(sinks=[live], lance_uri=uri, executor_writes=True)
+    # A Python UDF draws anew on every computation (Spark's rand() would repeat its seed).
+    draw = F.udf(lambda: random.random(), "double").asNondeterministic()
+    df = stream(spark, tmp_path / "src").withColumn("r", draw())
+    run(df, bridge, tmp_path / "chk")
+    persisted = lance.dataset(str(uri)).to_table(columns=["id", "r"]).sort_by("id").to_pydict()
+    assert reader.join() == persisted
+    assert len(persisted["id"]) == 15
