@@ -181,6 +181,8 @@ class LanceEpochWriter:
         # changes, so later walks only read what is newer.
         self._mark: _Mark | None = None
         self._commits = 0
+        #: commits that met a concurrent writer and were retried (a figure, for upkeep)
+        self.conflicts = 0
 
     # -- reading history ----------------------------------------------------------------
 
@@ -322,8 +324,14 @@ class LanceEpochWriter:
             )
             try:
                 new = lance.LanceDataset.commit(ds, tx, storage_options=self.storage_options)
-            except CommitConflictError as exc:
-                if not exc.retryable:
+            except OSError as exc:  # CommitConflictError is an OSError too
+                contention = "too many concurrent writers" in str(exc).lower()
+                if not isinstance(exc, CommitConflictError) and not contention:
+                    raise  # storage trouble, not contention: Spark retries the epoch
+                # Lance retries compatible conflicts itself and gives up with "Too many
+                # concurrent writers" under heavy contention: back off and try again too.
+                self.conflicts += 1
+                if isinstance(exc, CommitConflictError) and not exc.retryable:
                     raise EpochCommitError(
                         f"epoch {epoch_id} of query {self.query_id} conflicts with a concurrent "
                         f"change to {self.uri} that retrying cannot resolve: {exc}"

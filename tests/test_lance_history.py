@@ -12,6 +12,7 @@ from typing import Any
 import lance
 import pyarrow as pa
 import pytest
+from lance.commit import CommitConflictError
 
 from pushtable.lance_epochs import LanceEpochWriter
 from tests.spark_support import stamped
@@ -98,3 +99,49 @@ def test_a_missing_tag_or_cleaned_version_still_means_not_found(tmp_path: Path) 
     assert writer.commit(0, epoch(0)).committed  # no tag yet: created
     assert LanceEpochWriter(uri, "q").last_committed_epoch() == 0
     assert LanceEpochWriter(uri, "other").last_committed_epoch() is None
+
+
+def test_commits_race_real_concurrent_writers(tmp_path: Path) -> None:
+    """200 epochs committed while two other writers append 100 times each to the dataset."""
+    import threading
+
+    uri = str(tmp_path / "shared.lance")
+    writer = LanceEpochWriter(uri, "q", backoff=0.005, max_retries=20)
+    writer.commit(0, epoch(0))  # creates the dataset
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    foreign_rows = [0]
+
+    def append_foreign(worker: int) -> None:
+        try:
+            n = 0
+            while not stop.is_set() and n < 100:  # 200 foreign commits among our 200
+                rows = pa.table({"id": pa.array([-(worker * 1_000_000 + n) - 1], pa.int64())})
+                try:
+                    lance.write_dataset(rows, uri, mode="append")
+                except CommitConflictError:
+                    continue  # a plain Lance writer losing the race: it tries again
+                n += 1
+                stop.wait(0.002)  # busy, not a denial of service
+            foreign_rows[0] += n
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            errors.append(exc)
+
+    others = [threading.Thread(target=append_foreign, args=(w,)) for w in (1, 2)]
+    for t in others:
+        t.start()
+    try:
+        for e in range(1, 200):
+            assert writer.commit(e, epoch(e)).committed
+            if e % 50 == 0:  # a replay in the middle of the race is still recognised
+                assert not writer.commit(e, epoch(e)).committed
+    finally:
+        stop.set()
+        for t in others:
+            t.join(60)
+    assert not errors, errors
+    assert [e for q, e in stamped(Path(uri)) if q == "q"] == list(range(200))
+    ids = lance.dataset(uri).to_table(columns=["id"])["id"].to_pylist()
+    ours = sorted(i for i in ids if i >= 0)
+    assert ours == sorted(i for e in range(200) for i in (e * 10, e * 10 + 1))
+    assert len(ids) - len(ours) == foreign_rows[0]  # no foreign row lost either

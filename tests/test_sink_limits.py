@@ -62,7 +62,8 @@ def test_blocked_writers_are_served_in_arrival_order(run: int) -> None:
     assert reader.join() == {"k": [0, 1, 2, 3, 4, 5, 6]}
 
 
-def test_an_earlier_writer_never_times_out_while_a_later_one_gets_in(ctx: SessionContext) -> None:
+def test_an_earlier_writer_never_times_out_while_a_later_one_gets_in() -> None:
+    ctx = SessionContext(datafusion.SessionConfig().with_target_partitions(1))  # output in order
     sink = ctx.register_streaming_table("t", SCHEMA, capacity=1)
     sink.write(batch(1, 0))
     first = Background(lambda: sink.write(batch(1, 1), timeout=WAIT))

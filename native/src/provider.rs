@@ -5,7 +5,7 @@
 
 use std::ffi::CString;
 use std::fmt;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 use arrow::compute::filter_record_batch;
 use arrow::datatypes::SchemaRef;
@@ -47,44 +47,42 @@ impl ScanSource {
 }
 
 /// One scan's claim on the source, shared by its partitions: the first partition to execute
-/// takes the reader, the others share it; the reader is gone when the last stream drops.
+/// takes the reader, the others share it. The claim keeps only a weak reference, so the
+/// reader is gone as soon as every partition stream that was opened is dropped (a failed
+/// or cancelled query never leaves it behind in a plan that lingers).
 struct ScanClaim {
     source: Arc<ScanSource>,
     state: Mutex<ClaimState>,
 }
 
 struct ClaimState {
-    reader: Option<Arc<Reader>>,
-    /// Partitions not executed yet; the claim lets go of the reader when none is left.
-    pending: usize,
+    reader: Weak<Reader>,
+    claimed: bool,
     refused: bool,
 }
 
 impl ScanClaim {
-    fn reader(&self) -> DFResult<Arc<Reader>> {
+    /// The shared reader, or None when the scan's other partitions already finished with it.
+    fn reader(&self) -> DFResult<Option<Arc<Reader>>> {
         let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
         if st.refused {
             return Err(self.source.consumed_error());
         }
-        let reader = match &st.reader {
-            Some(reader) => Arc::clone(reader),
-            None => match self.source.reader.lock().unwrap_or_else(|p| p.into_inner()).take() {
-                Some(reader) => {
-                    let shared = reader.start();
-                    st.reader = Some(Arc::clone(&shared));
-                    shared
-                }
-                None => {
-                    st.refused = true;
-                    return Err(self.source.consumed_error());
-                }
-            },
-        };
-        st.pending = st.pending.saturating_sub(1);
-        if st.pending == 0 {
-            st.reader = None; // only the partition streams hold it now
+        if st.claimed {
+            return Ok(st.reader.upgrade());
         }
-        Ok(reader)
+        match self.source.reader.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            Some(reader) => {
+                let shared = reader.start();
+                st.reader = Arc::downgrade(&shared);
+                st.claimed = true;
+                Ok(Some(shared))
+            }
+            None => {
+                st.refused = true;
+                Err(self.source.consumed_error())
+            }
+        }
     }
 }
 
@@ -116,7 +114,10 @@ impl PartitionStream for ScanPartition {
     fn execute(&self, _ctx: Arc<TaskContext>) -> SendableRecordBatchStream {
         let schema = Arc::clone(self.schema());
         let reader = match self.claim.reader() {
-            Ok(reader) => reader,
+            Ok(Some(reader)) => reader,
+            // The other partitions read the stream to its end (or stopped) before this one
+            // started: nothing is left for it.
+            Ok(None) => return Box::pin(RecordBatchStreamAdapter::new(schema, futures::stream::empty())),
             Err(err) => {
                 return Box::pin(RecordBatchStreamAdapter::new(schema, futures::stream::once(async { Err(err) })))
             }
@@ -233,7 +234,7 @@ impl TableProvider for LiveTable {
             if self.sort_order.is_empty() { state.config().target_partitions().max(1) } else { 1 };
         let claim = Arc::new(ScanClaim {
             source: Arc::clone(&self.source),
-            state: Mutex::new(ClaimState { reader: None, pending: partitions, refused: false }),
+            state: Mutex::new(ClaimState { reader: Weak::new(), claimed: false, refused: false }),
         });
         let streams = (0..partitions)
             .map(|_| {
