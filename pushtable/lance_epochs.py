@@ -10,6 +10,7 @@ walk stops there. See docs/spark.md for the exact guarantee.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import time
@@ -92,6 +93,7 @@ class CommitResult:
     version: int | None
     last_epoch: int | None
     reason: str
+    replay: bool = False
 
 
 def _tag_for(query_id: str) -> str:
@@ -160,9 +162,15 @@ class LanceEpochWriter:
         cleanup_older_than: timedelta | None = None,
         storage_options: dict[str, str] | None = None,
         fault: Callable[[str, int], None] | None = None,
+        key: Sequence[str] | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+        if key is not None and (mode != "update" or not key or isinstance(key, str)):
+            raise ValueError(
+                f"key= is for mode='update' (an upsert by those columns), as a non-empty list "
+                f"of column names; got key={key!r} with mode={mode!r}"
+            )
         if not query_id:
             raise ValueError("query_id must be a non-empty string")
         if compact_every is not None and compact_every < 1:
@@ -175,6 +183,7 @@ class LanceEpochWriter:
         self.compact_every = compact_every
         self.cleanup_older_than = cleanup_older_than
         self.storage_options = storage_options
+        self.key = None if key is None else list(key)
         self._fault = fault
         self._tag = _tag_for(query_id)
         # This query's newest commit seen so far: history at or below a version never
@@ -267,7 +276,7 @@ class LanceEpochWriter:
             return None
         reason = f"epoch {epoch_id} <= last committed epoch {last} of query {self.query_id}"
         log.info("skipping replayed %s", reason)
-        return CommitResult(False, None, last, reason)
+        return CommitResult(False, None, last, reason, replay=True)
 
     def commit(self, epoch_id: int, data: pa.Table) -> CommitResult:
         """Write ``data`` as epoch ``epoch_id`` unless it was committed before."""
@@ -281,6 +290,8 @@ class LanceEpochWriter:
         self._refuse_mode_switch()
         if ds is None:
             ds = self._create(target)
+        if self.key is not None:
+            return self._commit(ds, epoch_id, self._upsert(data))
         if self._fault:
             self._fault("before_fragments", epoch_id)
         fragments = (
@@ -301,11 +312,34 @@ class LanceEpochWriter:
             return skipped
         if not fragments and self.mode != "complete":
             return CommitResult(False, None, self._last(), f"epoch {epoch_id} is empty")
+        if self.key is not None:
+            raise ValueError("key= upserts need the epoch's rows on the driver, not fragments")
         self._refuse_mode_switch()
         return self._commit(ds, epoch_id, fragments)
 
+    def _upsert(self, data: pa.Table) -> Callable[[lance.LanceDataset], Any]:
+        """A merge of ``data`` by ``key`` into whichever version a commit attempt reads.
+
+        pylance 14 runs a merge uncommitted and returns its transaction, which is then
+        committed with this epoch's stamp like any other; a retry merges again, into the
+        newer version.
+        """
+        missing = [k for k in self.key or [] if k not in data.column_names]
+        if missing:
+            raise SchemaDriftError(f"key column(s) {missing} not in the epoch's columns")
+
+        def merge(ds: lance.LanceDataset) -> Any:
+            builder = ds.merge_insert(self.key).when_matched_update_all()
+            tx, _ = builder.when_not_matched_insert_all().execute_uncommitted(data)
+            return tx
+
+        return merge
+
     def _commit(
-        self, ds: lance.LanceDataset, epoch_id: int, fragments: Sequence[Any]
+        self,
+        ds: lance.LanceDataset,
+        epoch_id: int,
+        fragments: Sequence[Any] | Callable[[lance.LanceDataset], Any],
     ) -> CommitResult:
         if self._fault:
             self._fault("before_commit", epoch_id)
@@ -314,14 +348,19 @@ class LanceEpochWriter:
                 ds = self._dataset() or ds
                 if skipped := self.replayed(epoch_id, ds):
                     return skipped
-            operation = (
-                lance.LanceOperation.Overwrite(ds.schema, list(fragments))
-                if self.mode == "complete"
-                else lance.LanceOperation.Append(list(fragments))
-            )
-            tx = lance.Transaction(
-                ds.version, operation, transaction_properties=self.properties(epoch_id)
-            )
+            if callable(fragments):  # an upsert: its transaction depends on the version read
+                tx = dataclasses.replace(
+                    fragments(ds), transaction_properties=self.properties(epoch_id)
+                )
+            else:
+                operation = (
+                    lance.LanceOperation.Overwrite(ds.schema, list(fragments))
+                    if self.mode == "complete"
+                    else lance.LanceOperation.Append(list(fragments))
+                )
+                tx = lance.Transaction(
+                    ds.version, operation, transaction_properties=self.properties(epoch_id)
+                )
             try:
                 new = lance.LanceDataset.commit(ds, tx, storage_options=self.storage_options)
             except OSError as exc:  # CommitConflictError is an OSError too

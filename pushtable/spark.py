@@ -143,6 +143,9 @@ class ForeachBatchBridge:
             with :class:`SlowReaderError` (its reader learns it missed data) and gets no more
             epochs, while the query goes on persisting; ``"block"``: wait without limit, so
             the reader paces Spark.
+        key: with ``mode="update"``: each epoch is an upsert (Lance ``merge_insert``) by these
+            columns, so the dataset holds the latest row per key; without it, update mode
+            appends a log of updates.
 
     Example:
         >>> from pushtable import SessionContext
@@ -169,6 +172,7 @@ class ForeachBatchBridge:
         storage_options: dict[str, str] | None = None,
         push_timeout: float = 30.0,
         on_slow_reader: Literal["detach", "block"] = "detach",
+        key: Sequence[str] | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
@@ -194,6 +198,10 @@ class ForeachBatchBridge:
             raise ValueError("cleanup_older_than runs during upkeep: set compact_every too")
         if query_id is not None and not query_id:
             raise ValueError("query_id must be a non-empty string or None")
+        if key is not None and executor_writes:
+            raise ValueError(
+                "key= upserts run on the driver: it cannot be combined with executor_writes=True"
+            )
         if on_slow_reader not in ("detach", "block"):
             raise ValueError(f"on_slow_reader must be 'detach' or 'block', got {on_slow_reader!r}")
         if not push_timeout > 0 or push_timeout == float("inf"):
@@ -212,6 +220,7 @@ class ForeachBatchBridge:
             "compact_every": compact_every,
             "cleanup_older_than": cleanup_older_than,
             "storage_options": storage_options,
+            "key": key,
         }
         self.last_report: EpochReport | None = None
         self._writers: dict[str, LanceEpochWriter] = {}
@@ -295,6 +304,11 @@ class ForeachBatchBridge:
             push_s = time.perf_counter() - started
             self._pushed[query_id] = epoch_id
             pushed = True
+        computed = table is not None or (self.executor_writes and not result.replay)
+        if not computed:
+            # A replay nobody needed to read. Spark still wants the whole batch processed:
+            # a stateful query validates its state-store commit at the end of the epoch.
+            batch_df.write.format("noop").mode("overwrite").save()
         self._step("after_push", epoch_id)
         rows = table.num_rows if table is not None else -1
         self.last_report = EpochReport(

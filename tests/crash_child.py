@@ -1,7 +1,8 @@
 """One run of a Spark -> Lance (+ live table) stream that may hard-exit at a chosen step.
 
-``python -m tests.crash_child SRC URI CHK [STEP EPOCH [executor]]``: runs the stream over every
-file in SRC with the bridge; when STEP/EPOCH are given the process dies with ``os._exit(17)``
+``python -m tests.crash_child SRC URI CHK [STEP EPOCH [driver|executor|update]]``: runs the
+stream over every file in SRC with the bridge (``update``: counts per level, upserted by key);
+when STEP/EPOCH are given the process dies with ``os._exit(17)``
 (no cleanup, no exception handling, like a kill) when the bridge reaches that step of that
 epoch. Exit status 0 means the stream finished.
 """
@@ -23,7 +24,8 @@ CRASH_EXIT = 17
 def main(argv: list[str]) -> int:
     src, uri, chk = (Path(a) for a in argv[:3])
     step, epoch = (argv[3], int(argv[4])) if len(argv) > 4 else (None, -1)
-    executor = len(argv) > 5 and argv[5] == "executor"
+    path = argv[5] if len(argv) > 5 else "driver"
+    executor, update = path == "executor", path == "update"
     spark = spark_session("pushtable-crash")
     ctx = SessionContext()
     live = ctx.register_streaming_table("events", ARROW, capacity=2)
@@ -35,16 +37,23 @@ def main(argv: list[str]) -> int:
         daemon=True,
     )
     reader.start()
-    bridge = ForeachBatchBridge(sinks=[live], lance_uri=uri, executor_writes=executor)
+    if update:  # no live sink: update mode refuses them
+        live.close()
+        bridge = ForeachBatchBridge(lance_uri=uri, mode="update", key=["level"])
+    else:
+        bridge = ForeachBatchBridge(sinks=[live], lance_uri=uri, executor_writes=executor)
 
     def fault(s: str, e: int) -> None:
         if s == step and e == epoch:
             os._exit(CRASH_EXIT)
 
     bridge.fault = fault
+    df = stream(spark, src)
+    if update:
+        df = df.groupBy("level").count()
     q = (
-        stream(spark, src)
-        .writeStream.foreachBatch(bridge)
+        df.writeStream.foreachBatch(bridge)
+        .outputMode("update" if update else "append")
         .option("checkpointLocation", str(chk))
         .trigger(availableNow=True)
         .start()

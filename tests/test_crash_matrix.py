@@ -18,7 +18,7 @@ import lance
 import pytest
 
 from tests.crash_child import CRASH_EXIT
-from tests.spark_support import ids, write_epochs
+from tests.spark_support import ids, stamped, write_epochs
 
 pytestmark = pytest.mark.spark
 
@@ -75,6 +75,39 @@ def test_hard_crash_at_each_step_keeps_rows_exactly_once(tmp_path: Path, step: s
     assert outcome["losses"] == 0
     if step == "before_commit":
         assert outcome["orphans"] >= 1  # fragments written, never committed
+
+
+def level_counts(uri: Path) -> dict[str, int]:
+    rows = lance.dataset(str(uri)).to_table().to_pylist()
+    assert len(rows) == len({r["level"] for r in rows}), rows  # one row per key
+    return {r["level"]: r["count"] for r in rows}
+
+
+def crash_and_restart_upserts(tmp: Path, step: str, epoch: int) -> None:
+    """Update mode with key=: the dataset holds each level's final count, each epoch once."""
+    src, uri, chk = tmp / "src", tmp / "out.lance", tmp / "chk"
+    write_epochs(src, EPOCHS, ROWS)
+    crashed = _child(str(src), str(uri), str(chk), step, str(epoch), "update")
+    assert crashed.returncode == CRASH_EXIT, crashed.stdout + crashed.stderr
+    restarted = _child(str(src), str(uri), str(chk), "none", "-1", "update")
+    assert restarted.returncode == 0, restarted.stdout + restarted.stderr
+    epochs = [e for _, e in stamped(uri)]
+    assert epochs == sorted(set(epochs)), epochs  # no epoch committed twice
+    per_epoch_a = sum(1 for r in range(ROWS) if r % 2 == 0)
+    assert level_counts(uri) == {"a": EPOCHS * per_epoch_a, "b": EPOCHS * (ROWS - per_epoch_a)}
+
+
+@pytest.mark.parametrize("step", ["before_commit", "after_commit"])
+def test_hard_crash_of_an_upserting_query(tmp_path: Path, step: str) -> None:
+    crash_and_restart_upserts(tmp_path, step, epoch=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", range(20))
+def test_random_crash_sweep_of_upserts(tmp_path: Path, run: int) -> None:
+    rng = random.Random(1000 + run)
+    step, epoch = rng.choice(STEPS), rng.randrange(EPOCHS)
+    crash_and_restart_upserts(tmp_path, step, epoch)
 
 
 @pytest.mark.slow

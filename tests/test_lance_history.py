@@ -145,3 +145,32 @@ def test_commits_race_real_concurrent_writers(tmp_path: Path) -> None:
     ours = sorted(i for i in ids if i >= 0)
     assert ours == sorted(i for e in range(200) for i in (e * 10, e * 10 + 1))
     assert len(ids) - len(ours) == foreign_rows[0]  # no foreign row lost either
+
+
+def test_update_mode_with_a_key_upserts_each_epoch_once(tmp_path: Path) -> None:
+    uri = str(tmp_path / "latest.lance")
+    writer = LanceEpochWriter(uri, "q", mode="update", key=["level"])
+
+    def counts(**by_level: int) -> pa.Table:
+        return pa.table({"level": list(by_level), "count": pa.array(by_level.values(), pa.int64())})
+
+    assert writer.commit(0, counts(a=1, b=2)).committed
+    assert writer.commit(1, counts(a=5)).committed
+    assert not writer.commit(1, counts(a=5)).committed  # a replay is recognised
+    restarted = LanceEpochWriter(uri, "q", mode="update", key=["level"])
+    assert not restarted.commit(1, counts(a=5)).committed  # in a fresh process too
+    assert restarted.commit(2, counts(b=7, c=1)).committed
+    rows = sorted(lance.dataset(uri).to_table().to_pylist(), key=lambda r: r["level"])
+    assert rows == [
+        {"level": "a", "count": 5},
+        {"level": "b", "count": 7},
+        {"level": "c", "count": 1},
+    ]
+    assert [e for _, e in stamped(Path(uri))] == [0, 1, 2]
+
+
+def test_a_key_needs_update_mode(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="key= is for mode='update'"):
+        LanceEpochWriter(str(tmp_path / "x.lance"), "q", mode="append", key=["k"])
+    with pytest.raises(ValueError, match="non-empty list"):
+        LanceEpochWriter(str(tmp_path / "x.lance"), "q", mode="update", key="k")
