@@ -122,7 +122,11 @@ def test_a_filter_with_a_limit_stops_after_enough_matches(ctx: SessionContext) -
             sink.write(batch(1, i), timeout=WAIT)
 
     writer = Background(write_all)
-    assert sorted(reader.join()["k"]) == [5, 6, 7]
+    got = reader.join()["k"]
+    # Any three matches (no ORDER BY; the scan's partitions race for batches), each once.
+    assert len(got) == 3
+    assert len(set(got)) == 3
+    assert all(k >= 5 for k in got)
     assert isinstance(writer.join_error(), ReaderGoneError)  # the reader went away
 
 
