@@ -124,7 +124,7 @@ async def test_cancelling_a_stream_write_keeps_only_what_was_queued(ctx: Session
     await _until(lambda: sink.stats.waiting_writers == 0)
     reader = query(ctx, "SELECT k FROM t")
     await sink.aclose()
-    assert reader.join() == {"k": [0, 1]}  # batches 2-4 were never enqueued
+    assert sorted(reader.join()["k"]) == [0, 1]  # batches 2-4 were never enqueued
 
 
 async def test_awrite_timeout_on_a_stream_reports_what_it_queued(ctx: SessionContext) -> None:
