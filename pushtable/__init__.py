@@ -24,12 +24,14 @@ from pushtable.errors import (
     ReaderGoneError,
     SchemaMismatchError,
     SinkClosedError,
+    SlowSubscriberError,
     StreamConsumedError,
     StreamFailedError,
     WriteTimeoutError,
 )
 from pushtable.explain import LiveExplanation, explain_live
 from pushtable.sink import SinkStats, TableSink
+from pushtable.topic import Subscription, SubscriptionStats, Topic, TopicStats
 
 __version__ = _version("pushtable")
 
@@ -44,9 +46,14 @@ __all__ = [
     "SessionContext",
     "SinkClosedError",
     "SinkStats",
+    "SlowSubscriberError",
     "StreamConsumedError",
     "StreamFailedError",
+    "Subscription",
+    "SubscriptionStats",
     "TableSink",
+    "Topic",
+    "TopicStats",
     "WriteTimeoutError",
     "explain_live",
     "register_streaming_table",

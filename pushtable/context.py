@@ -38,6 +38,29 @@ def _check_datafusion_version() -> None:
 _check_datafusion_version()
 
 
+def check_new_table(
+    ctx: datafusion.SessionContext, name: str, capacity: int, max_bytes: int | None
+) -> None:
+    """Refuse a bad table name, an existing one, or bad queue limits, naming the problem."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty string, got {name!r}")
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        raise ValueError(f"capacity must be an integer >= 1, got {capacity!r}")
+    if max_bytes is not None and (
+        isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1
+    ):
+        raise ValueError(f"max_bytes must be an integer >= 1 or None, got {max_bytes!r}")
+    if ctx.table_exist(name):
+        raise ValueError(f"a table named {name!r} is already registered in this context")
+
+
+def order_columns(order_by: str | Sequence[str] | None, late: str) -> list[str]:
+    """``order_by`` as a list of columns (``late`` checked alongside)."""
+    if late not in ("reject", "drop"):
+        raise ValueError(f"late must be 'reject' or 'drop', got {late!r}")
+    return [order_by] if isinstance(order_by, str) else list(order_by or [])
+
+
 def register_streaming_table(
     ctx: datafusion.SessionContext,
     name: str,
@@ -72,21 +95,10 @@ def register_streaming_table(
         >>> ctx.sql("SELECT count(*) AS n FROM nums").to_pydict()
         {'n': [3]}
     """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"name must be a non-empty string, got {name!r}")
-    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-        raise ValueError(f"capacity must be an integer >= 1, got {capacity!r}")
-    if max_bytes is not None and (
-        isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1
-    ):
-        raise ValueError(f"max_bytes must be an integer >= 1 or None, got {max_bytes!r}")
+    check_new_table(ctx, name, capacity, max_bytes)
     if not isinstance(schema, pa.Schema):
         schema = pa.schema(schema)
-    if ctx.table_exist(name):
-        raise ValueError(f"a table named {name!r} is already registered in this context")
-    order = [order_by] if isinstance(order_by, str) else list(order_by or [])
-    if late not in ("reject", "drop"):
-        raise ValueError(f"late must be 'reject' or 'drop', got {late!r}")
+    order = order_columns(order_by, late)
     native, provider = _native.streaming_table(
         name, schema, capacity, max_bytes, unbounded, order, late
     )

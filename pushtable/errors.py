@@ -18,6 +18,7 @@ __all__ = [
     "ReaderGoneError",
     "SchemaMismatchError",
     "SinkClosedError",
+    "SlowSubscriberError",
     "StreamConsumedError",
     "StreamFailedError",
     "WriteTimeoutError",
@@ -60,6 +61,14 @@ class StreamFailedError(PushTableError):
     error: BaseException | None = None
 
 
+class SlowSubscriberError(PushTableError):
+    """A topic subscriber with ``on_slow="detach"`` fell behind and was cut loose.
+
+    Raised by that subscriber's query (the topic's producers and other subscribers go on);
+    the message names the topic, the backlog and the timeout.
+    """
+
+
 class SchemaMismatchError(PushTableError, ValueError):
     """A batch does not match the registered schema; the message names the field and both types."""
 
@@ -89,6 +98,7 @@ _CONSUMED = re.compile(r"StreamConsumedError: (streaming table '.*?' is single-s
 _FAILED = re.compile(
     r"pushtable: the producer of streaming table '(?P<table>.*?)' failed: (?P<msg>.*?)(?:\n|$)"
 )
+_SLOW = re.compile(r"SlowSubscriberError: (the subscriber of '.*?' fell behind.*?)(?:\n|$)")
 _KEEP = 1024  # failures remembered for their exception object (the newest ones)
 _failures: OrderedDict[tuple[str, str], BaseException] = OrderedDict()
 _failures_lock = threading.Lock()
@@ -108,6 +118,8 @@ def query_error(exc: BaseException) -> PushTableError | None:
     text = str(exc)
     if match := _CONSUMED.search(text):
         return StreamConsumedError(match.group(1))
+    if match := _SLOW.search(text):
+        return SlowSubscriberError(match.group(1))
     if match := _FAILED.search(text):
         table, message = match.group("table"), match.group("msg")
         error = StreamFailedError(f"the producer of streaming table '{table}' failed: {message}")

@@ -276,7 +276,9 @@ class LanceEpochWriter:
             return None
         reason = f"epoch {epoch_id} <= last committed epoch {last} of query {self.query_id}"
         log.info("skipping replayed %s", reason)
-        return CommitResult(False, None, last, reason, replay=True)
+        # The version it was committed at is known for the newest epoch (Spark replays only it).
+        version = self._mark.version if self._mark is not None and epoch_id == last else None
+        return CommitResult(False, version, last, reason, replay=True)
 
     def commit(self, epoch_id: int, data: pa.Table) -> CommitResult:
         """Write ``data`` as epoch ``epoch_id`` unless it was committed before."""

@@ -15,7 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
@@ -30,6 +30,9 @@ from pushtable.errors import (
     WriteTimeoutError,
     remember_failure,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["SinkStats", "TableSink"]
 
@@ -95,39 +98,14 @@ class SinkStats:
     reader_gone: bool
 
 
-class TableSink:
-    """Write end of a single-scan streaming table.
+class _Producer:
+    """The producer API shared by :class:`TableSink` and :class:`pushtable.Topic`."""
 
-    Example:
-        >>> import pyarrow as pa
-        >>> from pushtable import SessionContext
-        >>> ctx = SessionContext()
-        >>> sink = ctx.register_streaming_table("t", pa.schema([("v", pa.int64())]), capacity=4)
-        >>> with sink:
-        ...     sink.write(pa.record_batch([pa.array([1, 2, 3])], names=["v"]))
-        >>> ctx.sql("SELECT sum(v) AS s FROM t").to_pydict()
-        {'s': [6]}
-    """
-
-    def __init__(
-        self,
-        native: _native.Sink,
-        name: str,
-        schema: pa.Schema,
-        capacity: int,
-        max_bytes: int | None,
-    ) -> None:
+    def __init__(self, native: _native.Sink, name: str, schema: pa.Schema) -> None:
         self._native = native
         self.name = name
         self.schema = schema
-        self.capacity = capacity
-        self.max_bytes = max_bytes
         self.error: BaseException | None = None
-
-    def __repr__(self) -> str:
-        s = self.stats
-        state = "failed" if s.failed else "closed" if s.closed else "open"
-        return f"TableSink(name={self.name!r}, {state}, rows={s.rows}, queued={s.queued_batches})"
 
     def write(self, data: Any, timeout: float | None = None) -> None:
         """Enqueue a batch, blocking while the queue is full (the GIL is released meanwhile).
@@ -194,16 +172,11 @@ class TableSink:
             remember_failure(self.name, message, exc)
 
     @property
-    def stats(self) -> SinkStats:
-        """Current counters (see :class:`SinkStats`)."""
-        return SinkStats(**self._native.stats())
-
-    @property
     def closed(self) -> bool:
         """True once :meth:`close` or :meth:`fail` was called."""
-        return self.stats.closed
+        return bool(self._native.stats()["closed"])
 
-    def __enter__(self) -> TableSink:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(
@@ -217,7 +190,7 @@ class TableSink:
         else:
             self.fail(exc)
 
-    async def __aenter__(self) -> TableSink:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(
@@ -227,6 +200,43 @@ class TableSink:
         tb: TracebackType | None,
     ) -> None:
         self.__exit__(exc_type, exc, tb)
+
+
+class TableSink(_Producer):
+    """Write end of a single-scan streaming table.
+
+    Example:
+        >>> import pyarrow as pa
+        >>> from pushtable import SessionContext
+        >>> ctx = SessionContext()
+        >>> sink = ctx.register_streaming_table("t", pa.schema([("v", pa.int64())]), capacity=4)
+        >>> with sink:
+        ...     sink.write(pa.record_batch([pa.array([1, 2, 3])], names=["v"]))
+        >>> ctx.sql("SELECT sum(v) AS s FROM t").to_pydict()
+        {'s': [6]}
+    """
+
+    def __init__(
+        self,
+        native: _native.Sink,
+        name: str,
+        schema: pa.Schema,
+        capacity: int,
+        max_bytes: int | None,
+    ) -> None:
+        super().__init__(native, name, schema)
+        self.capacity = capacity
+        self.max_bytes = max_bytes
+
+    def __repr__(self) -> str:
+        s = self.stats
+        state = "failed" if s.failed else "closed" if s.closed else "open"
+        return f"TableSink(name={self.name!r}, {state}, rows={s.rows}, queued={s.queued_batches})"
+
+    @property
+    def stats(self) -> SinkStats:
+        """Current counters (see :class:`SinkStats`)."""
+        return SinkStats(**self._native.stats())
 
 
 # --- where asyncio meets the blocking native write ---------------------------------------

@@ -40,8 +40,10 @@ from pushtable.lance_epochs import (
     conform_to,
 )
 from pushtable.sink import TableSink
+from pushtable.topic import Subscription, Topic
 
 if TYPE_CHECKING:
+    import datafusion
     from pyspark.sql import DataFrame, SparkSession
     from pyspark.sql.streaming.query import StreamingQuery
 
@@ -231,7 +233,13 @@ class ForeachBatchBridge:
         self._watched: dict[str, str] = {}
         self._ended: set[str] = set()
         self._listeners: dict[str, tuple[Any, Any]] = {}  # manager key -> (manager, listener)
-        self._lock = threading.Lock()  # one epoch at a time
+        # Subscriptions (history + live tail): the topic every committed epoch is published to,
+        # and the Lance version up to which every epoch has been published (the history a new
+        # subscription reads is the dataset as of this version).
+        self._topic: Topic | None = None
+        self._covered = 0
+        self._epoch_schema: pa.Schema | None = None
+        self._lock = threading.Lock()  # one epoch (or one subscription) at a time
         self._watch_lock = threading.Lock()  # listener bookkeeping: never waits on an epoch
         #: test hook: called as fault(step, epoch_id) at each step of an epoch
         self.fault: Callable[[str, int], None] | None = None
@@ -261,14 +269,16 @@ class ForeachBatchBridge:
         table: pa.Table | None = None
         to_arrow_s = commit_s = push_s = 0.0
         result = CommitResult(False, None, None, "no Lance dataset configured")
-        if self._live_sinks():
-            self._check_sinks(batch_df, epoch_id)
+        if self._live_sinks() or self.lance_uri is None:
+            self._check_sinks(batch_df, epoch_id)  # also notes the schema for subscriptions
         if self.lance_uri is not None:
             writer = self._writer(query_id)
             if self.executor_writes:
                 # Live sinks read the epoch too: cache it, so both reads see one computation
                 # (a non-deterministic column would otherwise differ between Lance and live).
-                live = bool(self._live_sinks()) and epoch_id > self._pushed.get(query_id, -1)
+                live = (
+                    bool(self._live_sinks()) and epoch_id > self._pushed.get(query_id, -1)
+                ) or self._topic is not None
                 if live:
                     batch_df = batch_df.persist()
                 try:
@@ -292,6 +302,12 @@ class ForeachBatchBridge:
                     started = time.perf_counter()
                     result = writer.commit(epoch_id, table)
                     commit_s = time.perf_counter() - started
+        if self._publishes(result, epoch_id, query_id):
+            if table is None:
+                started = time.perf_counter()
+                table = batch_df.toArrow()
+                to_arrow_s += time.perf_counter() - started
+            self._publish(table, result, epoch_id)
         pushed = False
         if self._live_sinks() and epoch_id > self._pushed.get(query_id, -1):
             if table is None:
@@ -349,6 +365,7 @@ class ForeachBatchBridge:
         from pyspark.sql.pandas.types import to_arrow_schema
 
         schema = to_arrow_schema(batch_df.schema)
+        self._epoch_schema = schema
         key = schema.to_string()
         if key in self._checked:
             return
@@ -389,6 +406,134 @@ class ForeachBatchBridge:
                     f"live table {sink.name!r} rejected epoch {epoch_id}: {exc}"
                 )
                 self._detach(sink, error, str(exc))
+
+    # -- subscriptions: history + live tail ---------------------------------------------
+
+    def subscribe(
+        self,
+        ctx: datafusion.SessionContext,
+        name: str,
+        *,
+        history: bool = True,
+        capacity: int = 16,
+        schema: pa.Schema | None = None,
+    ) -> Subscription:
+        """Register a live table ``name`` in ``ctx``, at any moment, even mid-query.
+
+        With ``history=True`` its query first reads the Lance dataset as of the newest
+        version whose epochs were all published (the newest version, unless an epoch is being
+        retried), then every epoch committed after it: no gap and no duplicate. Taken after
+        the query ended, it reads the history, then ends. ``history=False`` starts at the
+        next epoch. A reader that falls behind is treated as ``on_slow_reader`` says
+        (``"detach"``: after ``push_timeout`` its query raises ``SlowSubscriberError``).
+        ``schema`` is needed only before the first epoch when no Lance dataset exists yet.
+
+        Example:
+            >>> import tempfile
+            >>> from pushtable import SessionContext
+            >>> from pushtable.spark import ForeachBatchBridge
+            >>> bridge = ForeachBatchBridge(lance_uri=tempfile.mkdtemp() + "/e.lance")
+            >>> ctx = SessionContext()
+            >>> # any time after start(): all committed rows so far, then each new epoch
+            >>> # live = bridge.subscribe(ctx, "events"); ctx.sql("SELECT ... FROM events")
+        """
+        if self.mode != "append":
+            raise ValueError(
+                f"subscriptions need mode='append': in {self.mode!r} mode every epoch "
+                "restates results, which a live table would show duplicated"
+            )
+        if history and self.lance_uri is None:
+            raise ValueError("history=True reads the Lance dataset: pass lance_uri=... too")
+        with self._lock:
+            topic = self._ensure_topic(schema)
+            prelude = None
+            if history and self._covered > 0:
+                assert self.lance_uri is not None
+                import lance
+
+                options = self._writer_options["storage_options"]
+                ds = lance.dataset(self.lance_uri, version=self._covered, storage_options=options)
+                prelude = ds.scanner().to_reader()
+                if not prelude.schema.equals(topic.schema):
+                    prelude = prelude.cast(topic.schema)
+            return topic.subscribe(
+                ctx,
+                name,
+                capacity,
+                on_slow="block" if self.on_slow_reader == "block" else "detach",
+                slow_timeout=self.push_timeout,
+                history=prelude,
+            )
+
+    def close(self) -> None:
+        """End of stream for every live table and subscription (queued data stays readable).
+
+        Done for you when the Spark query terminates; call it when feeding the bridge by
+        hand. Idempotent.
+        """
+        for sink in self.sinks:
+            sink.close()
+        if self._topic is not None:
+            self._topic.close()
+
+    def _ensure_topic(self, schema: pa.Schema | None) -> Topic:
+        """The topic subscriptions read, created on the first subscription (under the lock)."""
+        if self._topic is not None:
+            return self._topic
+        ds = None
+        if self.lance_uri is not None:
+            import lance
+
+            from pushtable.lance_epochs import _not_found
+
+            try:
+                ds = lance.dataset(
+                    self.lance_uri, storage_options=self._writer_options["storage_options"]
+                )
+            except (OSError, ValueError) as exc:
+                if not _not_found(exc):
+                    raise
+        if schema is None:
+            if ds is not None:
+                schema = ds.schema
+            elif self._epoch_schema is not None:
+                schema = self._epoch_schema
+            else:
+                raise ValueError(
+                    "no schema yet (no epoch seen and no Lance dataset): pass schema=..."
+                )
+        relaxed = pa.schema([f.with_nullable(True) for f in schema])
+        self._topic = Topic(f"bridge:{self.lance_uri or id(self)}", relaxed)
+        # Every epoch committed so far is in the dataset now: history covers it.
+        self._covered = ds.version if ds is not None else 0
+        if self._ended and not self._watched:
+            self._topic.close()  # the query already ended: history, then end of stream
+        return self._topic
+
+    def _publishes(self, result: CommitResult, epoch_id: int, query_id: str) -> bool:
+        """Whether the topic gets this epoch: exactly the epochs its history does not cover."""
+        if self._topic is None:
+            return False
+        if self.lance_uri is None:
+            return epoch_id > self._pushed.get(query_id, -1)
+        return result.version is not None and result.version > self._covered
+
+    def _publish(self, table: pa.Table, result: CommitResult, epoch_id: int) -> None:
+        """Write a committed epoch to the subscriptions (before anything else can fail)."""
+        assert self._topic is not None
+        try:
+            data = conform_to(table, self._topic.schema)
+        except (SchemaDriftError, pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+            self._topic.fail(
+                IncompatibleSinkError(f"subscriptions cannot take epoch {epoch_id}: {exc}")
+            )
+            return
+        try:
+            self._topic.write(data)
+        except SinkClosedError as exc:
+            log.warning("epoch %s not published: %s", epoch_id, exc)
+        if result.version is not None:
+            self._covered = result.version
 
     # -- executor-side writes -----------------------------------------------------------
 
@@ -493,11 +638,14 @@ class ForeachBatchBridge:
             # Not from inside the listener's own callback: Spark's listener bus thread.
             manager, listener = unused
             threading.Thread(target=manager.removeListener, args=(listener,), daemon=True).start()
-        for sink in self.sinks:
+        producers: list[TableSink | Topic] = [*self.sinks]
+        if self._topic is not None:
+            producers.append(self._topic)
+        for producer in producers:
             if exception is not None:
-                sink.fail(StreamingQueryFailedError(exception))
+                producer.fail(StreamingQueryFailedError(exception))
             elif last:
-                sink.close()
+                producer.close()
 
 
 def _termination_listener(settle: Callable[[str, str | None], None]) -> Any:

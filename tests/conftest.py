@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -76,6 +77,15 @@ def write_many(sink: TableSink, b: pa.RecordBatch, times: int) -> None:
     """Write ``b`` ``times`` times, each write bounded by WAIT."""
     for _ in range(times):
         sink.write(b, timeout=WAIT)
+
+
+def wait_until(condition: Callable[[], bool], what: str) -> None:
+    """Poll ``condition()`` until true; fail the test after WAIT seconds."""
+    deadline = time.monotonic() + WAIT
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.001)
 
 
 def query(ctx: SessionContext, sql: str) -> Background:

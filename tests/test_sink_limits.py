@@ -11,7 +11,6 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable
 
 import datafusion
 import pyarrow as pa
@@ -26,16 +25,7 @@ from pushtable import (
     WriteTimeoutError,
     _native,
 )
-from tests.conftest import SCHEMA, WAIT, Background, batch, query
-
-
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    """Poll ``condition()`` until true; fail the test after WAIT seconds."""
-    deadline = time.monotonic() + WAIT
-    while not condition():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.001)
+from tests.conftest import SCHEMA, WAIT, Background, batch, query, wait_until
 
 
 def _waiting(sink: TableSink, n: int) -> bool:

@@ -1,11 +1,20 @@
-//! The bounded channel between producers and the one scan that reads a table.
+//! The log between producers and the scans that read it.
 //!
-//! Producers block on a condition variable (outside any async runtime, GIL released by
-//! the caller); the reader is a `Stream` polled by DataFusion that parks its `Waker` in
-//! the shared state. One mutex guards everything, so every state change (push, pop,
-//! close, fail, reader gone, cancel) is seen atomically by both sides and wakes the other.
+//! A channel is an append-only log of batches read through *cursors*, one per reader. A
+//! streaming table has exactly one cursor (its single scan); a topic has one per
+//! subscription, added at any time. Each batch is stored once and shared (an `Arc`'d
+//! `RecordBatch`): a cursor's backlog is the log from its position to the end, so memory
+//! grows with queued (and retained) batches, never with the number of readers. The log
+//! is trimmed below the slowest cursor and the topic's retention window.
 //!
-//! Blocked producers wait in FIFO order, each on its own condition variable: a pop wakes
+//! Producers block on a condition variable (outside any async runtime, GIL released by the
+//! caller) while some cursor's backlog is at its capacity; a cursor that may be detached
+//! (`OnSlow::Detach`) is cut loose instead once a write has waited its timeout for it. A
+//! reader is a `Stream` polled by DataFusion that parks its `Waker` in its cursor. One
+//! mutex guards everything, so every state change (append, read, close, fail, reader gone,
+//! cancel) is seen atomically by both sides and wakes the other.
+//!
+//! Blocked producers wait in FIFO order, each on its own condition variable: a read wakes
 //! only the producer at the head of the line (no thundering herd), and a later arrival
 //! never overtakes an earlier one.
 //!
@@ -20,11 +29,13 @@ use std::time::{Duration, Instant};
 
 use arrow::array::{Array, RecordBatch};
 use arrow::datatypes::SchemaRef;
+use arrow::error::ArrowError;
 use datafusion_common::{DataFusionError, Result as DFResult};
 use datafusion_execution::RecordBatchStream;
 use futures::Stream;
 
 use crate::order::{Newest, OrderGate};
+use crate::schema;
 
 /// How often a blocked *interruptible* producer (Python's main thread) checks for Ctrl-C.
 const TICK: Duration = Duration::from_millis(50);
@@ -53,12 +64,48 @@ pub enum PushError<E> {
     Interrupted(E),
 }
 
-/// Where the table's single reader is in its life.
+/// What a full cursor does to producers.
 #[derive(Debug, Clone, Copy, PartialEq)]
+pub enum OnSlow {
+    /// Producers wait for it (the slowest reader paces them).
+    Block,
+    /// A write waits at most this long for it; then the cursor is detached and its reader
+    /// fails with "fell behind".
+    Detach(Duration),
+}
+
+/// How much one reader may have queued, and what happens when it is full.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    pub capacity: usize,
+    pub max_bytes: Option<usize>,
+    pub on_slow: OnSlow,
+}
+
+/// What a topic keeps for subscribers that start at the earliest batch (or subscribe after
+/// `close()`), beyond what its cursors still have to read.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Retention {
+    pub batches: Option<usize>,
+    pub bytes: Option<usize>,
+}
+
+/// Where a new subscription starts.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Start {
+    /// With the next batch written.
+    Now,
+    /// With the oldest batch the retention window still holds.
+    Earliest,
+}
+
+/// Where a reader is in its life.
+#[derive(Debug, Clone, PartialEq)]
 enum ReaderState {
     Unclaimed,
     Reading,
-    Gone(&'static str),
+    /// Detached for falling behind; the message is its reader's error.
+    Behind(String),
 }
 
 /// Counters reported by `sink.stats`.
@@ -75,6 +122,18 @@ pub struct Stats {
     pub closed: bool,
     pub failed: bool,
     pub reader_gone: bool,
+    pub subscribers: usize,
+    pub detached: u64,
+}
+
+/// One reader's counters (a topic subscription's `stats`).
+#[derive(Debug, Default, Clone)]
+pub struct CursorStats {
+    pub queued_batches: usize,
+    pub queued_bytes: usize,
+    pub read_batches: u64,
+    pub state: &'static str,
+    pub detached_because: Option<String>,
 }
 
 /// One blocked producer's place in line.
@@ -83,31 +142,135 @@ struct Waiter {
     wake: Condvar,
 }
 
+/// A batch in the log; `before` counts the bytes admitted before it (O(1) backlogs).
 #[derive(Debug)]
-struct State {
-    queue: VecDeque<(RecordBatch, usize)>,
-    queued_bytes: usize,
-    closed: bool,
-    failure: Option<String>,
-    failure_delivered: bool,
-    reader: ReaderState,
+struct Entry {
+    batch: RecordBatch,
+    before: u64,
+}
+
+/// One reader's position in the log.
+#[derive(Debug)]
+struct Cursor {
+    id: u64,
+    next: u64,
+    limits: Limits,
+    state: ReaderState,
     /// The scan's idle partitions (one waker each; a table's scan may read with several).
     wakers: Vec<Waker>,
+    /// The end-of-stream error (failure or detachment) was handed to a partition.
+    error_delivered: bool,
+    /// Since when a producer has been waiting for this cursor without it reading.
+    full_since: Option<Instant>,
+    read_batches: u64,
+}
+
+#[derive(Debug)]
+struct State {
+    log: VecDeque<Entry>,
+    /// Sequence number of `log[0]`.
+    first: u64,
+    /// Bytes admitted so far (the `before` of the next entry).
+    admitted: u64,
+    cursors: Vec<Cursor>,
+    next_cursor: u64,
+    closed: bool,
+    failure: Option<String>,
+    /// A table's reader went away (the table is exclusive to it): producers fail.
+    gone: Option<&'static str>,
     waiters: VecDeque<Arc<Waiter>>,
     newest: Option<Newest>,
     stats: Stats,
 }
 
 impl State {
+    fn end(&self) -> u64 {
+        self.first + self.log.len() as u64
+    }
+
+    /// Bytes admitted before sequence number `seq` (which must still be in the log, or its end).
+    fn before(&self, seq: u64) -> u64 {
+        match self.log.get((seq - self.first) as usize) {
+            Some(e) => e.before,
+            None => self.admitted,
+        }
+    }
+
+    /// What `cursor` has still to read: (batches, bytes).
+    fn backlog(&self, c: &Cursor) -> (usize, usize) {
+        (
+            (self.end() - c.next) as usize,
+            (self.admitted - self.before(c.next)) as usize,
+        )
+    }
+
+    fn cursor(&mut self, id: u64) -> Option<&mut Cursor> {
+        self.cursors.iter_mut().find(|c| c.id == id)
+    }
+
     fn wake_all_waiters(&self) {
         for w in &self.waiters {
             w.wake.notify_one();
         }
     }
 
+    /// Wake the producer at the head of the line (after a read, or when the head left).
+    fn wake_head(&self) {
+        if let Some(head) = self.waiters.front() {
+            head.wake.notify_one();
+        }
+    }
+
     fn leave_line(&mut self, me: &Arc<Waiter>) {
         if let Some(pos) = self.waiters.iter().position(|w| Arc::ptr_eq(w, me)) {
             self.waiters.remove(pos);
+        }
+    }
+
+    /// The oldest sequence number the retention window keeps.
+    fn retained_from(&self, retention: &Retention) -> u64 {
+        let end = self.end();
+        if retention.batches.is_none() && retention.bytes.is_none() {
+            return end;
+        }
+        // Each limit given keeps at most that much; both given, both apply.
+        let by_batches = retention
+            .batches
+            .map_or(self.first, |n| end.saturating_sub(n as u64));
+        let by_bytes = retention.bytes.map_or(self.first, |max| {
+            // The first entry from which the rest of the log fits in `max` bytes.
+            let keep_after = self.admitted.saturating_sub(max as u64);
+            self.first + self.log.partition_point(|e| e.before < keep_after) as u64
+        });
+        by_batches.max(by_bytes).max(self.first)
+    }
+
+    /// Drop what no cursor needs and the retention window does not keep.
+    fn trim(&mut self, retention: &Retention) {
+        // A detached cursor reads nothing more, so it holds nothing back.
+        let needed = self
+            .cursors
+            .iter()
+            .filter(|c| !matches!(c.state, ReaderState::Behind(_)))
+            .map(|c| c.next)
+            .min();
+        let keep = needed
+            .unwrap_or(u64::MAX)
+            .min(self.retained_from(retention));
+        while self.first < keep && !self.log.is_empty() {
+            self.log.pop_front();
+            self.first += 1;
+        }
+    }
+
+    /// Take the cursor out of the producers' way: it reads nothing more from the log.
+    fn detach(&mut self, index: usize, message: String) {
+        let c = &mut self.cursors[index];
+        c.state = ReaderState::Behind(message);
+        c.next = self.first + self.log.len() as u64;
+        self.stats.detached += 1;
+        for w in c.wakers.drain(..) {
+            w.wake();
         }
     }
 }
@@ -123,7 +286,11 @@ pub struct CancelToken {
 
 impl CancelToken {
     pub fn new(channel: Arc<Channel>) -> Self {
-        Self { channel, cancelled: AtomicBool::new(false), written: Default::default() }
+        Self {
+            channel,
+            cancelled: AtomicBool::new(false),
+            written: Default::default(),
+        }
     }
 
     /// Cancel the request; returns how many of its batches were enqueued before that.
@@ -147,44 +314,59 @@ pub fn batch_bytes(batch: &RecordBatch) -> usize {
         .iter()
         .map(|c| {
             let data = c.to_data();
-            data.get_slice_memory_size().unwrap_or_else(|_| c.get_array_memory_size())
+            data.get_slice_memory_size()
+                .unwrap_or_else(|_| c.get_array_memory_size())
         })
         .sum()
 }
 
-/// Shared state of one streaming table: the queue, its limits and its lifecycle flags.
+/// Whether a channel backs one table or a topic.
+#[derive(Debug)]
+enum Kind {
+    /// One reader, created with the channel; when it goes, producers fail.
+    Table,
+    /// Readers subscribe at any time and leave alone; producers go on without any.
+    Topic(Retention),
+}
+
+/// Room for a batch of `bytes`, or why not.
+enum Room {
+    Yes,
+    /// No; a detachable cursor's timeout falls due at this instant (if any).
+    No(Option<Instant>),
+}
+
+/// Shared state of one streaming table or topic: the log, its readers and its lifecycle.
 #[derive(Debug)]
 pub struct Channel {
     pub name: String,
     pub schema: SchemaRef,
-    capacity: usize,
-    max_bytes: Option<usize>,
     order: Option<OrderGate>,
+    kind: Kind,
     state: Mutex<State>,
 }
 
 impl Channel {
-    pub fn new(
+    fn with_kind(
         name: String,
         schema: SchemaRef,
-        capacity: usize,
-        max_bytes: Option<usize>,
         order: Option<OrderGate>,
+        kind: Kind,
     ) -> Arc<Self> {
         Arc::new(Self {
             name,
             schema,
-            capacity,
-            max_bytes,
             order,
+            kind,
             state: Mutex::new(State {
-                queue: VecDeque::with_capacity(capacity.min(1024)),
-                queued_bytes: 0,
+                log: VecDeque::new(),
+                first: 0,
+                admitted: 0,
+                cursors: Vec::new(),
+                next_cursor: 0,
                 closed: false,
                 failure: None,
-                failure_delivered: false,
-                reader: ReaderState::Unclaimed,
-                wakers: Vec::new(),
+                gone: None,
                 waiters: VecDeque::new(),
                 newest: None,
                 stats: Stats::default(),
@@ -192,32 +374,141 @@ impl Channel {
         })
     }
 
+    /// A streaming table's channel and its single reader.
+    pub fn table(
+        name: String,
+        schema: SchemaRef,
+        capacity: usize,
+        max_bytes: Option<usize>,
+        order: Option<OrderGate>,
+    ) -> (Arc<Self>, Reader) {
+        let channel = Self::with_kind(name, schema, order, Kind::Table);
+        let limits = Limits {
+            capacity,
+            max_bytes,
+            on_slow: OnSlow::Block,
+        };
+        let reader = channel.add_reader(limits, Start::Now, None);
+        (channel, reader)
+    }
+
+    /// A topic's channel: readers come with [`Channel::subscribe`].
+    pub fn topic(
+        name: String,
+        schema: SchemaRef,
+        order: Option<OrderGate>,
+        retention: Retention,
+    ) -> Arc<Self> {
+        Self::with_kind(name, schema, order, Kind::Topic(retention))
+    }
+
+    pub fn is_topic(&self) -> bool {
+        matches!(self.kind, Kind::Topic(_))
+    }
+
+    fn retention(&self) -> Retention {
+        match self.kind {
+            Kind::Table => Retention::default(),
+            Kind::Topic(r) => r,
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, State> {
-        // A panic while holding the lock cannot leave the queue half-updated (every
-        // mutation is a single push/pop), so a poisoned lock is still safe to use.
-        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        // A panic while holding the lock cannot leave the log half-updated (every mutation
+        // is a single push/pop/field store), so a poisoned lock is still safe to use.
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    fn has_room(&self, st: &State, bytes: usize) -> bool {
-        if st.queue.len() >= self.capacity {
-            return false;
-        }
-        match self.max_bytes {
-            // An empty queue always admits one batch, or a batch larger than the
-            // budget could never be written.
-            Some(max) => st.queue.is_empty() || st.queued_bytes + bytes <= max,
-            None => true,
+    fn add_reader(
+        self: &Arc<Self>,
+        limits: Limits,
+        start: Start,
+        prelude: Option<Prelude>,
+    ) -> Reader {
+        let mut st = self.lock();
+        let next = match start {
+            Start::Now => st.end(),
+            Start::Earliest => st.retained_from(&self.retention()),
+        };
+        let id = st.next_cursor;
+        st.next_cursor += 1;
+        st.cursors.push(Cursor {
+            id,
+            next,
+            limits,
+            state: ReaderState::Unclaimed,
+            wakers: Vec::new(),
+            error_delivered: false,
+            full_since: None,
+            read_batches: 0,
+        });
+        Reader {
+            channel: Arc::clone(self),
+            id,
+            started: false,
+            prelude: Mutex::new(prelude),
         }
     }
 
-    /// Wake the producer at the head of the line (after a pop, or when the head left).
-    fn wake_head(st: &State) {
-        if let Some(head) = st.waiters.front() {
-            head.wake.notify_one();
+    /// A new reader of a topic, from `start`; `prelude` (if any) is read before the log.
+    pub fn subscribe(
+        self: &Arc<Self>,
+        limits: Limits,
+        start: Start,
+        prelude: Option<Prelude>,
+    ) -> Reader {
+        debug_assert!(self.is_topic());
+        self.add_reader(limits, start, prelude)
+    }
+
+    /// Whether every reader can take a batch of `bytes`; detaches cursors whose timeout
+    /// for this write ran out.
+    fn room(&self, st: &mut State, bytes: usize, now: Instant) -> Room {
+        let mut due: Option<Instant> = None;
+        let mut full = false;
+        let mut i = 0;
+        while i < st.cursors.len() {
+            let c = &st.cursors[i];
+            if matches!(c.state, ReaderState::Behind(_)) {
+                i += 1;
+                continue;
+            }
+            let (batches, queued) = st.backlog(c);
+            let limited = batches >= c.limits.capacity
+                // An empty backlog always admits one batch, or a batch larger than the
+                // budget could never be written.
+                || c.limits.max_bytes.is_some_and(|max| batches > 0 && queued + bytes > max);
+            if limited {
+                match c.limits.on_slow {
+                    OnSlow::Block => full = true,
+                    OnSlow::Detach(timeout) => {
+                        let since = *st.cursors[i].full_since.get_or_insert(now);
+                        if now >= since + timeout {
+                            let msg = format!(
+                                "fell behind: it had {batches} batch(es) queued and took none for {:.3}s \
+                                 while a write waited (on_slow='detach')",
+                                timeout.as_secs_f64()
+                            );
+                            st.detach(i, msg);
+                        } else {
+                            full = true;
+                            due = Some(due.map_or(since + timeout, |d| d.min(since + timeout)));
+                        }
+                    }
+                }
+            }
+            i += 1;
+        }
+        if full {
+            Room::No(due)
+        } else {
+            Room::Yes
         }
     }
 
-    /// Enqueue `batch`, blocking while the queue is full until `deadline` (None: no limit).
+    /// Enqueue `batch`, blocking while a reader is full until `deadline` (None: no limit).
     ///
     /// Producers are served in arrival order. With `tick` (Python's main thread), the
     /// caller's callback runs at least every [`TICK`] while blocked, *without* the lock
@@ -241,6 +532,7 @@ impl Channel {
             (None, Some(c)) => batch_bytes(c.batch()),
             (None, None) => 0,
         };
+        let retention = self.retention();
         let mut blocked_since: Option<Instant> = None;
         let mut me: Option<Arc<Waiter>> = None;
         let mut next_tick = Instant::now() + TICK;
@@ -252,7 +544,7 @@ impl Channel {
             if st.closed {
                 break Err(PushError::Closed);
             }
-            if let ReaderState::Gone(why) = st.reader {
+            if let Some(why) = st.gone {
                 break Err(PushError::ReaderGone(why));
             }
             if token.is_some_and(|t| t.cancelled.load(Ordering::SeqCst)) {
@@ -263,52 +555,64 @@ impl Channel {
                 (Some(me), Some(head)) => Arc::ptr_eq(me, head),
                 (None, Some(_)) => false,
             };
-            if my_turn && self.has_room(&st, bytes) {
-                let batch = match (unordered.take(), &self.order, checked.take()) {
-                    (Some(batch), _, _) => batch,
-                    (None, Some(gate), Some(c)) => {
-                        let late_in_batch = c.dropped;
-                        let offered = c.batch().num_rows() + late_in_batch;
-                        match gate.admit(c, &mut st.newest) {
-                            Ok((admitted, late)) => {
-                                st.stats.late_rows += (late_in_batch + late) as u64;
-                                if late > 0 {
-                                    bytes = batch_bytes(&admitted);
-                                }
-                                if admitted.num_rows() == 0 && offered > 0 {
-                                    break Ok(None); // every row was late: nothing to enqueue
-                                }
-                                admitted
-                            }
-                            Err(msg) => break Err(PushError::Order(msg)),
-                        }
-                    }
-                    _ => unreachable!("a batch is either unordered or checked"),
-                };
-                st.queued_bytes += bytes;
-                st.stats.rows += batch.num_rows() as u64;
-                st.stats.batches += 1;
-                st.stats.bytes += bytes as u64;
-                st.queue.push_back((batch, bytes));
-                if let Some(t) = token {
-                    t.written.fetch_add(1, Ordering::SeqCst);
-                }
-                // One idle partition is enough to take the batch.
-                break Ok(st.wakers.pop());
-            }
             let now = Instant::now();
+            let mut due = None;
+            if my_turn {
+                match self.room(&mut st, bytes, now) {
+                    Room::Yes => {
+                        let batch = match (unordered.take(), &self.order, checked.take()) {
+                            (Some(batch), _, _) => batch,
+                            (None, Some(gate), Some(c)) => {
+                                let late_in_batch = c.dropped;
+                                let offered = c.batch().num_rows() + late_in_batch;
+                                match gate.admit(c, &mut st.newest) {
+                                    Ok((admitted, late)) => {
+                                        st.stats.late_rows += (late_in_batch + late) as u64;
+                                        if late > 0 {
+                                            bytes = batch_bytes(&admitted);
+                                        }
+                                        if admitted.num_rows() == 0 && offered > 0 {
+                                            break Ok(Vec::new()); // every row was late: nothing to enqueue
+                                        }
+                                        admitted
+                                    }
+                                    Err(msg) => break Err(PushError::Order(msg)),
+                                }
+                            }
+                            _ => unreachable!("a batch is either unordered or checked"),
+                        };
+                        st.stats.rows += batch.num_rows() as u64;
+                        st.stats.batches += 1;
+                        st.stats.bytes += bytes as u64;
+                        let before = st.admitted;
+                        st.admitted += bytes as u64;
+                        st.log.push_back(Entry { batch, before });
+                        st.trim(&retention);
+                        if let Some(t) = token {
+                            t.written.fetch_add(1, Ordering::SeqCst);
+                        }
+                        // One idle partition of each reader is enough to take the batch.
+                        break Ok(st
+                            .cursors
+                            .iter_mut()
+                            .filter_map(|c| c.wakers.pop())
+                            .collect());
+                    }
+                    Room::No(d) => due = d,
+                }
+            }
             let since = *blocked_since.get_or_insert(now);
             let waiter = Arc::clone(me.get_or_insert_with(|| {
                 let w = Arc::new(Waiter::default());
                 st.waiters.push_back(Arc::clone(&w));
                 w
             }));
-            let mut wait: Option<Duration> = None;
+            let mut wait: Option<Duration> = due.map(|d| d.saturating_duration_since(now));
             if let Some(deadline) = deadline {
                 if now >= deadline {
                     break Err(PushError::Timeout(now - since));
                 }
-                wait = Some(deadline - now);
+                wait = Some(wait.map_or(deadline - now, |w| w.min(deadline - now)));
             }
             if tick.is_some() {
                 if now >= next_tick {
@@ -325,7 +629,13 @@ impl Channel {
                 wait = Some(wait.map_or(until_tick, |w| w.min(until_tick)));
             }
             st = match wait {
-                Some(d) => waiter.wake.wait_timeout(st, d).unwrap_or_else(|p| p.into_inner()).0,
+                Some(d) => {
+                    waiter
+                        .wake
+                        .wait_timeout(st, d)
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0
+                }
                 None => waiter.wake.wait(st).unwrap_or_else(|p| p.into_inner()),
             };
             if FINALIZING.load(Ordering::SeqCst) && tick.is_none() {
@@ -340,41 +650,49 @@ impl Channel {
         if let Some(me) = &me {
             st.leave_line(me);
             // Whoever is at the head now may have room (we took none, or left some).
-            if self.has_room(&st, 0) {
-                Self::wake_head(&st);
-            }
+            st.wake_head();
         }
         if let Some(since) = blocked_since {
             st.stats.blocked += since.elapsed();
         }
         drop(st);
-        // Wake the scan after releasing the lock, so the woken task does not queue up on it.
-        outcome.map(|waker| waker.map_or((), Waker::wake))
+        // Wake the scans after releasing the lock, so the woken tasks do not queue up on it.
+        outcome.map(|wakers| wakers.into_iter().for_each(Waker::wake))
+    }
+
+    fn take_all_wakers(st: &mut State) -> Vec<Waker> {
+        st.cursors
+            .iter_mut()
+            .flat_map(|c| c.wakers.drain(..))
+            .collect()
     }
 
     /// End of stream: queued batches stay readable, blocked and later writes fail.
     pub fn close(&self) {
         let mut st = self.lock();
         st.closed = true;
-        let wakers = std::mem::take(&mut st.wakers);
+        let wakers = Self::take_all_wakers(&mut st);
         st.wake_all_waiters();
         drop(st);
         wakers.into_iter().for_each(Waker::wake);
     }
 
-    /// Record a failure for the reader. Never blocks. Returns false when it came too late
-    /// to matter (the reader already finished or is gone) or a failure was already set.
+    /// Record a failure for the readers. Never blocks. Returns false when it came too late
+    /// to matter (a table's reader already finished or is gone) or a failure was already set.
     pub fn fail(&self, message: String) -> bool {
         let mut st = self.lock();
-        let finished = matches!(st.reader, ReaderState::Gone(_));
-        if finished || st.failure.is_some() {
+        if st.gone.is_some() || st.failure.is_some() {
             return false;
         }
         st.failure = Some(message);
         st.closed = true;
-        st.queue.clear();
-        st.queued_bytes = 0;
-        let wakers = std::mem::take(&mut st.wakers);
+        let end = st.end();
+        st.first = end;
+        st.log.clear();
+        for c in st.cursors.iter_mut() {
+            c.next = end;
+        }
+        let wakers = Self::take_all_wakers(&mut st);
         st.wake_all_waiters();
         drop(st);
         wakers.into_iter().for_each(Waker::wake);
@@ -383,48 +701,116 @@ impl Channel {
 
     pub fn stats(&self) -> Stats {
         let st = self.lock();
+        // A table's queue is its reader's backlog; a topic holds its log (queued + retained).
+        let queued_bytes = (st.admitted - st.before(st.first)) as usize;
         Stats {
-            queued_batches: st.queue.len(),
-            queued_bytes: st.queued_bytes,
+            queued_batches: st.log.len(),
+            queued_bytes,
             waiting_writers: st.waiters.len(),
             closed: st.closed,
             failed: st.failure.is_some(),
-            reader_gone: matches!(st.reader, ReaderState::Gone(_)),
+            reader_gone: st.gone.is_some(),
+            subscribers: st
+                .cursors
+                .iter()
+                .filter(|c| !matches!(c.state, ReaderState::Behind(_)))
+                .count(),
             ..st.stats
         }
     }
 
-    fn set_reader(&self, state: ReaderState) {
-        let mut st = self.lock();
-        if let ReaderState::Gone(_) = state {
-            st.queue.clear();
-            st.queued_bytes = 0;
-            st.wakers.clear();
+    fn cursor_stats(&self, id: u64) -> CursorStats {
+        let st = self.lock();
+        let Some(c) = st.cursors.iter().find(|c| c.id == id) else {
+            return CursorStats {
+                state: "finished",
+                ..Default::default()
+            };
+        };
+        let (queued_batches, queued_bytes) = if matches!(c.state, ReaderState::Behind(_)) {
+            (0, 0)
+        } else {
+            st.backlog(c)
+        };
+        let (state, why) = match &c.state {
+            ReaderState::Unclaimed => ("waiting for a query", None),
+            ReaderState::Reading => ("reading", None),
+            ReaderState::Behind(msg) => ("detached", Some(msg.clone())),
+        };
+        CursorStats {
+            queued_batches,
+            queued_bytes,
+            read_batches: c.read_batches,
+            state,
+            detached_because: why,
         }
-        st.reader = state;
+    }
+
+    fn start_reading(&self, id: u64) {
+        let mut st = self.lock();
+        if let Some(c) = st.cursor(id) {
+            if c.state == ReaderState::Unclaimed {
+                c.state = ReaderState::Reading;
+            }
+        }
+    }
+
+    /// The reader `id` is gone: a table's producers fail from now on; a topic forgets it.
+    fn remove_reader(&self, id: u64, why: &'static str) {
+        let mut st = self.lock();
+        if let Some(pos) = st.cursors.iter().position(|c| c.id == id) {
+            st.cursors.remove(pos);
+        }
+        if !self.is_topic() {
+            st.gone = Some(why);
+            st.first = st.end();
+            st.log.clear();
+        }
+        st.trim(&self.retention());
         st.wake_all_waiters();
     }
 }
 
-/// The right to read a channel. Exactly one exists per table; dropping it (unscanned, or
-/// after the scan ends early) releases every blocked producer with "reader gone".
-#[derive(Debug)]
+/// Batches a reader yields before the log (a topic subscription's history).
+pub type Prelude = Box<dyn Iterator<Item = Result<RecordBatch, ArrowError>> + Send>;
+
+/// The right to read a channel through one cursor. Dropping it (unscanned, or after the
+/// scan ends early) removes the cursor; for a table, blocked producers learn "reader gone".
 pub struct Reader {
     channel: Arc<Channel>,
+    id: u64,
     started: bool,
+    prelude: Mutex<Option<Prelude>>,
+}
+
+impl std::fmt::Debug for Reader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reader")
+            .field("table", &self.channel.name)
+            .field("cursor", &self.id)
+            .finish()
+    }
 }
 
 impl Reader {
-    pub fn new(channel: Arc<Channel>) -> Self {
-        Self { channel, started: false }
+    pub fn channel(&self) -> &Arc<Channel> {
+        &self.channel
     }
 
     /// Start reading: the returned claim is shared by the scan's partition streams, and the
     /// reader is gone when the last of them is dropped.
     pub fn start(mut self) -> Arc<Reader> {
         self.started = true;
-        self.channel.set_reader(ReaderState::Reading);
+        self.channel.start_reading(self.id);
         Arc::new(self)
+    }
+
+    /// A handle that reports this reader's counters without keeping it alive.
+    pub fn watch(&self) -> CursorWatch {
+        CursorWatch {
+            channel: Arc::downgrade(&self.channel),
+            id: self.id,
+        }
     }
 }
 
@@ -435,12 +821,31 @@ impl Drop for Reader {
         } else {
             "the table was dropped before any query scanned it"
         };
-        self.channel.set_reader(ReaderState::Gone(why));
+        self.channel.remove_reader(self.id, why);
     }
 }
 
-/// One partition of the scan: a record-batch stream over the shared queue. Several may read
-/// one channel concurrently (each batch goes to exactly one of them).
+/// Reports one reader's counters (a subscription's `stats`).
+#[derive(Debug, Clone)]
+pub struct CursorWatch {
+    channel: std::sync::Weak<Channel>,
+    id: u64,
+}
+
+impl CursorWatch {
+    pub fn stats(&self) -> CursorStats {
+        match self.channel.upgrade() {
+            Some(ch) => ch.cursor_stats(self.id),
+            None => CursorStats {
+                state: "finished",
+                ..Default::default()
+            },
+        }
+    }
+}
+
+/// One partition of the scan: a record-batch stream over a reader's cursor. Several may
+/// read one cursor concurrently (each batch goes to exactly one of them).
 #[derive(Debug)]
 pub struct ReaderStream {
     reader: Arc<Reader>,
@@ -449,7 +854,41 @@ pub struct ReaderStream {
 
 impl ReaderStream {
     pub fn new(reader: Arc<Reader>) -> Self {
-        Self { reader, done: false }
+        Self {
+            reader,
+            done: false,
+        }
+    }
+
+    /// The next batch of the reader's prelude, if it still has one.
+    fn prelude_next(&self) -> Option<DFResult<RecordBatch>> {
+        let mut prelude = self
+            .reader
+            .prelude
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let channel = &self.reader.channel;
+        let item = prelude.as_mut()?.next();
+        match item {
+            None => {
+                *prelude = None;
+                None
+            }
+            Some(Ok(batch)) => Some(schema::conform(&channel.schema, batch).map_err(|issue| {
+                DataFusionError::Execution(format!(
+                    "pushtable: the history of '{}' does not match its schema: {}",
+                    channel.name,
+                    issue.describe(&channel.name, |dt| dt.to_string())
+                ))
+            })),
+            Some(Err(e)) => {
+                *prelude = None;
+                Some(Err(DataFusionError::Execution(format!(
+                    "pushtable: reading the history of '{}' failed: {e}",
+                    channel.name
+                ))))
+            }
+        }
     }
 }
 
@@ -460,23 +899,52 @@ impl Stream for ReaderStream {
         if self.done {
             return Poll::Ready(None);
         }
-        let channel = Arc::clone(&self.reader.channel);
-        let mut st = channel.lock();
-        if let Some(msg) = &st.failure {
-            if st.failure_delivered {
-                return Poll::Ready(None);
+        if let Some(item) = self.prelude_next() {
+            if item.is_err() {
+                self.done = true;
             }
-            let err = DataFusionError::Execution(format!(
-                "pushtable: the producer of streaming table '{}' failed: {msg}",
-                channel.name
-            ));
-            st.failure_delivered = true;
+            return Poll::Ready(Some(item));
+        }
+        let channel = Arc::clone(&self.reader.channel);
+        let retention = channel.retention();
+        let id = self.reader.id;
+        let mut st = channel.lock();
+        let failure = st.failure.clone();
+        let first = st.first;
+        let Some(c) = st.cursor(id) else {
             drop(st);
             self.done = true;
-            return Poll::Ready(Some(Err(err)));
+            return Poll::Ready(None);
+        };
+        let error = match (&failure, &c.state) {
+            (Some(msg), _) => Some(format!(
+                "pushtable: the producer of streaming table '{}' failed: {msg}",
+                channel.name
+            )),
+            (None, ReaderState::Behind(msg)) => Some(format!(
+                "pushtable: SlowSubscriberError: the subscriber of '{}' {msg}",
+                channel.name
+            )),
+            _ => None,
+        };
+        if let Some(err) = error {
+            let delivered = std::mem::replace(&mut c.error_delivered, true);
+            drop(st);
+            self.done = true;
+            return Poll::Ready(if delivered {
+                None
+            } else {
+                Some(Err(DataFusionError::Execution(err)))
+            });
         }
-        if let Some((batch, bytes)) = st.queue.pop_front() {
-            st.queued_bytes -= bytes;
+        let seq = c.next;
+        if seq < first + st.log.len() as u64 {
+            let batch = st.log[(seq - first) as usize].batch.clone();
+            let c = st.cursor(id).expect("cursor present");
+            c.next += 1;
+            c.read_batches += 1;
+            c.full_since = None;
+            st.trim(&retention);
             let head = st.waiters.front().cloned();
             drop(st);
             // Only the producer at the head of the line can use the room (FIFO).
@@ -490,8 +958,9 @@ impl Stream for ReaderStream {
             self.done = true;
             return Poll::Ready(None);
         }
-        if !st.wakers.iter().any(|w| w.will_wake(cx.waker())) {
-            st.wakers.push(cx.waker().clone());
+        let c = st.cursor(id).expect("cursor present");
+        if !c.wakers.iter().any(|w| w.will_wake(cx.waker())) {
+            c.wakers.push(cx.waker().clone());
         }
         Poll::Pending
     }

@@ -1,6 +1,7 @@
 //! `pushtable._native`: the push-mode streaming table core.
 //!
-//! - [`channel`]: the bounded queue, its single reader and the sideband failure slot.
+//! - [`channel`]: the log, its readers' cursors (one for a table, any number for a topic)
+//!   and the sideband failure slot.
 //! - [`schema`]: checking batches against the registered schema.
 //! - [`provider`]: the single-scan `StreamingTable` and its FFI export to datafusion-python.
 //!
@@ -18,27 +19,69 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arrow::array::RecordBatch;
-use arrow::datatypes::{DataType, Schema};
+use arrow::datatypes::{DataType, Schema, SchemaRef};
 use arrow::ffi_stream::ArrowArrayStreamReader;
-use arrow_pyarrow::{FromPyArrow, ToPyArrow};
 use arrow::record_batch::RecordBatchReader;
+use arrow_pyarrow::{FromPyArrow, ToPyArrow};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
 
-use channel::{CancelToken, Channel, PushError};
+use channel::{
+    CancelToken, Channel, CursorWatch, Limits, OnSlow, Prelude, PushError, Retention, Start,
+};
 use order::{Late, OrderGate};
-use schema::SchemaIssue;
 use provider::PyTableProvider;
+use schema::SchemaIssue;
 
-create_exception!(_native, NativeError, PyException, "Base of the native core's errors.");
-create_exception!(_native, ClosedError, NativeError, "Write after close() or fail().");
-create_exception!(_native, ReaderGoneError, NativeError, "The table's reader went away.");
-create_exception!(_native, SchemaError, NativeError, "A batch does not match the table schema.");
-create_exception!(_native, WriteTimeout, NativeError, "A write's timeout elapsed while blocked.");
-create_exception!(_native, InputError, NativeError, "The object is not Arrow data.");
-create_exception!(_native, Cancelled, NativeError, "The write's CancelToken was cancelled.");
-create_exception!(_native, OrderError, NativeError, "A batch breaks the table's declared ordering.");
+create_exception!(
+    _native,
+    NativeError,
+    PyException,
+    "Base of the native core's errors."
+);
+create_exception!(
+    _native,
+    ClosedError,
+    NativeError,
+    "Write after close() or fail()."
+);
+create_exception!(
+    _native,
+    ReaderGoneError,
+    NativeError,
+    "The table's reader went away."
+);
+create_exception!(
+    _native,
+    SchemaError,
+    NativeError,
+    "A batch does not match the table schema."
+);
+create_exception!(
+    _native,
+    WriteTimeout,
+    NativeError,
+    "A write's timeout elapsed while blocked."
+);
+create_exception!(
+    _native,
+    InputError,
+    NativeError,
+    "The object is not Arrow data."
+);
+create_exception!(
+    _native,
+    Cancelled,
+    NativeError,
+    "The write's CancelToken was cancelled."
+);
+create_exception!(
+    _native,
+    OrderError,
+    NativeError,
+    "A batch breaks the table's declared ordering."
+);
 
 /// Run a conversion that third-party data can make panic (arrow-rs asserts on some
 /// malformed input) and turn a panic into a Python error instead of an abort.
@@ -87,10 +130,60 @@ impl PyCancelToken {
     }
 }
 
-/// The sending side of one streaming table.
+/// The sending side of one streaming table or topic.
 #[pyclass(module = "pushtable._native", name = "Sink", frozen)]
 struct Sink {
     channel: Arc<Channel>,
+    order_by: Vec<String>,
+}
+
+/// Reports one topic subscription's counters (it does not keep the subscription alive).
+#[pyclass(module = "pushtable._native", name = "Subscription", frozen)]
+struct PySubscription {
+    watch: CursorWatch,
+}
+
+#[pymethods]
+impl PySubscription {
+    /// Counters as a dict.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+        let s = self.watch.stats();
+        let d = pyo3::types::PyDict::new(py);
+        d.set_item("queued_batches", s.queued_batches)?;
+        d.set_item("queued_bytes", s.queued_bytes)?;
+        d.set_item("read_batches", s.read_batches)?;
+        d.set_item("state", s.state)?;
+        d.set_item("detached_because", s.detached_because)?;
+        Ok(d)
+    }
+}
+
+fn check_limits(capacity: usize, max_bytes: Option<usize>) -> PyResult<()> {
+    if capacity == 0 {
+        return Err(PyValueError::new_err("capacity must be at least 1"));
+    }
+    if max_bytes == Some(0) {
+        return Err(PyValueError::new_err("max_bytes must be at least 1"));
+    }
+    Ok(())
+}
+
+fn order_gate(schema: &SchemaRef, order_by: &[String], late: &str) -> PyResult<Option<OrderGate>> {
+    let late = match late {
+        "reject" => Late::Reject,
+        "drop" => Late::Drop,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "late must be 'reject' or 'drop', got {other:?}"
+            )))
+        }
+    };
+    if order_by.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(
+        OrderGate::new(schema, order_by, late).map_err(PyValueError::new_err)?,
+    ))
 }
 
 impl Sink {
@@ -103,29 +196,37 @@ impl Sink {
         token: Option<&CancelToken>,
     ) -> PyResult<()> {
         let name = &self.channel.name;
-        let batch = schema::conform(&self.channel.schema, batch).map_err(|i| schema_error(py, name, &i))?;
+        let batch =
+            schema::conform(&self.channel.schema, batch).map_err(|i| schema_error(py, name, &i))?;
         let channel = &self.channel;
         let result = py.detach(|| {
             // Only Python's main thread receives Ctrl-C: other producers never take the GIL
             // while they wait.
             let mut check = || Python::attach(|py| py.check_signals());
-            let tick: Option<&mut dyn FnMut() -> PyResult<()>> =
-                if interruptible { Some(&mut check) } else { None };
+            let tick: Option<&mut dyn FnMut() -> PyResult<()>> = if interruptible {
+                Some(&mut check)
+            } else {
+                None
+            };
             channel.push(batch, deadline, token, tick)
         });
         result.map_err(|e| match e {
-            PushError::Closed => ClosedError::new_err(format!("streaming table '{name}' is closed")),
+            PushError::Closed => {
+                ClosedError::new_err(format!("streaming table '{name}' is closed"))
+            }
             PushError::Failed(msg) => {
                 ClosedError::new_err(format!("streaming table '{name}' was failed: {msg}"))
             }
-            PushError::ReaderGone(why) => {
-                ReaderGoneError::new_err(format!("streaming table '{name}' has no reader any more: {why}"))
-            }
+            PushError::ReaderGone(why) => ReaderGoneError::new_err(format!(
+                "streaming table '{name}' has no reader any more: {why}"
+            )),
             PushError::Timeout(waited) => WriteTimeout::new_err(format!(
                 "write to streaming table '{name}' timed out after {:.3}s with the queue full",
                 waited.as_secs_f64()
             )),
-            PushError::Cancelled => Cancelled::new_err(format!("write to streaming table '{name}' was cancelled")),
+            PushError::Cancelled => {
+                Cancelled::new_err(format!("write to streaming table '{name}' was cancelled"))
+            }
             PushError::Order(msg) => OrderError::new_err(format!("table '{name}': {msg}")),
             PushError::Interrupted(err) => err,
         })
@@ -141,18 +242,24 @@ impl Sink {
         token: Option<&CancelToken>,
     ) -> Result<usize, (PyErr, usize)> {
         // A hostile object's __getattr__ may raise: that too is "not Arrow data".
-        let has = |name: &str| data.hasattr(name).map_err(|e| (InputError::new_err(e.to_string()), 0));
+        let has = |name: &str| {
+            data.hasattr(name)
+                .map_err(|e| (InputError::new_err(e.to_string()), 0))
+        };
         if has("__arrow_c_array__")? {
             let batch = guarded("cannot import the batch", || {
-                RecordBatch::from_pyarrow_bound(data).map_err(|e| InputError::new_err(e.to_string()))
+                RecordBatch::from_pyarrow_bound(data)
+                    .map_err(|e| InputError::new_err(e.to_string()))
             })
             .map_err(|e| (e, 0))?;
-            self.push(py, batch, deadline, interruptible, token).map_err(|e| (e, 0))?;
+            self.push(py, batch, deadline, interruptible, token)
+                .map_err(|e| (e, 0))?;
             return Ok(1);
         }
         if has("__arrow_c_stream__")? {
             let mut reader = guarded("cannot import the stream", || {
-                ArrowArrayStreamReader::from_pyarrow_bound(data).map_err(|e| InputError::new_err(e.to_string()))
+                ArrowArrayStreamReader::from_pyarrow_bound(data)
+                    .map_err(|e| InputError::new_err(e.to_string()))
             })
             .map_err(|e| (e, 0))?;
             // Check the stream's schema before anything is enqueued.
@@ -163,20 +270,28 @@ impl Sink {
             loop {
                 // Batches are pulled one at a time: a lazy stream is read at the pace the
                 // queue admits them (backpressure reaches the stream's own producer).
-                let next = guarded("cannot read the stream", || Ok(reader.next())).map_err(|e| (e, written))?;
+                let next = guarded("cannot read the stream", || Ok(reader.next()))
+                    .map_err(|e| (e, written))?;
                 match next {
                     None => return Ok(written),
                     Some(Err(e)) => {
-                        return Err((InputError::new_err(format!("reading the stream failed: {e}")), written))
+                        return Err((
+                            InputError::new_err(format!("reading the stream failed: {e}")),
+                            written,
+                        ))
                     }
-                    Some(Ok(batch)) => {
-                        self.push(py, batch, deadline, interruptible, token).map_err(|e| (e, written))?
-                    }
+                    Some(Ok(batch)) => self
+                        .push(py, batch, deadline, interruptible, token)
+                        .map_err(|e| (e, written))?,
                 }
                 written += 1;
             }
         }
-        let got = data.get_type().name().map(|n| n.to_string()).unwrap_or_default();
+        let got = data
+            .get_type()
+            .name()
+            .map(|n| n.to_string())
+            .unwrap_or_default();
         Err((
             InputError::new_err(format!(
                 "expected Arrow data (a pyarrow RecordBatch or Table, or an object with \
@@ -192,10 +307,12 @@ impl Sink {
 fn deadline_from(timeout: Option<f64>) -> PyResult<Option<Instant>> {
     match timeout {
         None => Ok(None),
-        Some(t) if t.is_nan() || t < 0.0 => {
-            Err(PyValueError::new_err(format!("timeout must be a number >= 0 or None, got {t}")))
-        }
-        Some(t) => Ok(Duration::try_from_secs_f64(t).ok().and_then(|d| Instant::now().checked_add(d))),
+        Some(t) if t.is_nan() || t < 0.0 => Err(PyValueError::new_err(format!(
+            "timeout must be a number >= 0 or None, got {t}"
+        ))),
+        Some(t) => Ok(Duration::try_from_secs_f64(t)
+            .ok()
+            .and_then(|d| Instant::now().checked_add(d))),
     }
 }
 
@@ -217,16 +334,19 @@ impl Sink {
     ) -> PyResult<usize> {
         let deadline = deadline_from(timeout)?;
         let token = token.as_ref().map(|t| &t.get().token);
-        self.write_all(py, &data, deadline, interruptible, token).map_err(|(err, written)| {
-            // Best effort: an exception instance that refuses attributes keeps its message.
-            let _ = err.value(py).setattr("batches_written", written);
-            err
-        })
+        self.write_all(py, &data, deadline, interruptible, token)
+            .map_err(|(err, written)| {
+                // Best effort: an exception instance that refuses attributes keeps its message.
+                let _ = err.value(py).setattr("batches_written", written);
+                err
+            })
     }
 
     /// A token that cancels one write request from another thread.
     fn token(&self) -> PyCancelToken {
-        PyCancelToken { token: CancelToken::new(Arc::clone(&self.channel)) }
+        PyCancelToken {
+            token: CancelToken::new(Arc::clone(&self.channel)),
+        }
     }
 
     /// End of stream. Idempotent.
@@ -237,6 +357,67 @@ impl Sink {
     /// Fail the reader with `message`; never blocks. False if it came too late to matter.
     fn fail(&self, message: String) -> bool {
         self.channel.fail(message)
+    }
+
+    /// A new reader of this topic: `(subscription, provider)`. `prelude` (Arrow stream) is
+    /// read before the topic's batches; `start` is "now" or "earliest".
+    #[pyo3(signature = (capacity, max_bytes=None, start="now", slow_timeout=None, prelude=None, unbounded=false))]
+    fn subscribe(
+        &self,
+        capacity: usize,
+        max_bytes: Option<usize>,
+        start: &str,
+        slow_timeout: Option<f64>,
+        prelude: Option<Bound<'_, PyAny>>,
+        unbounded: bool,
+    ) -> PyResult<(PySubscription, PyTableProvider)> {
+        if !self.channel.is_topic() {
+            return Err(PyValueError::new_err(format!(
+                "'{}' is a streaming table, not a topic",
+                self.channel.name
+            )));
+        }
+        check_limits(capacity, max_bytes)?;
+        let start = match start {
+            "now" => Start::Now,
+            "earliest" => Start::Earliest,
+            other => {
+                return Err(PyValueError::new_err(format!(
+                    "start must be 'now' or 'earliest', got {other:?}"
+                )))
+            }
+        };
+        let on_slow = match slow_timeout {
+            None => OnSlow::Block,
+            Some(t) if t.is_nan() || t < 0.0 => {
+                return Err(PyValueError::new_err(format!(
+                    "slow_timeout must be a number >= 0, got {t}"
+                )))
+            }
+            Some(t) => OnSlow::Detach(Duration::try_from_secs_f64(t).unwrap_or(Duration::MAX)),
+        };
+        let prelude: Option<Prelude> = match prelude {
+            None => None,
+            Some(obj) => Some(Box::new(guarded(
+                "cannot import the history stream",
+                || {
+                    ArrowArrayStreamReader::from_pyarrow_bound(&obj)
+                        .map_err(|e| InputError::new_err(e.to_string()))
+                },
+            )?)),
+        };
+        let reader = self.channel.subscribe(
+            Limits {
+                capacity,
+                max_bytes,
+                on_slow,
+            },
+            start,
+            prelude,
+        );
+        let watch = reader.watch();
+        let table = provider::live_table(reader, unbounded, &self.order_by);
+        Ok((PySubscription { watch }, PyTableProvider::new(table)))
     }
 
     /// Counters as a dict.
@@ -254,6 +435,10 @@ impl Sink {
         d.set_item("closed", s.closed)?;
         d.set_item("failed", s.failed)?;
         d.set_item("reader_gone", s.reader_gone)?;
+        if self.channel.is_topic() {
+            d.set_item("subscribers", s.subscribers)?;
+            d.set_item("detached", s.detached)?;
+        }
         Ok(d)
     }
 }
@@ -284,26 +469,36 @@ fn streaming_table(
     order_by: Vec<String>,
     late: &str,
 ) -> PyResult<(Sink, PyTableProvider)> {
-    if capacity == 0 {
-        return Err(PyValueError::new_err("capacity must be at least 1"));
-    }
-    if max_bytes == Some(0) {
-        return Err(PyValueError::new_err("max_bytes must be at least 1"));
-    }
+    check_limits(capacity, max_bytes)?;
     let schema = Arc::new(Schema::from_pyarrow_bound(&schema)?);
-    let late = match late {
-        "reject" => Late::Reject,
-        "drop" => Late::Drop,
-        other => return Err(PyValueError::new_err(format!("late must be 'reject' or 'drop', got {other:?}"))),
+    let gate = order_gate(&schema, &order_by, late)?;
+    let (channel, reader) = Channel::table(name, schema, capacity, max_bytes, gate);
+    let table = provider::live_table(reader, unbounded, &order_by);
+    Ok((Sink { channel, order_by }, PyTableProvider::new(table)))
+}
+
+/// Create a topic: a sink whose `subscribe` adds readers at any time. `retain_batches` /
+/// `retain_bytes` keep recent batches for subscribers starting at the earliest.
+#[pyfunction]
+#[pyo3(signature = (name, schema, retain_batches=None, retain_bytes=None, order_by=vec![], late="reject"))]
+fn topic(
+    name: String,
+    schema: Bound<'_, PyAny>,
+    retain_batches: Option<usize>,
+    retain_bytes: Option<usize>,
+    order_by: Vec<String>,
+    late: &str,
+) -> PyResult<Sink> {
+    let schema = Arc::new(Schema::from_pyarrow_bound(&schema)?);
+    let gate = order_gate(&schema, &order_by, late)?;
+    let retention = Retention {
+        batches: retain_batches,
+        bytes: retain_bytes,
     };
-    let gate = if order_by.is_empty() {
-        None
-    } else {
-        Some(OrderGate::new(&schema, &order_by, late).map_err(PyValueError::new_err)?)
-    };
-    let channel = Channel::new(name, schema, capacity, max_bytes, gate);
-    let table = provider::live_table(Arc::clone(&channel), unbounded, &order_by);
-    Ok((Sink { channel }, PyTableProvider::new(table)))
+    Ok(Sink {
+        channel: Channel::topic(name, schema, gate, retention),
+        order_by,
+    })
 }
 
 #[pymodule]
@@ -312,9 +507,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Sink>()?;
     m.add_class::<PyTableProvider>()?;
     m.add_class::<PyCancelToken>()?;
+    m.add_class::<PySubscription>()?;
     m.add_function(wrap_pyfunction!(batch_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(interpreter_finalizing, m)?)?;
     m.add_function(wrap_pyfunction!(streaming_table, m)?)?;
+    m.add_function(wrap_pyfunction!(topic, m)?)?;
     m.add("NativeError", py.get_type::<NativeError>())?;
     m.add("ClosedError", py.get_type::<ClosedError>())?;
     m.add("ReaderGoneError", py.get_type::<ReaderGoneError>())?;

@@ -62,21 +62,34 @@ impl OrderGate {
         let mut fields = Vec::with_capacity(columns.len());
         for name in columns {
             let index = schema.index_of(name).map_err(|_| {
-                format!("order_by column '{name}' is not in the schema (columns: {:?})", schema.fields().iter().map(|f| f.name()).collect::<Vec<_>>())
+                format!(
+                    "order_by column '{name}' is not in the schema (columns: {:?})",
+                    schema.fields().iter().map(|f| f.name()).collect::<Vec<_>>()
+                )
             })?;
             let dt = schema.field(index).data_type().clone();
             if !RowConverter::supports_fields(&[SortField::new(dt.clone())]) {
-                return Err(format!("order_by column '{name}' has type {dt}, which cannot be ordered"));
+                return Err(format!(
+                    "order_by column '{name}' has type {dt}, which cannot be ordered"
+                ));
             }
             indices.push(index);
             fields.push(SortField::new(dt));
         }
         let converter = RowConverter::new(fields).map_err(|e| e.to_string())?;
-        Ok(Self { names: columns.to_vec(), indices, converter, late })
+        Ok(Self {
+            names: columns.to_vec(),
+            indices,
+            converter,
+            late,
+        })
     }
 
     fn key_columns(&self, batch: &RecordBatch) -> Vec<ArrayRef> {
-        self.indices.iter().map(|&i| Arc::clone(batch.column(i))).collect()
+        self.indices
+            .iter()
+            .map(|&i| Arc::clone(batch.column(i)))
+            .collect()
     }
 
     /// `row`'s ordering key, worded: `ts=2024-01-01T00:00:01` (or `a=1, b=2`).
@@ -96,7 +109,11 @@ impl OrderGate {
     }
 
     fn column_list(&self) -> String {
-        self.names.iter().map(|n| format!("'{n}'")).collect::<Vec<_>>().join(", ")
+        self.names
+            .iter()
+            .map(|n| format!("'{n}'"))
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 
     /// Check `batch` within itself: no nulls in the order columns; sorted (reject) or with
@@ -111,7 +128,10 @@ impl OrderGate {
                 ));
             }
         }
-        let rows = self.converter.convert_columns(&columns).map_err(|e| e.to_string())?;
+        let rows = self
+            .converter
+            .convert_columns(&columns)
+            .map_err(|e| e.to_string())?;
         let n = rows.num_rows();
         match self.late {
             Late::Reject => {
@@ -126,7 +146,11 @@ impl OrderGate {
                         ));
                     }
                 }
-                Ok(Checked { batch, rows, dropped: 0 })
+                Ok(Checked {
+                    batch,
+                    rows,
+                    dropped: 0,
+                })
             }
             Late::Drop => {
                 let mut keep = Vec::with_capacity(n);
@@ -140,7 +164,11 @@ impl OrderGate {
                 }
                 let dropped = keep.iter().filter(|k| !**k).count();
                 if dropped == 0 {
-                    return Ok(Checked { batch, rows, dropped });
+                    return Ok(Checked {
+                        batch,
+                        rows,
+                        dropped,
+                    });
                 }
                 let batch = filter_record_batch(&batch, &BooleanArray::from(keep))
                     .map_err(|e| e.to_string())?;
@@ -148,7 +176,11 @@ impl OrderGate {
                     .converter
                     .convert_columns(&self.key_columns(&batch))
                     .map_err(|e| e.to_string())?;
-                Ok(Checked { batch, rows, dropped })
+                Ok(Checked {
+                    batch,
+                    rows,
+                    dropped,
+                })
             }
         }
     }
@@ -156,7 +188,11 @@ impl OrderGate {
     /// Admit a checked batch after the newest value written (call under the channel lock).
     /// Returns the batch to enqueue (late rows removed when dropping) and how many rows were
     /// dropped here; updates `newest`.
-    pub fn admit(&self, checked: Checked, newest: &mut Option<Newest>) -> Result<(RecordBatch, usize), String> {
+    pub fn admit(
+        &self,
+        checked: Checked,
+        newest: &mut Option<Newest>,
+    ) -> Result<(RecordBatch, usize), String> {
         let Checked { batch, rows, .. } = checked;
         let n = rows.num_rows();
         if n == 0 {
@@ -180,11 +216,22 @@ impl OrderGate {
                 }
             }
         }
-        let batch = if start > 0 { batch.slice(start, n - start) } else { batch };
+        let batch = if start > 0 {
+            batch.slice(start, n - start)
+        } else {
+            batch
+        };
         if batch.num_rows() > 0 {
             let last = batch.num_rows() - 1;
-            let values: Vec<ArrayRef> = self.key_columns(&batch).iter().map(|c| c.slice(last, 1)).collect();
-            *newest = Some(Newest { row: rows.row(n - 1).owned(), values });
+            let values: Vec<ArrayRef> = self
+                .key_columns(&batch)
+                .iter()
+                .map(|c| c.slice(last, 1))
+                .collect();
+            *newest = Some(Newest {
+                row: rows.row(n - 1).owned(),
+                values,
+            });
         }
         Ok((batch, start))
     }

@@ -19,7 +19,9 @@ use datafusion_expr::{col, Expr, SortExpr, TableProviderFilterPushDown, TableTyp
 use datafusion_ffi::proto::logical_extension_codec::FFI_LogicalExtensionCodec;
 use datafusion_ffi::table_provider::FFI_TableProvider;
 use datafusion_physical_expr::equivalence::project_ordering;
-use datafusion_physical_expr::{create_physical_expr, create_physical_sort_exprs, LexOrdering, PhysicalExpr};
+use datafusion_physical_expr::{
+    create_physical_expr, create_physical_sort_exprs, LexOrdering, PhysicalExpr,
+};
 use datafusion_physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion_physical_plan::streaming::{PartitionStream, StreamingTableExec};
 use datafusion_physical_plan::ExecutionPlan;
@@ -71,7 +73,13 @@ impl ScanClaim {
         if st.claimed {
             return Ok(st.reader.upgrade());
         }
-        match self.source.reader.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        match self
+            .source
+            .reader
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
             Some(reader) => {
                 let shared = reader.start();
                 st.reader = Arc::downgrade(&shared);
@@ -101,7 +109,10 @@ impl fmt::Debug for ScanPartition {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ScanPartition")
             .field("table", &self.claim.source.channel.name)
-            .field("predicate", &self.predicate.as_ref().map(|(p, _)| p.to_string()))
+            .field(
+                "predicate",
+                &self.predicate.as_ref().map(|(p, _)| p.to_string()),
+            )
             .finish()
     }
 }
@@ -117,9 +128,17 @@ impl PartitionStream for ScanPartition {
             Ok(Some(reader)) => reader,
             // The other partitions read the stream to its end (or stopped) before this one
             // started: nothing is left for it.
-            Ok(None) => return Box::pin(RecordBatchStreamAdapter::new(schema, futures::stream::empty())),
+            Ok(None) => {
+                return Box::pin(RecordBatchStreamAdapter::new(
+                    schema,
+                    futures::stream::empty(),
+                ))
+            }
             Err(err) => {
-                return Box::pin(RecordBatchStreamAdapter::new(schema, futures::stream::once(async { Err(err) })))
+                return Box::pin(RecordBatchStreamAdapter::new(
+                    schema,
+                    futures::stream::once(async { Err(err) }),
+                ))
             }
         };
         let stream = ReaderStream::new(reader);
@@ -156,15 +175,28 @@ pub struct LiveTable {
 
 impl fmt::Debug for LiveTable {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("LiveTable").field("table", &self.source.channel.name).finish()
+        f.debug_struct("LiveTable")
+            .field("table", &self.source.channel.name)
+            .finish()
     }
 }
 
-/// Build the DataFusion table over `channel`, ascending on `order_by` (may be empty).
-pub fn live_table(channel: Arc<Channel>, unbounded: bool, order_by: &[String]) -> LiveTable {
-    let source = ScanSource { reader: Mutex::new(Some(Reader::new(Arc::clone(&channel)))), channel };
-    let sort_order = order_by.iter().map(|c| col(c.as_str()).sort(true, false)).collect();
-    LiveTable { source: Arc::new(source), sort_order, infinite: unbounded }
+/// Build the DataFusion table read through `reader`, ascending on `order_by` (may be empty).
+pub fn live_table(reader: Reader, unbounded: bool, order_by: &[String]) -> LiveTable {
+    let channel = Arc::clone(reader.channel());
+    let source = ScanSource {
+        reader: Mutex::new(Some(reader)),
+        channel,
+    };
+    let sort_order = order_by
+        .iter()
+        .map(|c| col(c.as_str()).sort(true, false))
+        .collect();
+    LiveTable {
+        source: Arc::new(source),
+        sort_order,
+        infinite: unbounded,
+    }
 }
 
 #[async_trait]
@@ -177,7 +209,10 @@ impl TableProvider for LiveTable {
         TableType::View
     }
 
-    fn supports_filters_pushdown(&self, filters: &[&Expr]) -> DFResult<Vec<TableProviderFilterPushDown>> {
+    fn supports_filters_pushdown(
+        &self,
+        filters: &[&Expr],
+    ) -> DFResult<Vec<TableProviderFilterPushDown>> {
         // Exact: the scan applies every deterministic filter itself, so DataFusion plans no
         // FilterExec above it.
         Ok(filters
@@ -204,7 +239,8 @@ impl TableProvider for LiveTable {
         let ordering = if self.sort_order.is_empty() {
             vec![]
         } else {
-            let sort = create_physical_sort_exprs(&self.sort_order, &df_schema, state.execution_props())?;
+            let sort =
+                create_physical_sort_exprs(&self.sort_order, &df_schema, state.execution_props())?;
             match projection {
                 // The ordering of the projected columns (none if the first key is projected away).
                 Some(p) => {
@@ -225,16 +261,27 @@ impl TableProvider for LiveTable {
         // With a filter the partitions project (after evaluating it, before copying rows);
         // without one, StreamingTableExec projects each batch by index.
         let (exec_schema, exec_projection, partition_schema) = match (&predicate, projection) {
-            (Some(_), Some(p)) => (Arc::new(schema.project(p)?), None, Arc::new(schema.project(p)?)),
+            (Some(_), Some(p)) => (
+                Arc::new(schema.project(p)?),
+                None,
+                Arc::new(schema.project(p)?),
+            ),
             _ => (Arc::clone(&schema), projection, Arc::clone(&schema)),
         };
         // Several partitions read the queue in parallel (DataFusion then needs no round-robin
         // repartition, which would hold rows back); an ordered table keeps one, in order.
-        let partitions =
-            if self.sort_order.is_empty() { state.config().target_partitions().max(1) } else { 1 };
+        let partitions = if self.sort_order.is_empty() {
+            state.config().target_partitions().max(1)
+        } else {
+            1
+        };
         let claim = Arc::new(ScanClaim {
             source: Arc::clone(&self.source),
-            state: Mutex::new(ClaimState { reader: Weak::new(), claimed: false, refused: false }),
+            state: Mutex::new(ClaimState {
+                reader: Weak::new(),
+                claimed: false,
+                refused: false,
+            }),
         });
         let streams = (0..partitions)
             .map(|_| {
@@ -268,7 +315,9 @@ pub struct PyTableProvider {
 
 impl PyTableProvider {
     pub fn new(table: LiveTable) -> Self {
-        Self { table: Mutex::new(Some(Arc::new(table))) }
+        Self {
+            table: Mutex::new(Some(Arc::new(table))),
+        }
     }
 }
 
@@ -284,7 +333,11 @@ fn logical_codec(session: &Bound<'_, PyAny>) -> PyResult<FFI_LogicalExtensionCod
         PyTypeError::new_err(format!(
             "expected a datafusion SessionContext (or a '{}' PyCapsule), got {}",
             name.to_string_lossy(),
-            session.get_type().name().map(|n| n.to_string()).unwrap_or_default()
+            session
+                .get_type()
+                .name()
+                .map(|n| n.to_string())
+                .unwrap_or_default()
         ))
     })?;
     let ptr = capsule.pointer_checked(Some(name))?;
@@ -302,10 +355,21 @@ impl PyTableProvider {
         session: Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyCapsule>> {
         let codec = logical_codec(&session)?;
-        let table = self.table.lock().unwrap_or_else(|p| p.into_inner()).take().ok_or_else(|| {
-            PyRuntimeError::new_err("this streaming table was already registered with a session")
-        })?;
+        let table = self
+            .table
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .ok_or_else(|| {
+                PyRuntimeError::new_err(
+                    "this streaming table was already registered with a session",
+                )
+            })?;
         let provider = FFI_TableProvider::new_with_ffi_codec(table, true, None, codec);
-        PyCapsule::new(py, provider, Some(CString::from(c"datafusion_table_provider")))
+        PyCapsule::new(
+            py,
+            provider,
+            Some(CString::from(c"datafusion_table_provider")),
+        )
     }
 }

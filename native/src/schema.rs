@@ -14,11 +14,32 @@ use arrow::datatypes::{DataType, Schema, SchemaRef};
 /// Why a batch cannot be written to a table, naming the field.
 #[derive(Debug)]
 pub enum SchemaIssue {
-    Missing { index: usize, name: String, expected: DataType, columns: usize },
-    Renamed { index: usize, got: String, expected: String },
-    Retyped { name: String, got: DataType, expected: DataType },
-    Extra { index: usize, name: String, got: DataType, columns: usize },
-    Nulls { name: String, nulls: usize },
+    Missing {
+        index: usize,
+        name: String,
+        expected: DataType,
+        columns: usize,
+    },
+    Renamed {
+        index: usize,
+        got: String,
+        expected: String,
+    },
+    Retyped {
+        name: String,
+        got: DataType,
+        expected: DataType,
+    },
+    Extra {
+        index: usize,
+        name: String,
+        got: DataType,
+        columns: usize,
+    },
+    Nulls {
+        name: String,
+        nulls: usize,
+    },
     Invalid(String),
 }
 
@@ -94,7 +115,10 @@ pub fn conform(schema: &SchemaRef, batch: RecordBatch) -> Result<RecordBatch, Sc
     check_schema(schema, batch.schema_ref())?;
     for (field, column) in schema.fields().iter().zip(batch.columns()) {
         if !field.is_nullable() && column.null_count() > 0 {
-            return Err(SchemaIssue::Nulls { name: field.name().clone(), nulls: column.null_count() });
+            return Err(SchemaIssue::Nulls {
+                name: field.name().clone(),
+                nulls: column.null_count(),
+            });
         }
     }
     let options = RecordBatchOptions::new()
