@@ -179,9 +179,8 @@ class Topic(_Producer):
         ):
             raise ValueError(f"slow_timeout must be a number of seconds >= 0, got {slow_timeout!r}")
         if history is not None and not hasattr(history, "__arrow_c_stream__"):
-            raise TypeError(
-                f"history must be an Arrow stream (__arrow_c_stream__), got {type(history).__name__}"
-            )
+            got = type(history).__name__
+            raise TypeError(f"history must be an Arrow stream (__arrow_c_stream__), got {got}")
         timeout = float(slow_timeout) if on_slow == "detach" else None
         native, provider = self._native.subscribe(
             capacity, max_bytes, start, timeout, history, unbounded
