@@ -239,6 +239,7 @@ class ForeachBatchBridge:
         self._topic: Topic | None = None
         self._covered = 0
         self._epoch_schema: pa.Schema | None = None
+        self._closed = False
         self._lock = threading.Lock()  # one epoch (or one subscription) at a time
         self._watch_lock = threading.Lock()  # listener bookkeeping: never waits on an epoch
         #: test hook: called as fault(step, epoch_id) at each step of an epoch
@@ -471,10 +472,12 @@ class ForeachBatchBridge:
         Done for you when the Spark query terminates; call it when feeding the bridge by
         hand. Idempotent.
         """
-        for sink in self.sinks:
-            sink.close()
-        if self._topic is not None:
-            self._topic.close()
+        with self._lock:
+            self._closed = True
+            for sink in self.sinks:
+                sink.close()
+            if self._topic is not None:
+                self._topic.close()
 
     def _ensure_topic(self, schema: pa.Schema | None) -> Topic:
         """The topic subscriptions read, created on the first subscription (under the lock)."""
@@ -506,7 +509,7 @@ class ForeachBatchBridge:
         self._topic = Topic(f"bridge:{self.lance_uri or id(self)}", relaxed)
         # Every epoch committed so far is in the dataset now: history covers it.
         self._covered = ds.version if ds is not None else 0
-        if self._ended and not self._watched:
+        if self._closed or (self._ended and not self._watched):
             self._topic.close()  # the query already ended: history, then end of stream
         return self._topic
 
