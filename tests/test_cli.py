@@ -101,5 +101,8 @@ def test_quick_bench_writes_json_with_every_suite(tmp_path: Path) -> None:
     assert {"to_arrow_alone", "driver_path", "executor_path", "dedupe"} <= set(data["spark"])
     assert {"capacity_bound", "max_bytes_bound"} == set(data["memory"])
     assert data["bandwidth"]["copy_gb_per_s_median"] > 0
+    assert set(data["fanout"]) == {"1", "4", "16"}
+    assert all(r["rows_per_s_total"] > 0 for r in data["fanout"].values())
+    assert (tmp_path / "img" / "fanout.png").stat().st_size > 0
     assert (tmp_path / "img" / "core_throughput.png").stat().st_size > 0
     assert (tmp_path / "img" / "spark_epoch_split.png").stat().st_size > 0

@@ -2,7 +2,8 @@
 
 Suites: ``core`` (live-table throughput vs DuckDB and a Python drain), ``latency`` (write ->
 result time of live queries), ``spark`` (the bridge's per-epoch split vs ``toArrow``),
-``memory`` (RSS stays bounded with a slow reader) and ``bandwidth`` (the machine's copy rate,
+``memory`` (RSS stays bounded with a slow reader), ``fanout`` (one producer, 1 / 4 / 16
+live queries over a Topic) and ``bandwidth`` (the machine's copy rate,
 the physical limit). Needs the ``cli`` extra.
 """
 
@@ -13,7 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-SUITES: tuple[str, ...] = ("core", "latency", "spark", "memory", "bandwidth")
+SUITES: tuple[str, ...] = ("core", "latency", "fanout", "spark", "memory", "bandwidth")
 
 
 def run(
@@ -28,7 +29,7 @@ def run(
     The suites run from the lightest footprint to the heaviest (memory, spark, core), so a
     suite's figures are not skewed by what an earlier one left in the process's heap.
     """
-    from pushtable.bench import core, latency, machine, memory, spark
+    from pushtable.bench import core, fanout, latency, machine, memory, spark
 
     out: dict[str, Any] = {"machine": machine.describe(), "quick": quick}
     say(f"machine: {out['machine']['cores']} cores, {out['machine']['memory_gb']} GB")
@@ -46,6 +47,9 @@ def run(
     if "spark" in suites:
         out["spark"] = spark.run(quick)
         say(spark.report(out["spark"]))
+    if "fanout" in suites:
+        out["fanout"] = fanout.run(quick)
+        say(fanout.table(out["fanout"]))
     if "latency" in suites:
         out["latency"] = latency.run(quick)
         say(latency.table(out["latency"]))

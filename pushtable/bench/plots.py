@@ -114,6 +114,33 @@ def latency(suite: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def fanout(suite: dict[str, Any], path: Path) -> Path:
+    """Rows/s (per subscriber and total) and peak RSS growth vs the bound, per subscriber count."""
+    counts = list(suite)
+    xs = range(len(counts))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6))
+    each = [suite[n]["rows_per_s_per_subscriber"] / 1e6 for n in counts]
+    total = [suite[n]["rows_per_s_total"] / 1e6 for n in counts]
+    left.bar([x - 0.2 for x in xs], each, 0.4, label="per subscriber")
+    left.bar([x + 0.2 for x in xs], total, 0.4, label="total")
+    left.set_xticks(list(xs), [f"{n} subscriber(s)" for n in counts])
+    left.set_ylabel("M rows/s")
+    left.legend(fontsize=8)
+    left.set_title("SELECT count(*), sum(v) per subscriber")
+    right.bar(list(xs), [suite[n]["peak_rss_growth_mb"] for n in counts], 0.5, label="RSS growth")
+    right.plot(list(xs), [suite[n]["bound_mb"] * 1.1 for n in counts], "k--", label="bound + 10 %")
+    right.set_xticks(list(xs), [f"{n}" for n in counts])
+    right.set_xlabel("subscribers")
+    right.set_ylabel("MB")
+    right.legend(fontsize=8)
+    right.set_title("Peak RSS growth while streaming")
+    fig.suptitle("Fan-out: one producer, one Topic")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def render(results: dict[str, Any], plot_dir: Path) -> list[Path]:
     """Every plot a ``pushtable bench`` JSON result supports, into ``plot_dir``."""
     plot_dir.mkdir(parents=True, exist_ok=True)
@@ -126,6 +153,8 @@ def render(results: dict[str, Any], plot_dir: Path) -> list[Path]:
         out.append(spark_split(results["spark"], cores, plot_dir / "spark_epoch_split.png"))
     if "latency" in results:
         out.append(latency(results["latency"], plot_dir / "latency.png"))
+    if "fanout" in results:
+        out.append(fanout(results["fanout"], plot_dir / "fanout.png"))
     return out
 
 
