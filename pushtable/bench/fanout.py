@@ -105,8 +105,8 @@ def run(quick: bool) -> dict[str, Any]:
         best = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
         out[str(n)] = best
     one = out["1"]["rows_per_s_total"]
-    for n in ("4", "16"):
-        out[n]["total_vs_1"] = out[n]["rows_per_s_total"] / one
+    for key in ("4", "16"):
+        out[key]["total_vs_1"] = out[key]["rows_per_s_total"] / one
     return out
 
 
