@@ -365,3 +365,15 @@ def test_async_for_reads_results_without_blocking_the_event_loop() -> None:
         assert asyncio.run(main()) == list(range(40))
     finally:
         watchdog.cancel()
+
+
+def test_the_dashboard_example_runs() -> None:
+    """examples/dashboard.py: five panels, one joining late with the history (it asserts)."""
+    from pathlib import Path
+
+    example = Path(__file__).resolve().parent.parent / "examples" / "dashboard.py"
+    done = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "requests_seen_by_late_panel" in done.stdout
