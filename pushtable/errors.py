@@ -16,11 +16,15 @@ __all__ = [
     "OrderViolationError",
     "PushTableError",
     "ReaderGoneError",
+    "RemoteError",
+    "ServerUnavailableError",
     "SchemaMismatchError",
     "SinkClosedError",
     "SlowSubscriberError",
     "StreamConsumedError",
     "StreamFailedError",
+    "UnauthenticatedError",
+    "UnknownTableError",
     "WriteTimeoutError",
 ]
 
@@ -67,6 +71,25 @@ class SlowSubscriberError(PushTableError):
     Raised by that subscriber's query (the topic's producers and other subscribers go on);
     the message names the topic, the backlog and the timeout.
     """
+
+
+class UnknownTableError(PushTableError, KeyError):
+    """No table (or topic) of that name on the server; the message names it."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class UnauthenticatedError(PushTableError, PermissionError):
+    """The server refused the call: a missing or wrong bearer token."""
+
+
+class ServerUnavailableError(PushTableError, ConnectionError):
+    """The ``pushtable serve`` server cannot be reached (not running, stopped, wrong address)."""
+
+
+class RemoteError(PushTableError):
+    """A server-side error with no more specific pushtable class; the message is the server's."""
 
 
 class SchemaMismatchError(PushTableError, ValueError):

@@ -1,0 +1,24 @@
+"""Live tables over the network: ``pushtable serve`` (Arrow Flight) and its clients.
+
+- :class:`Server` / :func:`serve`: host streaming tables and topics; remote SQL.
+- :func:`connect` → :class:`Client`: declare tables, get a :class:`RemoteSink` (the
+  ``TableSink`` API over the wire), run live SQL remotely.
+
+See docs/network.md.
+"""
+
+from __future__ import annotations
+
+from pushtable.flight.client import Client, RemoteResult, RemoteSink, RemoteSinkStats, connect
+from pushtable.flight.server import Server, ServerStoppedError, serve
+
+__all__ = [
+    "Client",
+    "RemoteResult",
+    "RemoteSink",
+    "RemoteSinkStats",
+    "Server",
+    "ServerStoppedError",
+    "connect",
+    "serve",
+]

@@ -1,0 +1,510 @@
+"""Talking to ``pushtable serve``: :func:`connect`, remote sinks and remote SQL.
+
+A :class:`RemoteSink` has the methods and exceptions of a local :class:`~pushtable.TableSink`.
+``write`` returns once the batch is on its way with at most ``window`` batches not yet
+acknowledged (queued in the server's table); beyond that it waits, so a full table blocks the
+client's producer. ``flush`` waits for every acknowledgement; ``close`` flushes first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from pushtable.errors import (
+    InvalidBatchError,
+    PushTableError,
+    SinkClosedError,
+    WriteTimeoutError,
+)
+from pushtable.flight import protocol
+from pushtable.sink import SinkStats, _check_timeout
+from pushtable.topic import TopicStats
+
+__all__ = ["Client", "RemoteResult", "RemoteSink", "RemoteSinkStats", "connect"]
+
+
+def connect(
+    uri: str,
+    *,
+    token: str | None = None,
+    tls_root_certs: str | Path | bytes | None = None,
+    timeout: float | None = 30.0,
+) -> Client:
+    """Connect to a ``pushtable serve`` server at ``uri`` (``grpc://host:port`` or ``grpc+tls://``).
+
+    ``token`` is sent as a bearer token on every call; ``tls_root_certs`` (a PEM path or bytes)
+    verifies a server with a self-signed certificate. ``timeout`` bounds each control call
+    (table declarations, stats), not streams.
+
+    Example:
+        >>> from pushtable.flight import Server, connect
+        >>> server = Server()
+        >>> connect(server.location).tables()
+        []
+        >>> server.stop()
+    """
+    return Client(uri, token=token, tls_root_certs=tls_root_certs, timeout=timeout)
+
+
+def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run a Flight call, raising pushtable's error classes for the server's errors."""
+    try:
+        return fn(*args, **kwargs)
+    except (flight.FlightError, pa.ArrowException) as exc:
+        raise protocol.client_error(exc) from exc
+
+
+class Client:
+    """A connection to a ``pushtable serve`` server (see :func:`connect`). Thread-safe."""
+
+    def __init__(
+        self,
+        uri: str,
+        *,
+        token: str | None = None,
+        tls_root_certs: str | Path | bytes | None = None,
+        timeout: float | None = 30.0,
+    ) -> None:
+        roots = tls_root_certs
+        if isinstance(roots, (str, Path)):
+            roots = Path(roots).read_bytes()
+        kwargs: dict[str, Any] = {}
+        if roots is not None:
+            kwargs["tls_root_certs"] = roots
+        self.uri = uri
+        self._flight = flight.FlightClient(uri, **kwargs)
+        headers = [(protocol.AUTH_HEADER.encode(), f"Bearer {token}".encode())] if token else []
+        self._stream_options = flight.FlightCallOptions(headers=headers)
+        self._control_options = flight.FlightCallOptions(headers=headers, timeout=timeout)
+
+    def __repr__(self) -> str:
+        return f"Client({self.uri!r})"
+
+    def _action(self, name: str, body: dict[str, Any] | None = None) -> Any:
+        results = _call(
+            lambda: list(self._flight.do_action(protocol.action(name, body), self._control_options))
+        )
+        return json.loads(results[0].body.to_pybytes()) if results else None
+
+    # -- declaring tables ---------------------------------------------------------------
+
+    def create_table(
+        self,
+        name: str,
+        schema: pa.Schema,
+        capacity: int = 16,
+        *,
+        max_bytes: int | None = None,
+        unbounded: bool = False,
+        order_by: str | list[str] | None = None,
+        late: str = "reject",
+        if_not_exists: bool = False,
+    ) -> None:
+        """Declare a single-scan streaming table on the server (see ``register_streaming_table``)."""
+        self._action(
+            "create_table",
+            {
+                "name": name,
+                "schema": protocol.schema_bytes(schema),
+                "capacity": capacity,
+                "max_bytes": max_bytes,
+                "unbounded": unbounded,
+                "order_by": order_by,
+                "late": late,
+                "if_not_exists": if_not_exists,
+            },
+        )
+
+    def create_topic(
+        self,
+        name: str,
+        schema: pa.Schema,
+        *,
+        retain: int | None = None,
+        retain_bytes: int | None = None,
+        order_by: str | list[str] | None = None,
+        if_not_exists: bool = False,
+    ) -> None:
+        """Declare a topic on the server (see :class:`pushtable.Topic`)."""
+        self._action(
+            "create_table",
+            {
+                "name": name,
+                "schema": protocol.schema_bytes(schema),
+                "topic": True,
+                "retain": retain,
+                "retain_bytes": retain_bytes,
+                "order_by": order_by,
+                "if_not_exists": if_not_exists,
+            },
+        )
+
+    def subscribe(
+        self,
+        topic: str,
+        name: str,
+        capacity: int = 16,
+        *,
+        start: str = "now",
+        on_slow: str = "block",
+        slow_timeout: float = 5.0,
+    ) -> None:
+        """Register a subscription of ``topic`` as table ``name`` on the server."""
+        self._action(
+            "subscribe",
+            {
+                "topic": topic,
+                "name": name,
+                "capacity": capacity,
+                "start": start,
+                "on_slow": on_slow,
+                "slow_timeout": slow_timeout,
+            },
+        )
+
+    def tables(self) -> list[dict[str, Any]]:
+        """The server's tables and topics: ``name``, ``topic`` and ``schema`` each."""
+        out = self._action("tables")
+        for t in out:
+            t["schema"] = protocol.schema_from(t["schema"])
+        return list(out)
+
+    def schema(self, name: str) -> pa.Schema:
+        for t in self.tables():
+            if t["name"] == name:
+                return t["schema"]
+        from pushtable.errors import UnknownTableError
+
+        raise UnknownTableError(f"no table named {name!r} on the server at {self.uri}")
+
+    # -- producing and querying ---------------------------------------------------------
+
+    def sink(self, name: str, *, window: int = 8) -> RemoteSink:
+        """A producer for table (or topic) ``name``; ``window`` bounds unacknowledged batches."""
+        return RemoteSink(self, name, self.schema(name), window=window)
+
+    def sql(self, query: str) -> RemoteResult:
+        """Run ``query`` on the server; its batches stream back as the query produces them."""
+        ticket = flight.Ticket(json.dumps({"sql": query}).encode())
+        reader = _call(self._flight.do_get, ticket, self._stream_options)
+        return RemoteResult(reader)
+
+    def close(self) -> None:
+        self._flight.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class RemoteResult:
+    """A remote query's result stream: iterate it, ``read_all()``, or ``cancel()``.
+
+    Cancelling (or closing the client) stops the query on the server; the producers of the
+    tables it read then get ``ReaderGoneError``.
+    """
+
+    def __init__(self, reader: Any) -> None:
+        self._reader = reader
+
+    @property
+    def schema(self) -> pa.Schema:
+        return self._reader.schema
+
+    def __iter__(self) -> Iterator[pa.RecordBatch]:
+        while True:
+            try:
+                chunk = _call(self._reader.read_chunk)
+            except StopIteration:
+                return
+            if chunk.data is not None:
+                yield chunk.data
+
+    def read_all(self) -> pa.Table:
+        return pa.Table.from_batches(list(self), schema=self.schema)
+
+    def cancel(self) -> None:
+        self._reader.cancel()
+
+    def __enter__(self) -> RemoteResult:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel()
+
+
+@dataclass(frozen=True)
+class RemoteSinkStats:
+    """What this client sent and the server acknowledged, and the server table's counters."""
+
+    sent_batches: int
+    acknowledged_batches: int
+    table: SinkStats | TopicStats
+
+
+class _Put:
+    """One DoPut stream and the thread that reads its acknowledgements."""
+
+    def __init__(self, client: Client, descriptor: Any, schema: pa.Schema) -> None:
+        self.writer, self._reader = _call(
+            client._flight.do_put, descriptor, schema, client._stream_options
+        )
+        self.schema = schema
+        self.sent = 0
+        self.acked = 0
+        self.error: BaseException | None = None
+        self.finished = False
+        self.changed = threading.Condition()
+        threading.Thread(target=self._read_acks, name="pushtable-acks", daemon=True).start()
+
+    def _read_acks(self) -> None:
+        try:
+            while True:
+                buf = self._reader.read()
+                if buf is None:
+                    break
+                with self.changed:
+                    self.acked = protocol.acked(buf)
+                    self.changed.notify_all()
+        except (flight.FlightError, pa.ArrowException) as exc:
+            with self.changed:
+                self.error = protocol.client_error(exc)
+        finally:
+            with self.changed:
+                self.finished = True
+                self.changed.notify_all()
+
+    def wait(self, most_unacked: int, deadline: float | None) -> bool:
+        """Wait until at most ``most_unacked`` batches are unacknowledged (False: timed out)."""
+        with self.changed:
+            while self.sent - self.acked > most_unacked and not self.finished:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self.changed.wait(left)
+            if self.error is not None:
+                raise self.error
+            if self.sent - self.acked > most_unacked:
+                raise SinkClosedError("the server ended the stream before acknowledging it")
+            return True
+
+    def finish(self, timeout: float | None = None) -> None:
+        """End the stream: every acknowledgement read, the server's verdict raised."""
+        try:
+            _call(self.writer.done_writing)
+        except PushTableError:
+            pass  # the verdict comes from the acknowledgement reader
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.changed:
+            while not self.finished:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise WriteTimeoutError("the server did not finish the stream in time")
+                self.changed.wait(left)
+        error = self.error
+        try:
+            _call(self.writer.close)
+        except PushTableError as exc:
+            error = error or exc
+        if error is not None:
+            raise error
+
+
+class RemoteSink:
+    """A producer for a table on a ``pushtable serve`` server, used like a local ``TableSink``.
+
+    Example:
+        >>> import pyarrow as pa
+        >>> from pushtable.flight import Server, connect
+        >>> server = Server()
+        >>> client = connect(server.location)
+        >>> client.create_table("t", pa.schema([("v", pa.int64())]), capacity=2)
+        >>> sink = client.sink("t")
+        >>> sink.write(pa.record_batch({"v": [1]}))
+        >>> sink.flush()
+        >>> sink.stats.acknowledged_batches
+        1
+        >>> server.stop()
+    """
+
+    def __init__(self, client: Client, name: str, schema: pa.Schema, *, window: int = 8) -> None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be an integer >= 1, got {window!r}")
+        self._client = client
+        self.name = name
+        self.schema = schema
+        self.window = window
+        self._put: _Put | None = None
+        self._sent = 0
+        self._acked = 0
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"RemoteSink(name={self.name!r}, server={self._client.uri!r})"
+
+    def _batches(self, data: Any) -> Iterator[pa.RecordBatch]:
+        if isinstance(data, pa.RecordBatch):
+            yield data
+        elif isinstance(data, pa.Table):
+            yield from data.to_batches()
+        elif hasattr(data, "__arrow_c_array__"):
+            yield pa.record_batch(data)
+        elif hasattr(data, "__arrow_c_stream__"):
+            yield from pa.RecordBatchReader.from_stream(data)
+        else:
+            raise InvalidBatchError(
+                "expected Arrow data (a pyarrow RecordBatch or Table, or an object with "
+                f"__arrow_c_array__ / __arrow_c_stream__), got {type(data).__name__}"
+            )
+
+    def _stream(self) -> _Put:
+        if self._put is None:
+            descriptor = flight.FlightDescriptor.for_path(self.name)
+            self._put = _Put(self._client, descriptor, self.schema)
+        return self._put
+
+    def _drop_stream(self) -> None:
+        """Forget a stream the server ended (after an error): the next write opens another."""
+        put, self._put = self._put, None
+        if put is not None:
+            self._acked += put.acked
+            self._sent += put.sent
+            try:
+                put.finish(timeout=5.0)
+            except PushTableError:
+                pass
+
+    def write(self, data: Any, timeout: float | None = None) -> None:
+        """Send a batch (or every batch of a table / stream), waiting while ``window`` batches
+        are unacknowledged; ``timeout`` bounds that wait (the batch is then not sent).
+
+        Raises the same errors as ``TableSink.write``: ``SchemaMismatchError`` (checked before
+        sending; NOT NULL violations come from the server), ``SinkClosedError``,
+        ``ReaderGoneError``, ``WriteTimeoutError``; an error of an earlier batch in flight is
+        raised by the next call. ``batches_written`` counts what this call sent.
+        """
+        timeout = _check_timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        written = 0
+        with self._lock:
+            if self._closed:
+                raise SinkClosedError(f"remote sink for '{self.name}' is closed")
+            try:
+                for batch in self._batches(data):
+                    protocol.check_batch_schema(self.name, self.schema, batch.schema)
+                    batch = batch.cast(self.schema) if batch.schema != self.schema else batch
+                    put = self._stream()
+                    if not put.wait(self.window - 1, deadline):
+                        raise WriteTimeoutError(
+                            f"write to remote table '{self.name}' timed out after {timeout}s "
+                            f"with {self.window} batch(es) unacknowledged"
+                        )
+                    _call(put.writer.write_batch, batch)
+                    put.sent += 1
+                    written += 1
+            except PushTableError as exc:
+                if not isinstance(exc, (WriteTimeoutError,)) or self._put is None:
+                    pass
+                if self._put is not None and (self._put.error is not None or self._put.finished):
+                    self._drop_stream()
+                exc.batches_written = written
+                raise
+
+    async def awrite(self, data: Any, timeout: float | None = None) -> None:
+        """Asyncio form of :meth:`write` (runs it on a worker thread; the loop never blocks)."""
+        await asyncio.to_thread(self.write, data, timeout)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until the server acknowledged every batch sent (queued in its table)."""
+        timeout = _check_timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            if self._put is not None and not self._put.wait(0, deadline):
+                raise WriteTimeoutError(f"flush of remote table '{self.name}' timed out")
+
+    def close(self) -> None:
+        """Flush, end this producer's stream, and close the table (end of stream)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            put, self._put = self._put, None
+            if put is not None:
+                put.finish()
+                self._sent += put.sent
+                self._acked += put.acked
+        self._client._action("close", {"name": self.name})
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.close)
+
+    def fail(self, exc: BaseException) -> None:
+        """Make the table's reading query raise (``StreamFailedError`` naming ``exc``)."""
+        if not isinstance(exc, BaseException):
+            raise TypeError(f"fail() takes an exception, got {type(exc).__name__}")
+        with self._lock:
+            self._closed = True
+            put, self._put = self._put, None
+        self._client._action(
+            "fail", {"name": self.name, "type": type(exc).__name__, "message": str(exc)}
+        )
+        if put is not None:
+            try:
+                put.finish(timeout=5.0)
+            except PushTableError:
+                pass
+
+    @property
+    def stats(self) -> RemoteSinkStats:
+        table = self._client._action("stats", {"name": self.name})
+        cls = TopicStats if "subscribers" in table else SinkStats
+        put = self._put
+        sent = self._sent + (put.sent if put else 0)
+        acked = self._acked + (put.acked if put else 0)
+        return RemoteSinkStats(sent, acked, cls(**table))
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __enter__(self) -> RemoteSink:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self.close()
+        else:
+            self.fail(exc)
+
+    async def __aenter__(self) -> RemoteSink:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            await self.aclose()
+        else:
+            self.fail(exc)

@@ -1,0 +1,93 @@
+"""The wire conventions ``pushtable serve`` and its clients share (Arrow Flight).
+
+- **DoPut** ``path=[table]``: a producer's stream of batches; the server acknowledges each
+  batch it queued with an 8-byte little-endian count (its ``app_metadata``).
+- **DoPut** ``path=[table, "stage", query, epoch, partition, attempt]``: one Spark task's
+  share of an epoch, held until the driver publishes the epoch (``publish`` action).
+- **DoGet** ticket ``{"sql": ...}``: the query's result batches as the query produces them.
+- **Actions** (JSON bodies and results): ``create_table``, ``subscribe``, ``close``, ``fail``,
+  ``stats``, ``tables``, ``publish``.
+- **Errors**: a pushtable error crosses as ``[pushtable:ClassName] message [/pushtable]`` inside
+  Flight's error text, and is raised again on the client as the same class.
+- **Auth**: ``authorization: Bearer <token>`` on every call.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from pushtable import errors
+
+ACTIONS = ("create_table", "subscribe", "close", "fail", "stats", "tables", "publish")
+STAGE = "stage"
+AUTH_HEADER = "authorization"
+
+_ERROR = re.compile(r"\[pushtable:(?P<cls>\w+)\] (?P<msg>.*?) \[/pushtable\]", re.DOTALL)
+
+
+def error_text(exc: BaseException) -> str:
+    """How the server words a pushtable error for the wire."""
+    return f"[pushtable:{type(exc).__name__}] {exc} [/pushtable]"
+
+
+def server_error(exc: BaseException) -> flight.FlightServerError:
+    """A Flight error that carries ``exc``'s class and message to the client."""
+    return flight.FlightServerError(error_text(exc))
+
+
+def client_error(exc: BaseException) -> BaseException:
+    """The pushtable error a Flight error stands for (``exc`` itself if it is not one of ours)."""
+    if isinstance(exc, flight.FlightUnauthenticatedError):
+        return errors.UnauthenticatedError(f"the server refused the call: {exc}")
+    match = _ERROR.search(str(exc))
+    if match is None:
+        if isinstance(exc, flight.FlightUnavailableError):
+            return errors.ServerUnavailableError(f"the server is not reachable: {exc}")
+        return exc
+    cls = getattr(errors, match.group("cls"), None)
+    if not (isinstance(cls, type) and issubclass(cls, errors.PushTableError)):
+        cls = errors.RemoteError
+    public = cls(match.group("msg"))
+    public.__cause__ = exc
+    return public
+
+
+def ack(count: int) -> pa.Buffer:
+    return pa.py_buffer(count.to_bytes(8, "little"))
+
+
+def acked(buf: pa.Buffer) -> int:
+    return int.from_bytes(buf.to_pybytes(), "little")
+
+
+def schema_bytes(schema: pa.Schema) -> str:
+    """A schema as JSON-safe text (its IPC serialization, hex)."""
+    return bytes(schema.serialize()).hex()
+
+
+def schema_from(text: str) -> pa.Schema:
+    return pa.ipc.read_schema(pa.py_buffer(bytes.fromhex(text)))
+
+
+def action(name: str, body: dict[str, Any] | None = None) -> flight.Action:
+    return flight.Action(name, json.dumps(body or {}).encode())
+
+
+def check_batch_schema(table: str, expected: pa.Schema, got: pa.Schema) -> None:
+    """Refuse a batch whose columns differ from the table's, before it is sent (the server's
+    sink checks NOT NULL on the data)."""
+    if got.names != expected.names:
+        raise errors.SchemaMismatchError(
+            f"table '{table}': the batch has columns {got.names}, expected {expected.names}"
+        )
+    for field, want in zip(got, expected, strict=True):
+        if field.type != want.type:
+            raise errors.SchemaMismatchError(
+                f"table '{table}': field '{field.name}' has type {field.type} in the batch, "
+                f"expected {want.type}"
+            )
