@@ -23,13 +23,18 @@ from pushtable.errors import (
     PushTableError,
     ReaderGoneError,
     SchemaMismatchError,
+    ServerStoppedError,
+    ServerUnavailableError,
     SinkClosedError,
     SlowSubscriberError,
     StreamConsumedError,
     StreamFailedError,
+    UnauthenticatedError,
+    UnknownTableError,
     WriteTimeoutError,
 )
 from pushtable.explain import LiveExplanation, explain_live
+from pushtable.flight import connect, serve
 from pushtable.sink import SinkStats, TableSink
 from pushtable.topic import Subscription, SubscriptionStats, Topic, TopicStats
 
@@ -43,6 +48,8 @@ __all__ = [
     "PushTableError",
     "ReaderGoneError",
     "SchemaMismatchError",
+    "ServerStoppedError",
+    "ServerUnavailableError",
     "SessionContext",
     "SinkClosedError",
     "SinkStats",
@@ -54,7 +61,11 @@ __all__ = [
     "TableSink",
     "Topic",
     "TopicStats",
+    "UnauthenticatedError",
+    "UnknownTableError",
     "WriteTimeoutError",
+    "connect",
     "explain_live",
     "register_streaming_table",
+    "serve",
 ]

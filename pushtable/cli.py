@@ -1,4 +1,4 @@
-"""The ``pushtable`` command: ``pushtable demo`` (the main job) and ``pushtable bench``.
+"""The ``pushtable`` command: ``pushtable demo`` (the main job), ``bench`` and ``serve``.
 
 Argument errors print a message naming the argument and exit with status 2.
 """
@@ -22,6 +22,10 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser (``pushtable --help``)."""
     from pushtable.bench import SUITES
@@ -30,7 +34,7 @@ def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(
         prog="pushtable", description="Run SQL over live Arrow data. See docs/index.md."
     )
-    commands = top.add_subparsers(dest="command", required=True, metavar="{demo,bench}")
+    commands = top.add_subparsers(dest="command", required=True, metavar="{demo,bench,serve}")
 
     demo = commands.add_parser(
         "demo",
@@ -86,6 +90,26 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--plots", type=Path, default=None, help="write PNG plots into this directory"
     )
+    serve = commands.add_parser(
+        "serve",
+        help="host live tables over Arrow Flight",
+        description="Serve streaming tables and topics over Arrow Flight: remote producers push "
+        "with backpressure, remote clients run live SQL. Stops cleanly on Ctrl-C / SIGTERM. "
+        "See docs/network.md.",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8815, help="port (default 8815; 0: any free)")
+    serve.add_argument(
+        "--token",
+        default=None,
+        help="require 'authorization: Bearer TOKEN' on every call "
+        "(default: $PUSHTABLE_TOKEN if set, else no auth)",
+    )
+    serve.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate (enables TLS)")
+    serve.add_argument("--tls-key", type=Path, default=None, help="PEM private key for --tls-cert")
+    serve.add_argument(
+        "--config", type=Path, default=None, help="JSON file declaring tables and topics"
+    )
     return top
 
 
@@ -102,6 +126,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if result.interrupted:
             return 130
         return 0 if result.matched else 1
+    if args.command == "serve":
+        import os
+
+        from pushtable.flight import serve
+
+        if (args.tls_cert is None) != (args.tls_key is None):
+            parser().error("--tls-cert and --tls-key go together")
+        tls = (args.tls_cert, args.tls_key) if args.tls_cert is not None else None
+        token = args.token or os.environ.get("PUSHTABLE_TOKEN") or None
+        serve(args.host, args.port, token=token, tls=tls, config=args.config, say=_say)
+        return 0
     from pushtable import bench
 
     bench.run(args.suites or bench.SUITES, args.quick, args.json, args.plots)

@@ -17,8 +17,9 @@ __all__ = [
     "PushTableError",
     "ReaderGoneError",
     "RemoteError",
-    "ServerUnavailableError",
     "SchemaMismatchError",
+    "ServerStoppedError",
+    "ServerUnavailableError",
     "SinkClosedError",
     "SlowSubscriberError",
     "StreamConsumedError",
@@ -86,6 +87,10 @@ class UnauthenticatedError(PushTableError, PermissionError):
 
 class ServerUnavailableError(PushTableError, ConnectionError):
     """The ``pushtable serve`` server cannot be reached (not running, stopped, wrong address)."""
+
+
+class ServerStoppedError(PushTableError):
+    """The ``pushtable serve`` server stopped: its tables were failed with this error."""
 
 
 class RemoteError(PushTableError):

@@ -9,8 +9,9 @@ See docs/network.md.
 
 from __future__ import annotations
 
+from pushtable.errors import ServerStoppedError
 from pushtable.flight.client import Client, RemoteResult, RemoteSink, RemoteSinkStats, connect
-from pushtable.flight.server import Server, ServerStoppedError, serve
+from pushtable.flight.server import Server, serve
 
 __all__ = [
     "Client",

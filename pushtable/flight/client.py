@@ -9,9 +9,11 @@ client's producer. ``flush`` waits for every acknowledgement; ``close`` flushes 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +26,7 @@ import pyarrow.flight as flight
 from pushtable.errors import (
     InvalidBatchError,
     PushTableError,
+    ServerStoppedError,
     SinkClosedError,
     WriteTimeoutError,
 )
@@ -87,6 +90,8 @@ class Client:
         headers = [(protocol.AUTH_HEADER.encode(), f"Bearer {token}".encode())] if token else []
         self._stream_options = flight.FlightCallOptions(headers=headers)
         self._control_options = flight.FlightCallOptions(headers=headers, timeout=timeout)
+        self._sinks: weakref.WeakSet[RemoteSink] = weakref.WeakSet()
+        self._results: weakref.WeakSet[RemoteResult] = weakref.WeakSet()
 
     def __repr__(self) -> str:
         return f"Client({self.uri!r})"
@@ -111,7 +116,7 @@ class Client:
         late: str = "reject",
         if_not_exists: bool = False,
     ) -> None:
-        """Declare a single-scan streaming table on the server (see ``register_streaming_table``)."""
+        """Declare a single-scan streaming table on the server (as ``register_streaming_table``)."""
         self._action(
             "create_table",
             {
@@ -192,15 +197,28 @@ class Client:
 
     def sink(self, name: str, *, window: int = 8) -> RemoteSink:
         """A producer for table (or topic) ``name``; ``window`` bounds unacknowledged batches."""
-        return RemoteSink(self, name, self.schema(name), window=window)
+        sink = RemoteSink(self, name, self.schema(name), window=window)
+        self._sinks.add(sink)
+        return sink
 
     def sql(self, query: str) -> RemoteResult:
         """Run ``query`` on the server; its batches stream back as the query produces them."""
         ticket = flight.Ticket(json.dumps({"sql": query}).encode())
         reader = _call(self._flight.do_get, ticket, self._stream_options)
-        return RemoteResult(reader)
+        result = RemoteResult(reader)
+        self._results.add(result)
+        return result
 
     def close(self) -> None:
+        """Disconnect: end this client's producer streams and cancel its queries.
+
+        Batches already acknowledged stay in their tables; the tables stay open (a client
+        leaving is not end of stream: call ``sink.close()`` for that).
+        """
+        for sink in list(self._sinks):
+            sink._end_stream()
+        for result in list(self._results):
+            result.cancel()
         self._flight.close()
 
     def __enter__(self) -> Client:
@@ -268,6 +286,7 @@ class _Put:
         self.error: BaseException | None = None
         self.finished = False
         self.changed = threading.Condition()
+        self.io = threading.Lock()  # one call on the writer at a time
         threading.Thread(target=self._read_acks, name="pushtable-acks", daemon=True).start()
 
     def _read_acks(self) -> None:
@@ -276,6 +295,13 @@ class _Put:
                 buf = self._reader.read()
                 if buf is None:
                     break
+                if buf.equals(protocol.STOPPING):
+                    # The server is stopping: end our side, so it need not wait for a write.
+                    with self.changed:
+                        self.error = ServerStoppedError("the pushtable server stopped")
+                    with self.io, contextlib.suppress(flight.FlightError, pa.ArrowException):
+                        self.writer.done_writing()
+                    continue
                 with self.changed:
                     self.acked = protocol.acked(buf)
                     self.changed.notify_all()
@@ -295,18 +321,37 @@ class _Put:
                 if left is not None and left <= 0:
                     return False
                 self.changed.wait(left)
+            if self.error is None and self.sent - self.acked > most_unacked:
+                self.error = self._verdict()
             if self.error is not None:
                 raise self.error
-            if self.sent - self.acked > most_unacked:
-                raise SinkClosedError("the server ended the stream before acknowledging it")
             return True
+
+    def _verdict(self) -> BaseException:
+        """Why the server ended the stream early (its error arrives when the stream closes)."""
+        try:
+            with self.io:
+                self.writer.close()
+        except (flight.FlightError, pa.ArrowException) as exc:
+            return protocol.client_error(exc)
+        return SinkClosedError("the server ended the stream before acknowledging every batch")
+
+    def abandon(self, timeout: float = 5.0) -> None:
+        """Let go of a stream whose error was raised. The writer is closed only once the
+        acknowledgement reader is done: closing it under a pending read would crash."""
+        with self.io, contextlib.suppress(flight.FlightError, pa.ArrowException, OSError):
+            self.writer.done_writing()
+        with self.changed:
+            self.changed.wait_for(lambda: self.finished, timeout)
+            if not self.finished:
+                return  # the server never ended it: leak it rather than crash
+        with self.io, contextlib.suppress(flight.FlightError, pa.ArrowException, OSError):
+            self.writer.close()
 
     def finish(self, timeout: float | None = None) -> None:
         """End the stream: every acknowledgement read, the server's verdict raised."""
-        try:
+        with self.io, contextlib.suppress(PushTableError):  # the ack reader has the verdict
             _call(self.writer.done_writing)
-        except PushTableError:
-            pass  # the verdict comes from the acknowledgement reader
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.changed:
             while not self.finished:
@@ -316,7 +361,8 @@ class _Put:
                 self.changed.wait(left)
         error = self.error
         try:
-            _call(self.writer.close)
+            with self.io:
+                _call(self.writer.close)
         except PushTableError as exc:
             error = error or exc
         if error is not None:
@@ -347,6 +393,7 @@ class RemoteSink:
         self.name = name
         self.schema = schema
         self.window = window
+        self._wire_schema = pa.schema([f.with_nullable(True) for f in schema])
         self._put: _Put | None = None
         self._sent = 0
         self._acked = 0
@@ -374,7 +421,7 @@ class RemoteSink:
     def _stream(self) -> _Put:
         if self._put is None:
             descriptor = flight.FlightDescriptor.for_path(self.name)
-            self._put = _Put(self._client, descriptor, self.schema)
+            self._put = _Put(self._client, descriptor, self._wire_schema)
         return self._put
 
     def _drop_stream(self) -> None:
@@ -383,10 +430,17 @@ class RemoteSink:
         if put is not None:
             self._acked += put.acked
             self._sent += put.sent
-            try:
-                put.finish(timeout=5.0)
-            except PushTableError:
-                pass
+            put.abandon()  # its error was raised already
+
+    def _end_stream(self) -> None:
+        """End the open stream, if any (the client is closing); the table stays open."""
+        with self._lock:
+            put, self._put = self._put, None
+            if put is not None:
+                with contextlib.suppress(PushTableError):
+                    put.finish(timeout=5.0)
+                self._sent += put.sent
+                self._acked += put.acked
 
     def write(self, data: Any, timeout: float | None = None) -> None:
         """Send a batch (or every batch of a table / stream), waiting while ``window`` batches
@@ -406,20 +460,20 @@ class RemoteSink:
             try:
                 for batch in self._batches(data):
                     protocol.check_batch_schema(self.name, self.schema, batch.schema)
-                    batch = batch.cast(self.schema) if batch.schema != self.schema else batch
+                    # NOT NULL is the server's to check, on the data.
+                    batch = pa.RecordBatch.from_arrays(batch.columns, schema=self._wire_schema)
                     put = self._stream()
                     if not put.wait(self.window - 1, deadline):
                         raise WriteTimeoutError(
                             f"write to remote table '{self.name}' timed out after {timeout}s "
                             f"with {self.window} batch(es) unacknowledged"
                         )
-                    _call(put.writer.write_batch, batch)
+                    with put.io:
+                        _call(put.writer.write_batch, batch)
                     put.sent += 1
                     written += 1
             except PushTableError as exc:
-                if not isinstance(exc, (WriteTimeoutError,)) or self._put is None:
-                    pass
-                if self._put is not None and (self._put.error is not None or self._put.finished):
+                if self._put is not None and self._put.error is not None:
                     self._drop_stream()
                 exc.batches_written = written
                 raise
@@ -433,8 +487,13 @@ class RemoteSink:
         timeout = _check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            if self._put is not None and not self._put.wait(0, deadline):
-                raise WriteTimeoutError(f"flush of remote table '{self.name}' timed out")
+            try:
+                if self._put is not None and not self._put.wait(0, deadline):
+                    raise WriteTimeoutError(f"flush of remote table '{self.name}' timed out")
+            except PushTableError:
+                if self._put is not None and self._put.error is not None:
+                    self._drop_stream()
+                raise
 
     def close(self) -> None:
         """Flush, end this producer's stream, and close the table (end of stream)."""
@@ -463,10 +522,8 @@ class RemoteSink:
             "fail", {"name": self.name, "type": type(exc).__name__, "message": str(exc)}
         )
         if put is not None:
-            try:
+            with contextlib.suppress(PushTableError):
                 put.finish(timeout=5.0)
-            except PushTableError:
-                pass
 
     @property
     def stats(self) -> RemoteSinkStats:

@@ -57,6 +57,10 @@ def client_error(exc: BaseException) -> BaseException:
     return public
 
 
+#: The metadata a stopping server sends on every open DoPut stream: end it (no count is this big).
+STOPPING = pa.py_buffer(b"\xff" * 8)
+
+
 def ack(count: int) -> pa.Buffer:
     return pa.py_buffer(count.to_bytes(8, "little"))
 

@@ -8,11 +8,13 @@ produces them. Wire conventions: :mod:`pushtable.flight.protocol`.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -23,21 +25,22 @@ import pyarrow.flight as flight
 
 from pushtable import errors
 from pushtable.context import SessionContext
-from pushtable.errors import PushTableError, UnknownTableError, WriteTimeoutError
+from pushtable.errors import (
+    PushTableError,
+    ServerStoppedError,
+    UnknownTableError,
+    WriteTimeoutError,
+)
 from pushtable.flight import protocol
 from pushtable.sink import TableSink
 from pushtable.topic import Topic
 
-__all__ = ["Server", "ServerStoppedError", "serve"]
+__all__ = ["Server", "serve"]
 
 log = logging.getLogger(__name__)
 
 #: How often a blocked handler looks whether its client went away or the server is stopping.
 POLL_S = 0.25
-
-
-class ServerStoppedError(PushTableError):
-    """The server stopped: what its readers' queries raise (producers get ``SinkClosedError``)."""
 
 
 class _BearerAuth(flight.ServerMiddlewareFactory):  # type: ignore[misc]
@@ -82,7 +85,8 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
         ...     sink.write(pa.record_batch({"v": [1, 2, 3]}))
         >>> client.sql("SELECT sum(v) AS s FROM t").read_all().to_pydict()
         {'s': [6]}
-        >>> server.stop()
+        >>> server.stop()  # the number of calls left open: 0
+        0
     """
 
     def __init__(
@@ -106,6 +110,21 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
         self._published: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
+        self._acks: set[_Acks] = set()  # the open DoPut streams
+        self._calls = 0  # DoPut and DoGet calls under way
+        self._calls_changed = threading.Condition()
+
+    @contextlib.contextmanager
+    def _call(self) -> Iterator[None]:
+        """Count a streaming call, so ``stop()`` can let it deliver its error first."""
+        with self._calls_changed:
+            self._calls += 1
+        try:
+            yield
+        finally:
+            with self._calls_changed:
+                self._calls -= 1
+                self._calls_changed.notify_all()
 
     # -- tables -------------------------------------------------------------------------
 
@@ -153,6 +172,17 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
     # -- DoPut: remote producers --------------------------------------------------------
 
     def do_put(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
+        acks = _Acks(writer)
+        with self._lock:
+            self._acks.add(acks)
+        try:
+            with self._call():
+                self._do_put(context, descriptor, reader, acks)
+        finally:
+            with self._lock:
+                self._acks.discard(acks)
+
+    def _do_put(self, context: Any, descriptor: Any, reader: Any, writer: _Acks) -> None:
         try:
             path = [p.decode() for p in descriptor.path]
             if len(path) == 6 and path[1] == protocol.STAGE:
@@ -161,11 +191,9 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
             if len(path) != 1:
                 raise ValueError(f"unexpected DoPut path {path!r}")
             producer = self._table(path[0])
-            count = 0
-            for batch in _batches(reader):
+            for count, batch in enumerate(_batches(reader), start=1):
                 self._write(context, producer, batch)
-                count += 1
-                writer.write(protocol.ack(count))
+                writer.send(count)
         except (PushTableError, ValueError, pa.ArrowException) as exc:
             raise protocol.server_error(exc) from exc
 
@@ -179,14 +207,14 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
                 if context.is_cancelled() or self._stopping.is_set():
                     raise
 
-    def _stage(self, context: Any, path: list[str], reader: Any, writer: Any) -> None:
+    def _stage(self, context: Any, path: list[str], reader: Any, writer: _Acks) -> None:
         """Hold one Spark task attempt's batches until its epoch is published."""
         table, _, query, epoch, partition, attempt = path
         self._table(table)
         batches: list[pa.RecordBatch] = []
         for batch in _batches(reader):
             batches.append(batch)
-            writer.write(protocol.ack(len(batches)))
+            writer.send(len(batches))
         with self._lock:
             stage = self._staged.setdefault((table, query, int(epoch)), {})
             stage[(int(partition), int(attempt))] = batches
@@ -206,6 +234,10 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
     def _results(self, context: Any, stream: Any) -> Iterator[pa.RecordBatch]:
         """Batches as the query yields them. A worker thread pulls from the query; this
         generator forwards them and notices a client that left (or a stopping server)."""
+        with self._call():
+            yield from self._forward(context, stream)
+
+    def _forward(self, context: Any, stream: Any) -> Iterator[pa.RecordBatch]:
         handoff: queue.Queue[Any] = queue.Queue(maxsize=1)
         gone = threading.Event()
         done = object()
@@ -224,7 +256,7 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
                     if gone.is_set():
                         return
                 handoff.put(done)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - any failure goes to the reader
                 handoff.put(exc)
             finally:
                 stream = None  # drop the query: its tables' producers learn the reader left
@@ -282,7 +314,11 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
         if kind == "tables":
             with self._lock:
                 return [
-                    {"name": n, "topic": isinstance(p, Topic), "schema": protocol.schema_bytes(p.schema)}
+                    {
+                        "name": n,
+                        "topic": isinstance(p, Topic),
+                        "schema": protocol.schema_bytes(p.schema),
+                    }
                     for n, p in self._tables.items()
                 ]
         if kind == "publish":
@@ -308,18 +344,59 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
 
     # -- lifecycle ----------------------------------------------------------------------
 
-    def stop(self, timeout: float = 10.0) -> None:
-        """Fail every table (nothing hangs), then shut down. Idempotent."""
+    def stop(self, timeout: float = 10.0) -> int:
+        """Fail every table, let calls deliver their errors, then shut down. Idempotent.
+
+        Blocked producers and reading queries end with an error within ``POLL_S``. A
+        producer connected but idle keeps its stream until it writes again or disconnects;
+        after ``timeout`` seconds the server is abandoned (it dies with the process) rather
+        than waiting for it. Returns the number of calls still open then (0: a clean stop).
+        """
         if self._stopping.is_set():
-            return
+            return 0
         self._stopping.set()
         with self._lock:
             producers = list(self._tables.values())
+            streams = list(self._acks)
         for producer in producers:
             producer.fail(ServerStoppedError("the pushtable server stopped"))
-        stopper = threading.Thread(target=self.shutdown, daemon=True)
+        for acks in streams:  # an idle producer's client ends its stream on this notice
+            acks.stopping()
+        deadline = time.monotonic() + timeout
+        with self._calls_changed:  # readers' errors reach them before gRPC cancels calls
+            self._calls_changed.wait_for(
+                lambda: self._calls == 0, timeout=min(timeout, 2 * POLL_S + 0.5)
+            )
+        stopper = threading.Thread(target=self.shutdown, name="pushtable-stop", daemon=True)
         stopper.start()
-        stopper.join(timeout)
+        stopper.join(max(0.0, deadline - time.monotonic()))
+        if stopper.is_alive():
+            with self._calls_changed:
+                open_calls = self._calls
+            log.warning("pushtable server stopped with %d call(s) still open", open_calls)
+            # pyarrow would wait for them again at interpreter exit; let the process end.
+            finalizer = getattr(self, "finalizer", None)
+            if finalizer is not None:
+                finalizer.detach()
+            return max(open_calls, 1)
+        return 0
+
+
+class _Acks:
+    """A DoPut stream's metadata side: acknowledgements, and the stop notice sent to it
+    from another thread (one writer at a time, as gRPC requires)."""
+
+    def __init__(self, writer: Any) -> None:
+        self._writer = writer
+        self._lock = threading.Lock()
+
+    def send(self, count: int) -> None:
+        with self._lock:
+            self._writer.write(protocol.ack(count))
+
+    def stopping(self) -> None:
+        with self._lock, contextlib.suppress(flight.FlightError, pa.ArrowException, OSError):
+            self._writer.write(protocol.STOPPING)
 
 
 def _batches(reader: Any) -> Iterator[pa.RecordBatch]:
@@ -334,6 +411,8 @@ def _batches(reader: Any) -> Iterator[pa.RecordBatch]:
 
 def _query_error(exc: BaseException) -> BaseException:
     """A query's error as the pushtable class it stands for, when it is one."""
+    if isinstance(exc, errors.PushTableError):
+        return exc
     public = errors.query_error(exc)
     return public if public is not None else errors.RemoteError(str(exc))
 
@@ -372,6 +451,10 @@ def serve(
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         say("pushtable serve: stopping")
-        server.stop()
+        left = server.stop()
+        say(
+            f"pushtable serve: stopped ({left} idle stream(s) abandoned)"
+            if left
+            else "pushtable serve: stopped"
+        )
     return server
-
