@@ -20,7 +20,8 @@ from pushtable.cli import main
         (["demo", "--epochs", "0"], "--epochs: must be at least 1"),
         (["demo", "--rows-per-epoch", "many"], "--rows-per-epoch: expected a whole number"),
         (["bench", "--suite", "gpu"], "--suite: invalid choice: 'gpu'"),
-        (["serve"], "invalid choice: 'serve'"),
+        (["serve", "--tls-cert", "c.pem"], "--tls-cert and --tls-key go together"),
+        (["serve", "--port", "http"], "--port: invalid int value: 'http'"),
     ],
 )
 def test_argument_errors_exit_2_with_a_clear_message(

@@ -14,7 +14,7 @@ import json
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -55,7 +55,8 @@ def connect(
         >>> server = Server()
         >>> connect(server.location).tables()
         []
-        >>> server.stop()
+        >>> server.stop()  # the number of calls left open
+        0
     """
     return Client(uri, token=token, tls_root_certs=tls_root_certs, timeout=timeout)
 
@@ -88,6 +89,7 @@ class Client:
         self.uri = uri
         self._flight = flight.FlightClient(uri, **kwargs)
         headers = [(protocol.AUTH_HEADER.encode(), f"Bearer {token}".encode())] if token else []
+        self._headers = headers
         self._stream_options = flight.FlightCallOptions(headers=headers)
         self._control_options = flight.FlightCallOptions(headers=headers, timeout=timeout)
         self._sinks: weakref.WeakSet[RemoteSink] = weakref.WeakSet()
@@ -96,10 +98,12 @@ class Client:
     def __repr__(self) -> str:
         return f"Client({self.uri!r})"
 
-    def _action(self, name: str, body: dict[str, Any] | None = None) -> Any:
-        results = _call(
-            lambda: list(self._flight.do_action(protocol.action(name, body), self._control_options))
-        )
+    def _options(self, timeout: float) -> Any:
+        return flight.FlightCallOptions(headers=self._headers, timeout=timeout)
+
+    def _action(self, name: str, body: dict[str, Any] | None = None, options: Any = None) -> Any:
+        options = self._control_options if options is None else options
+        results = _call(lambda: list(self._flight.do_action(protocol.action(name, body), options)))
         return json.loads(results[0].body.to_pybytes()) if results else None
 
     # -- declaring tables ---------------------------------------------------------------
@@ -208,6 +212,53 @@ class Client:
         result = RemoteResult(reader)
         self._results.add(result)
         return result
+
+    # -- staged epochs (the Spark bridge's exactly-once path) ----------------------------
+
+    def stager(
+        self, table: str, query: str, epoch: int, partition: int, attempt: int, schema: pa.Schema
+    ) -> Stager:
+        """A stream for one Spark task attempt's share of an epoch: held by the server until
+        :meth:`publish` names the attempt (see :mod:`pushtable.spark.remote`)."""
+        path = [table, protocol.STAGE, query, str(epoch), str(partition), str(attempt)]
+        return Stager(self, path, schema)
+
+    def stage(
+        self,
+        table: str,
+        query: str,
+        epoch: int,
+        partition: int,
+        attempt: int,
+        batches: Iterable[pa.RecordBatch],
+        schema: pa.Schema,
+    ) -> None:
+        """Stage ``batches`` as one attempt's share of an epoch (see :meth:`stager`)."""
+        stager = self.stager(table, query, epoch, partition, attempt, schema)
+        for batch in batches:
+            stager.write(batch)
+        stager.finish()
+
+    def publish(
+        self,
+        table: str,
+        query: str,
+        epoch: int,
+        parts: Sequence[tuple[int, int]],
+        *,
+        timeout: float | None = None,
+    ) -> bool:
+        """Write the staged ``(partition, attempt)`` shares of ``epoch`` into ``table``, once:
+        False if the server published this epoch (or a later one) of ``query`` before.
+        ``timeout`` bounds the wait for the table's reader to make room (None: no bound)."""
+        options = self._stream_options if timeout is None else self._options(timeout)
+        body = {"table": table, "query": query, "epoch": epoch, "parts": [list(p) for p in parts]}
+        result = self._action("publish", body, options)
+        return bool(result["published"])
+
+    def published(self, table: str, query: str) -> int:
+        """The newest epoch of ``query`` published into ``table`` (-1: none)."""
+        return int(self._action("published", {"table": table, "query": query})["epoch"])
 
     def close(self) -> None:
         """Disconnect: end this client's producer streams and cancel its queries.
@@ -369,6 +420,31 @@ class _Put:
             raise error
 
 
+class Stager:
+    """One Spark task attempt's share of an epoch, sent to the server's stage area."""
+
+    def __init__(self, client: Client, path: list[str], schema: pa.Schema) -> None:
+        self._table = path[0]
+        self._schema = schema
+        self._wire_schema = pa.schema([f.with_nullable(True) for f in schema])
+        self._put = _Put(client, flight.FlightDescriptor.for_path(*path), self._wire_schema)
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        protocol.check_batch_schema(self._table, self._schema, batch.schema)
+        batch = pa.RecordBatch.from_arrays(batch.columns, schema=self._wire_schema)
+        try:
+            with self._put.io:
+                _call(self._put.writer.write_batch, batch)
+        except PushTableError:
+            self._put.finish(timeout=30.0)  # the server's reason, if it gave one
+            raise
+        self._put.sent += 1
+
+    def finish(self) -> None:
+        """End the share; returns once the server holds all of it (raises its error)."""
+        self._put.finish()
+
+
 class RemoteSink:
     """A producer for a table on a ``pushtable serve`` server, used like a local ``TableSink``.
 
@@ -384,6 +460,7 @@ class RemoteSink:
         >>> sink.stats.acknowledged_batches
         1
         >>> server.stop()
+        0
     """
 
     def __init__(self, client: Client, name: str, schema: pa.Schema, *, window: int = 8) -> None:

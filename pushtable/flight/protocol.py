@@ -6,7 +6,7 @@
   share of an epoch, held until the driver publishes the epoch (``publish`` action).
 - **DoGet** ticket ``{"sql": ...}``: the query's result batches as the query produces them.
 - **Actions** (JSON bodies and results): ``create_table``, ``subscribe``, ``close``, ``fail``,
-  ``stats``, ``tables``, ``publish``.
+  ``stats``, ``tables``, ``publish``, ``published``.
 - **Errors**: a pushtable error crosses as ``[pushtable:ClassName] message [/pushtable]`` inside
   Flight's error text, and is raised again on the client as the same class.
 - **Auth**: ``authorization: Bearer <token>`` on every call.
@@ -23,7 +23,16 @@ import pyarrow.flight as flight
 
 from pushtable import errors
 
-ACTIONS = ("create_table", "subscribe", "close", "fail", "stats", "tables", "publish")
+ACTIONS = (
+    "create_table",
+    "subscribe",
+    "close",
+    "fail",
+    "stats",
+    "tables",
+    "publish",
+    "published",
+)
 STAGE = "stage"
 AUTH_HEADER = "authorization"
 

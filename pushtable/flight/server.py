@@ -108,6 +108,8 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
         self._tables: dict[str, TableSink | Topic] = {}
         self._staged: dict[tuple[str, str, int], dict[tuple[int, int], list[pa.RecordBatch]]] = {}
         self._published: dict[tuple[str, str], int] = {}
+        #: staged shares never written: task attempts Spark did not keep, replayed epochs
+        self.dropped_shares = 0
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._acks: set[_Acks] = set()  # the open DoPut streams
@@ -210,9 +212,10 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
     def _stage(self, context: Any, path: list[str], reader: Any, writer: _Acks) -> None:
         """Hold one Spark task attempt's batches until its epoch is published."""
         table, _, query, epoch, partition, attempt = path
-        self._table(table)
+        producer = self._table(table)
         batches: list[pa.RecordBatch] = []
         for batch in _batches(reader):
+            protocol.check_batch_schema(table, producer.schema, batch.schema)
             batches.append(batch)
             writer.send(len(batches))
         with self._lock:
@@ -323,24 +326,44 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
                 ]
         if kind == "publish":
             return self._publish(body)
+        if kind == "published":
+            with self._lock:
+                return {"epoch": self._published.get((body["table"], body["query"]), -1)}
         raise ValueError(f"unknown action {kind!r}; expected one of {', '.join(protocol.ACTIONS)}")
 
     def _publish(self, body: dict[str, Any]) -> dict[str, Any]:
-        """Write an epoch's staged batches (the attempts the driver names) once."""
+        """Write an epoch's staged batches (the attempts the driver names) once.
+
+        Shares of other attempts (failed or speculative tasks) and of older epochs are
+        dropped. If the table refuses a batch midway, the table is failed with that error:
+        its reader learns the epoch is incomplete instead of silently missing rows.
+        """
         table, query, epoch = body["table"], body["query"], int(body["epoch"])
+        producer = self._table(table)
+        named = {(int(p[0]), int(p[1])) for p in body["parts"]}
         with self._lock:
             stage = self._staged.pop((table, query, epoch), {})
+            dropped = [k for k in self._staged if k[:2] == (table, query) and k[2] < epoch]
+            self.dropped_shares += sum(len(self._staged.pop(k)) for k in dropped)
             newest = self._published.get((table, query), -1)
             if epoch <= newest:
+                self.dropped_shares += len(stage)
                 return {"published": False, "reason": f"epoch {epoch} was published already"}
             self._published[(table, query)] = epoch
-        producer = self._table(table)
+            # Shares of attempts Spark did not keep (failed, speculative): never written.
+            self.dropped_shares += len(stage.keys() - named)
+        missing = [p for p in named if p not in stage]
         written = 0
-        for partition, attempt in sorted(tuple(p) for p in body["parts"]):
-            for batch in stage.get((partition, attempt), []):
-                producer.write(batch)
-                written += 1
-        return {"published": True, "batches": written}
+        try:
+            for partition, attempt in sorted(named):
+                for batch in stage.get((partition, attempt), []):
+                    producer.write(batch)
+                    written += 1
+        except PushTableError as exc:
+            if not isinstance(exc, (errors.SinkClosedError, errors.ReaderGoneError)):
+                producer.fail(exc)
+            raise
+        return {"published": True, "batches": written, "parts_without_data": len(missing)}
 
     # -- lifecycle ----------------------------------------------------------------------
 

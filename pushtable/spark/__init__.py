@@ -1,0 +1,30 @@
+"""Spark: ``foreachBatch`` bridges from a Structured Streaming query to live tables and Lance.
+
+- :class:`ForeachBatchBridge` (:mod:`pushtable.spark.bridge`): sinks and topics in this
+  process; Lance exactly once.
+- :class:`RemoteBridge` (:mod:`pushtable.spark.remote`): a table on a ``pushtable serve``
+  server, fed from the executors or the driver; picklable, so it runs under Spark Connect.
+"""
+
+from __future__ import annotations
+
+from pushtable.spark.bridge import (
+    EpochReport,
+    ForeachBatchBridge,
+    IncompatibleSinkError,
+    SlowReaderError,
+    StreamingQueryFailedError,
+    local_spark,
+)
+from pushtable.spark.remote import RemoteBridge, query_id_from_checkpoint
+
+__all__ = [
+    "EpochReport",
+    "ForeachBatchBridge",
+    "IncompatibleSinkError",
+    "RemoteBridge",
+    "SlowReaderError",
+    "StreamingQueryFailedError",
+    "local_spark",
+    "query_id_from_checkpoint",
+]

@@ -1,0 +1,403 @@
+"""The Spark bridge for a ``pushtable serve`` server: epochs go over Arrow Flight.
+
+:class:`RemoteBridge` is a ``foreachBatch`` callable made only of plain settings, so it
+pickles: it runs wherever Spark runs ``foreachBatch`` (the driver, or Spark Connect's
+server-side Python worker) and its tasks run on the executors.
+
+With ``push="executors"`` (the default) each partition goes from its own task straight to
+the server, in parallel, staged under ``(query, epoch, partition, attempt)``; the tasks write
+their Lance fragments in the same pass. The driver then commits the fragments (exactly once,
+:mod:`pushtable.lance_epochs`) and publishes the epoch: the server moves the staged batches of
+exactly the attempts Spark kept into the live table, once per epoch. ``push="driver"`` sends
+the epoch from the driver (``toArrow``) through the same stage-and-publish step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import logging
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import pyarrow as pa
+
+from pushtable.flight.client import Client, connect
+from pushtable.lance_epochs import (
+    MODES,
+    CommitResult,
+    LanceEpochWriter,
+    Mode,
+    SchemaDriftError,
+    conform_to,
+)
+from pushtable.spark.bridge import EpochReport
+
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame
+
+__all__ = ["RemoteBridge", "query_id_from_checkpoint"]
+
+log = logging.getLogger(__name__)
+
+Push = Literal["executors", "driver"]
+
+
+def query_id_from_checkpoint(checkpoint: str | Path) -> str:
+    """The streaming query's id as Spark keeps it in ``<checkpoint>/metadata``.
+
+    Spark writes ``{"id": ...}`` there when a query first starts on a checkpoint and reads it
+    back on every restart, so it is the same id ``StreamingQuery.id`` reports: a stable key
+    for exactly-once commits where the query id is not a local property (Spark Connect).
+    """
+    text = str(checkpoint)
+    path = Path(text.removeprefix("file://").removeprefix("file:")) / "metadata"
+    try:
+        first = path.read_text().splitlines()[0]
+        query_id = json.loads(first)["id"]
+    except (OSError, IndexError, ValueError, KeyError) as exc:
+        raise ValueError(
+            f"cannot read the query id from {path}: {exc}. checkpoint= must be the query's "
+            "checkpointLocation on a local file system (Spark writes the metadata file when "
+            "the query starts); elsewhere pass query_id=... instead"
+        ) from exc
+    if not isinstance(query_id, str) or not query_id:
+        raise ValueError(f"{path} holds no query id: {first!r}")
+    return query_id
+
+
+class RemoteBridge:
+    """Send each epoch of a streaming query to a table on a ``pushtable serve`` server, and
+    persist it to Lance exactly once.
+
+    Args:
+        uri: the server, e.g. ``"grpc://127.0.0.1:8815"`` (``grpc+tls://`` for TLS).
+        table: the server's table to feed; created from the first epoch's schema if absent.
+        token: the server's bearer token, if it has one.
+        tls_root_certs: PEM bytes (or a path) of the CA that signed the server's certificate.
+        lance_uri: Lance dataset to commit epochs to (optional).
+        mode: ``"append"`` (the live table needs it), ``"complete"`` or ``"update"``.
+        query_id: the id stamped on commits and epochs. Default: read from ``checkpoint``,
+            else Spark's query id (classic sessions only).
+        checkpoint: the query's ``checkpointLocation``: its id is read from there (the way to
+            a stable id under Spark Connect, where the driver's query id is not visible).
+        push: ``"executors"`` (each task sends its partition) or ``"driver"``.
+        publish_timeout: seconds the publish may wait for the live table's reader to make
+            room; None (default): wait, so the reader paces the query (backpressure).
+
+    Example:
+        >>> from pushtable.spark import RemoteBridge
+        >>> import pickle
+        >>> bridge = RemoteBridge("grpc://127.0.0.1:8815", "events", checkpoint="/tmp/ck")
+        >>> pickle.loads(pickle.dumps(bridge)).table     # it pickles: Spark Connect ships it
+        'events'
+        >>> # df.writeStream.foreachBatch(bridge).option("checkpointLocation", "/tmp/ck").start()
+    """
+
+    def __init__(
+        self,
+        uri: str,
+        table: str,
+        *,
+        token: str | None = None,
+        tls_root_certs: bytes | str | Path | None = None,
+        lance_uri: str | Path | None = None,
+        mode: Mode = "append",
+        query_id: str | None = None,
+        checkpoint: str | Path | None = None,
+        push: Push = "executors",
+        publish_timeout: float | None = None,
+        storage_options: dict[str, str] | None = None,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+        if mode != "append":
+            raise ValueError(
+                f"a live table needs mode='append': in {mode!r} mode every epoch restates "
+                "results and the live table would show them duplicated (see docs/spark.md)"
+            )
+        if push not in ("executors", "driver"):
+            raise ValueError(f"push must be 'executors' or 'driver', got {push!r}")
+        if not table:
+            raise ValueError("table must name the server's table")
+        if query_id is not None and not query_id:
+            raise ValueError("query_id must be a non-empty string or None")
+        if isinstance(tls_root_certs, (str, Path)):
+            tls_root_certs = Path(tls_root_certs).read_bytes()
+        self.uri = uri
+        self.table = table
+        self.token = token
+        self.tls_root_certs = tls_root_certs
+        self.lance_uri = None if lance_uri is None else str(lance_uri)
+        self.mode: Mode = mode
+        self.query_id = query_id
+        self.checkpoint = None if checkpoint is None else str(checkpoint)
+        self.push: Push = push
+        self.publish_timeout = publish_timeout
+        self.storage_options = storage_options
+        self.last_report: EpochReport | None = None
+        #: test hook: (partition, step) at which attempt 0 of that partition's task fails
+        self.fail_first_attempt: tuple[int, str] | None = None
+        self._client: Client | None = None
+        self._writers: dict[str, LanceEpochWriter] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.update(_client=None, _writers={}, last_report=None)  # per-process connections
+        return state
+
+    def __repr__(self) -> str:
+        return f"RemoteBridge({self.uri!r}, {self.table!r}, push={self.push!r})"
+
+    # -- the foreachBatch callable ------------------------------------------------------
+
+    def __call__(self, batch_df: DataFrame, epoch_id: int) -> None:
+        from pyspark.sql.pandas.types import to_arrow_schema
+
+        epoch = int(epoch_id)
+        query_id = self._query_id(batch_df)
+        client = self._connect()
+        writer = self._writer(query_id)
+        lance_done = writer is None or writer.replayed(epoch) is not None
+        live_done = epoch <= client.published(self.table, query_id)
+        started = time.perf_counter()
+        if lance_done and live_done:
+            # A replay nobody needs. A stateful query still wants the batch processed.
+            batch_df.write.format("noop").mode("overwrite").save()
+            self._report(query_id, epoch, -1, started, "replayed: committed and published")
+            return
+        live_schema = self._live_schema(client, to_arrow_schema(batch_df.schema))
+        if self.push == "executors":
+            rows, result = self._from_executors(
+                batch_df, query_id, epoch, writer, lance_done, live_done, live_schema
+            )
+        else:
+            rows, result = self._from_driver(
+                batch_df, query_id, epoch, writer, lance_done, live_done, live_schema
+            )
+        reason = result.reason if result is not None else "no Lance dataset configured"
+        self._report(query_id, epoch, rows, started, reason)
+
+    def _from_executors(
+        self,
+        batch_df: DataFrame,
+        query_id: str,
+        epoch: int,
+        writer: LanceEpochWriter | None,
+        lance_done: bool,
+        live_done: bool,
+        live_schema: pa.Schema,
+    ) -> tuple[int, CommitResult | None]:
+        from lance.fragment import FragmentMetadata
+        from pyspark.sql.pandas.types import to_arrow_schema
+
+        lance_schema = None
+        if writer is not None and not lance_done:
+            lance_schema = writer.schema_for(to_arrow_schema(batch_df.schema))
+        task = _PartitionTask(
+            settings=self._settings(),
+            table=self.table,
+            query_id=query_id,
+            epoch=epoch,
+            live_schema=None if live_done else live_schema,
+            lance_schema=lance_schema,
+            lance_uri=self.lance_uri,
+            storage_options=self.storage_options,
+            fail_first_attempt=self.fail_first_attempt,
+        )
+        out = batch_df.mapInArrow(
+            task, "partition int, attempt int, rows long, fragments string"
+        ).collect()
+        result = None
+        if writer is not None:
+            fragments = [
+                FragmentMetadata.from_json(f) for r in out for f in json.loads(r["fragments"])
+            ]
+            if lance_done:
+                result = writer.replayed(epoch)
+            else:
+                assert lance_schema is not None
+                result = writer.commit_fragments(epoch, fragments, lance_schema)
+        if not live_done:
+            parts = [(int(r["partition"]), int(r["attempt"])) for r in out]
+            self._connect().publish(
+                self.table, query_id, epoch, parts, timeout=self.publish_timeout
+            )
+        return sum(int(r["rows"]) for r in out), result
+
+    def _from_driver(
+        self,
+        batch_df: DataFrame,
+        query_id: str,
+        epoch: int,
+        writer: LanceEpochWriter | None,
+        lance_done: bool,
+        live_done: bool,
+        live_schema: pa.Schema,
+    ) -> tuple[int, CommitResult | None]:
+        table = batch_df.toArrow()
+        result = None
+        if writer is not None:
+            result = writer.replayed(epoch) if lance_done else writer.commit(epoch, table)
+        if not live_done:
+            client = self._connect()
+            data = conform_to(table, live_schema)
+            client.stage(self.table, query_id, epoch, 0, 0, data.to_batches(), live_schema)
+            client.publish(self.table, query_id, epoch, [(0, 0)], timeout=self.publish_timeout)
+        return table.num_rows, result
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """End of stream for the server's table (the query is over): its reader finishes."""
+        self._connect().sink(self.table).close()
+
+    def _settings(self) -> dict[str, Any]:
+        return {"uri": self.uri, "token": self.token, "tls_root_certs": self.tls_root_certs}
+
+    def _connect(self) -> Client:
+        if self._client is None:
+            self._client = connect(**self._settings())
+        return self._client
+
+    def _writer(self, query_id: str) -> LanceEpochWriter | None:
+        if self.lance_uri is None:
+            return None
+        writer = self._writers.get(query_id)
+        if writer is None:
+            writer = LanceEpochWriter(
+                self.lance_uri, query_id, self.mode, storage_options=self.storage_options
+            )
+            self._writers[query_id] = writer
+        return writer
+
+    def _query_id(self, batch_df: DataFrame) -> str:
+        if self.query_id:
+            return self.query_id
+        if self.checkpoint is not None:
+            self.query_id = query_id_from_checkpoint(self.checkpoint)
+            return self.query_id
+        with contextlib.suppress(Exception):  # Spark Connect has no SparkContext
+            found = batch_df.sparkSession.sparkContext.getLocalProperty("sql.streaming.queryId")
+            if found:
+                return str(found)
+        raise ValueError(
+            "no streaming query id: pass checkpoint=<the query's checkpointLocation> (Spark "
+            "Connect) or query_id=...; it keys the exactly-once commits and live epochs"
+        )
+
+    def _live_schema(self, client: Client, epoch_schema: pa.Schema) -> pa.Schema:
+        """The server table's schema; the table is created from the epoch's if absent."""
+        names = {t["name"] for t in client.tables()}
+        if self.table not in names:
+            client.create_table(self.table, epoch_schema, if_not_exists=True)
+        schema = client.schema(self.table)
+        try:  # on the driver, before any task runs: a clear error, not an executor trace
+            conform_to(epoch_schema.empty_table(), schema)
+        except SchemaDriftError as exc:
+            raise SchemaDriftError(
+                f"server table {self.table!r} cannot take this query's epochs: {exc}"
+            ) from exc
+        return schema
+
+    def _report(self, query_id: str, epoch: int, rows: int, started: float, why: str) -> None:
+        seconds = time.perf_counter() - started
+        self.last_report = EpochReport(query_id, epoch, rows, 0.0, seconds, 0.0, True, True, why)
+
+
+class _PartitionTask:
+    """What one Spark task runs (pickled to the executors): stage its partition on the
+    server and write its Lance fragments, in one pass over the partition's batches."""
+
+    def __init__(
+        self,
+        *,
+        settings: dict[str, Any],
+        table: str,
+        query_id: str,
+        epoch: int,
+        live_schema: pa.Schema | None,
+        lance_schema: pa.Schema | None,
+        lance_uri: str | None,
+        storage_options: dict[str, str] | None,
+        fail_first_attempt: tuple[int, str] | None,
+    ) -> None:
+        self.settings = settings
+        self.table = table
+        self.query_id = query_id
+        self.epoch = epoch
+        self.live_schema = live_schema
+        self.lance_schema = lance_schema
+        self.lance_uri = lance_uri
+        self.storage_options = storage_options
+        self.fail_first_attempt = fail_first_attempt
+
+    def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        from pyspark import TaskContext
+
+        context = TaskContext.get()
+        partition = context.partitionId() if context is not None else 0
+        attempt = context.attemptNumber() if context is not None else 0
+        rows = 0
+        fragments: list[str] = []
+        with connect(**self.settings) as client:
+            stager = None
+            if self.live_schema is not None:
+                stager = client.stager(
+                    self.table, self.query_id, self.epoch, partition, attempt, self.live_schema
+                )
+
+            def tee() -> Iterator[pa.RecordBatch]:
+                nonlocal rows
+                for batch in batches:
+                    if not batch.num_rows:
+                        continue
+                    rows += batch.num_rows
+                    if stager is not None:
+                        assert self.live_schema is not None
+                        live = conform_to(pa.Table.from_batches([batch]), self.live_schema)
+                        for part in live.to_batches():
+                            stager.write(part)
+                    yield batch
+
+            if self.lance_schema is not None:
+                fragments = self._write_fragments(tee(), self.lance_schema)
+            else:
+                for _ in tee():
+                    pass
+            if stager is not None:
+                stager.finish()
+        self._fault(partition, attempt, "after_stage")
+        yield pa.record_batch(
+            {
+                "partition": pa.array([partition], pa.int32()),
+                "attempt": pa.array([attempt], pa.int32()),
+                "rows": pa.array([rows], pa.int64()),
+                "fragments": pa.array([json.dumps(fragments)], pa.string()),
+            }
+        )
+
+    def _write_fragments(self, batches: Iterator[pa.RecordBatch], schema: pa.Schema) -> list[str]:
+        import lance
+
+        conformed = (
+            part
+            for batch in batches
+            for part in conform_to(pa.Table.from_batches([batch]), schema).to_batches()
+        )
+        first = next(conformed, None)
+        if first is None:  # an empty partition writes nothing
+            return []
+        reader = pa.RecordBatchReader.from_batches(schema, itertools.chain([first], conformed))
+        assert self.lance_uri is not None
+        written = lance.fragment.write_fragments(
+            reader, self.lance_uri, schema=schema, storage_options=self.storage_options
+        )
+        return [json.dumps(f.to_json()) for f in written]
+
+    def _fault(self, partition: int, attempt: int, step: str) -> None:
+        if self.fail_first_attempt == (partition, step) and attempt == 0:
+            raise RuntimeError(f"injected failure: partition {partition}, attempt 0, {step}")

@@ -1,0 +1,188 @@
+"""RemoteBridge: Spark epochs to a ``pushtable serve`` table (from the executors or the driver),
+Lance exactly once, the live table exactly once; Spark Connect with a task that fails once."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import lance
+import pytest
+from pyspark.sql import DataFrame, SparkSession
+
+from pushtable.flight import Client, Server, connect
+from pushtable.lance_epochs import LanceEpochWriter
+from pushtable.spark import RemoteBridge, query_id_from_checkpoint
+from tests.conftest import WAIT, Background
+from tests.spark_support import ARROW, ids, stamped, write_epochs
+
+ROWS = 20
+
+
+@pytest.fixture
+def server() -> Iterator[Server]:
+    s = Server()
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def client(server: Server) -> Iterator[Client]:
+    with connect(server.location) as c:
+        yield c
+
+
+def epoch_df(spark: SparkSession, epoch: int) -> DataFrame:
+    start = epoch * ROWS
+    return spark.range(start, start + ROWS, numPartitions=2).selectExpr(
+        "id", "cast(id % 2 AS string) AS level"
+    )
+
+
+def expected(epochs: range) -> list[int]:
+    return [i for e in epochs for i in range(e * ROWS, e * ROWS + ROWS)]
+
+
+def live_ids(client: Client, table: str) -> Background:
+    result = client.sql(f"SELECT id FROM {table}")
+    return Background(lambda: sorted(result.read_all()["id"].to_pylist()))
+
+
+@pytest.mark.spark
+@pytest.mark.parametrize("push", ["executors", "driver"])
+def test_epochs_reach_the_server_and_lance_once_even_when_replayed(
+    spark: SparkSession, tmp_path: Path, server: Server, client: Client, push: str
+) -> None:
+    client.create_table("events", ARROW)
+    reader = live_ids(client, "events")
+    uri = tmp_path / "out.lance"
+    bridge = RemoteBridge(server.location, "events", lance_uri=uri, query_id="q", push=push)  # type: ignore[arg-type]
+    for e in (0, 1, 2, 2, 1, 3):  # Spark replays the newest epoch after a restart; 1 is older
+        bridge(epoch_df(spark, e), e)
+    bridge.close()
+    assert reader.join() == expected(range(4))
+    assert ids(uri) == expected(range(4))
+    assert stamped(uri) == [("q", e) for e in range(4)]
+    assert client.published("events", "q") == 3
+
+
+@pytest.mark.spark
+def test_an_epoch_committed_but_not_published_is_published_on_replay(
+    spark: SparkSession, tmp_path: Path, server: Server, client: Client
+) -> None:
+    """A driver that died between the Lance commit and the publish: the replay publishes."""
+    client.create_table("events", ARROW)
+    reader = live_ids(client, "events")
+    uri = tmp_path / "out.lance"
+    bridge = RemoteBridge(server.location, "events", lance_uri=uri, query_id="q")
+    bridge(epoch_df(spark, 0), 0)
+    LanceEpochWriter(uri, "q").commit(1, epoch_df(spark, 1).toArrow())  # ...then the crash
+    bridge(epoch_df(spark, 1), 1)  # the restarted query replays epoch 1
+    bridge.close()
+    assert reader.join() == expected(range(2))
+    assert ids(uri) == expected(range(2))
+    assert stamped(uri) == [("q", 0), ("q", 1)]
+
+
+@pytest.mark.spark
+def test_the_bridge_creates_a_missing_table_and_refuses_a_wrong_schema(
+    spark: SparkSession, server: Server, client: Client
+) -> None:
+    bridge = RemoteBridge(server.location, "fresh", query_id="q")
+    bridge(epoch_df(spark, 0), 0)
+    assert client.schema("fresh").names == ["id", "level"]
+    client.create_table("other", ARROW.append(ARROW.field("id").with_name("extra")))
+    with pytest.raises(ValueError, match="column 'extra'"):
+        RemoteBridge(server.location, "other", query_id="q")(epoch_df(spark, 0), 0)
+
+
+def test_settings_are_checked_and_the_bridge_pickles(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="mode='append'"):
+        RemoteBridge("grpc://127.0.0.1:1", "t", mode="complete")
+    with pytest.raises(ValueError, match="push must be"):
+        RemoteBridge("grpc://127.0.0.1:1", "t", push="nowhere")  # type: ignore[arg-type]
+    bridge = RemoteBridge("grpc://127.0.0.1:1", "t", checkpoint=tmp_path / "chk", token="x")
+    copy = pickle.loads(pickle.dumps(bridge))
+    assert (copy.uri, copy.table, copy.token, copy.checkpoint) == (
+        bridge.uri,
+        "t",
+        "x",
+        str(tmp_path / "chk"),
+    )
+    with pytest.raises(ValueError, match="checkpointLocation"):
+        query_id_from_checkpoint(tmp_path / "chk")
+    (tmp_path / "chk").mkdir()
+    (tmp_path / "chk" / "metadata").write_text('{"id":"9f1c"}\n')
+    assert query_id_from_checkpoint(f"file:{tmp_path / 'chk'}") == "9f1c"
+
+
+_CONNECT_RUN = textwrap.dedent(
+    """
+    import json, sys
+    from pyspark.sql import SparkSession
+    from pushtable.spark import RemoteBridge
+
+    uri, src, chk, lance_uri, fail = sys.argv[1:6]
+    # local[2,2]: two cores, and a failed task gets a second attempt (as on a cluster).
+    spark = (SparkSession.builder.remote("local[2,2]")
+             .config("spark.ui.enabled", "false")
+             .config("spark.sql.shuffle.partitions", "2").getOrCreate())
+    bridge = RemoteBridge(uri, "events", lance_uri=lance_uri, checkpoint=chk)
+    if fail == "yes":
+        bridge.fail_first_attempt = (0, "after_stage")  # a task that fails once, after sending
+    df = (spark.readStream.schema("id long, level string")
+          .option("maxFilesPerTrigger", 1).json(src))
+    q = (df.writeStream.foreachBatch(bridge).option("checkpointLocation", chk)
+         .trigger(availableNow=True).start())
+    finished = q.awaitTermination(180)
+    print(json.dumps({"finished": finished, "id": str(q.id),
+                      "error": None if q.exception() is None else str(q.exception())}))
+    spark.stop()
+    """
+)
+
+
+@pytest.mark.spark
+def test_spark_connect_with_a_task_that_fails_once(tmp_path: Path, server: Server) -> None:
+    """Spark Connect (server-side foreachBatch), executor push, a task attempt that staged its
+    partition and then failed: the live table and Lance hold every row exactly once, under
+    the query id Spark keeps in the checkpoint, across a restart."""
+    client = connect(server.location)
+    client.create_table("events", ARROW)
+    reader = live_ids(client, "events")
+    src, chk, uri = tmp_path / "src", tmp_path / "chk", tmp_path / "out.lance"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+
+    def run(fail: str) -> dict[str, object]:
+        args = [server.location, str(src), str(chk), str(uri), fail]
+        done = subprocess.run(
+            [sys.executable, "-c", _CONNECT_RUN, *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        outcome: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
+        assert outcome["finished"], outcome
+        assert outcome["error"] is None, outcome
+        return outcome
+
+    write_epochs(src, 2, rows=ROWS)
+    first = run("yes")
+    write_epochs(src, 1, rows=ROWS, start=2)
+    second = run("no")  # a restart on the same checkpoint: the same query id
+    client.sink("events").close()
+    rows = expected(range(3))
+    assert reader.join(timeout=WAIT) == rows
+    assert ids(uri) == rows
+    assert first["id"] == second["id"] == query_id_from_checkpoint(chk)
+    assert stamped(uri) == [(first["id"], e) for e in range(3)]
+    assert lance.dataset(str(uri)).count_rows() == len(rows)
+    assert server.dropped_shares >= 1  # the failed attempt did stage its share: not published
