@@ -50,6 +50,12 @@ def parser() -> argparse.ArgumentParser:
         help="directory for the source files, checkpoint and Lance dataset "
         "(default: a fresh ./pushtable-demo-<timestamp>)",
     )
+    demo.add_argument(
+        "--connect",
+        action="store_true",
+        help="run Spark through Spark Connect and push epochs to a pushtable server "
+        "(Arrow Flight) from Spark's workers",
+    )
     demo.add_argument("--epochs", type=_positive_int, default=10, help="micro-batches (default 10)")
     demo.add_argument(
         "--rows-per-epoch",
@@ -122,7 +128,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         out = args.out or Path.cwd() / f"pushtable-demo-{datetime.now():%Y%m%d-%H%M%S}"
         if out.exists() and any(out.iterdir()):
             parser().error(f"--out {out} exists and is not empty; pick a fresh directory")
-        result = demo.run(out, args.epochs, args.rows_per_epoch, args.sql, args.capacity)
+        runner = demo.run_connect if args.connect else demo.run
+        result = runner(out, args.epochs, args.rows_per_epoch, args.sql, args.capacity)
         if result.interrupted:
             return 130
         return 0 if result.matched else 1

@@ -105,5 +105,14 @@ def test_quick_bench_writes_json_with_every_suite(tmp_path: Path) -> None:
     assert set(data["fanout"]) == {"1", "4", "16"}
     assert all(r["rows_per_s_total"] > 0 for r in data["fanout"].values())
     assert (tmp_path / "img" / "fanout.png").stat().st_size > 0
+    assert [(r["batch_rows"], r["producers"]) for r in data["flight"]["write"]] == [
+        (8_192, 1),
+        (8_192, 4),
+        (65_536, 1),
+        (65_536, 4),
+    ]
+    assert all(r["remote_rows_per_s"] > 0 for r in data["flight"]["write"])
+    assert data["flight"]["spark"]["executors_vs_driver"] > 0
+    assert (tmp_path / "img" / "flight.png").stat().st_size > 0
     assert (tmp_path / "img" / "core_throughput.png").stat().st_size > 0
     assert (tmp_path / "img" / "spark_epoch_split.png").stat().st_size > 0

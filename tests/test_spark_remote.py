@@ -131,7 +131,6 @@ _CONNECT_RUN = textwrap.dedent(
     uri, src, chk, lance_uri, fail = sys.argv[1:6]
     # local[2,2]: two cores, and a failed task gets a second attempt (as on a cluster).
     spark = (SparkSession.builder.remote("local[2,2]")
-             .config("spark.ui.enabled", "false")
              .config("spark.sql.shuffle.partitions", "2").getOrCreate())
     bridge = RemoteBridge(uri, "events", lance_uri=lance_uri, checkpoint=chk)
     if fail == "yes":

@@ -3,7 +3,8 @@
 Suites: ``core`` (live-table throughput vs DuckDB and a Python drain), ``latency`` (write ->
 result time of live queries), ``spark`` (the bridge's per-epoch split vs ``toArrow``),
 ``memory`` (RSS stays bounded with a slow reader), ``fanout`` (one producer, 1 / 4 / 16
-live queries over a Topic) and ``bandwidth`` (the machine's copy rate,
+live queries over a Topic), ``flight`` (``pushtable serve`` vs one process; Spark executor vs
+driver push) and ``bandwidth`` (the machine's copy rate,
 the physical limit). Needs the ``cli`` extra.
 """
 
@@ -14,7 +15,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-SUITES: tuple[str, ...] = ("core", "latency", "fanout", "spark", "memory", "bandwidth")
+SUITES: tuple[str, ...] = (
+    "core",
+    "latency",
+    "fanout",
+    "flight",
+    "spark",
+    "memory",
+    "bandwidth",
+)
 
 
 def run(
@@ -29,7 +38,7 @@ def run(
     The suites run from the lightest footprint to the heaviest (memory, spark, core), so a
     suite's figures are not skewed by what an earlier one left in the process's heap.
     """
-    from pushtable.bench import core, fanout, latency, machine, memory, spark
+    from pushtable.bench import core, fanout, flight, latency, machine, memory, spark
 
     out: dict[str, Any] = {"machine": machine.describe(), "quick": quick}
     say(f"machine: {out['machine']['cores']} cores, {out['machine']['memory_gb']} GB")
@@ -47,6 +56,9 @@ def run(
     if "spark" in suites:
         out["spark"] = spark.run(quick)
         say(spark.report(out["spark"]))
+    if "flight" in suites:
+        out["flight"] = flight.run(quick)
+        say(flight.table(out["flight"]))
     if "fanout" in suites:
         out["fanout"] = fanout.run(quick)
         say(fanout.table(out["fanout"]))

@@ -141,6 +141,30 @@ def fanout(suite: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def flight(suite: dict[str, Any], path: Path) -> Path:
+    """Local vs remote write rows/s per (batch rows, producers); Spark driver vs executors."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6), width_ratios=[2, 1])
+    rows = suite["write"]
+    xs = range(len(rows))
+    left.bar([x - 0.2 for x in xs], [r["local_rows_per_s"] / 1e6 for r in rows], 0.4, label="local")
+    left.bar(
+        [x + 0.2 for x in xs], [r["remote_rows_per_s"] / 1e6 for r in rows], 0.4, label="remote"
+    )
+    left.set_xticks(list(xs), [f"{r['batch_rows']:,} rows\n{r['producers']} prod" for r in rows])
+    left.set_ylabel("M rows/s")
+    left.legend(fontsize=8)
+    left.set_title("write -> live count(*): one process vs pushtable serve")
+    spark = suite["spark"]
+    right.bar([0, 1], [spark[k]["rows_per_s"] / 1e6 for k in ("driver", "executors")], 0.5)
+    right.set_xticks([0, 1], ["driver push", "executor push"])
+    right.set_ylabel("M rows/s")
+    right.set_title("Spark epochs -> server (local[2])")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def render(results: dict[str, Any], plot_dir: Path) -> list[Path]:
     """Every plot a ``pushtable bench`` JSON result supports, into ``plot_dir``."""
     plot_dir.mkdir(parents=True, exist_ok=True)
@@ -155,6 +179,8 @@ def render(results: dict[str, Any], plot_dir: Path) -> list[Path]:
         out.append(latency(results["latency"], plot_dir / "latency.png"))
     if "fanout" in results:
         out.append(fanout(results["fanout"], plot_dir / "fanout.png"))
+    if "flight" in results:
+        out.append(flight(results["flight"], plot_dir / "flight.png"))
     return out
 
 
