@@ -4,10 +4,11 @@
   producer threads) into a live table that a ``count(*), sum(v)`` query drains. *local*:
   ``TableSink.write`` in the query's process; *remote*: ``RemoteSink.write`` to a server in
   another process (``pushtable serve`` on loopback), the query running there.
-- **sql**: ``SELECT k, v`` results streamed back to a remote client while a local producer on
-  the server... (here: a remote producer) writes, rows/s received.
+- **sql**: ``SELECT k, v`` results streamed back to a remote client while a remote producer
+  writes 65,536-row batches: rows/s received.
 - **spark**: 1,000,000-row epochs on ``local[2]``: :class:`~pushtable.spark.RemoteBridge`
-  with ``push="executors"`` vs ``push="driver"`` into a server table drained by a query.
+  with ``push="executors"`` vs ``push="driver"`` into a server table drained by a query, without
+  and with Lance; and Spark's floors for each path (``toArrow``, a no-op ``mapInArrow``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -144,42 +146,70 @@ def _drain_into(result: Any, out: dict[str, Any]) -> None:
     out.update(result.read_all().to_pydict())
 
 
+def _count_rows(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    yield pa.record_batch({"n": [sum(b.num_rows for b in batches)]})
+
+
 def spark_epochs(uri: str, epochs: int, rows: int) -> dict[str, Any]:
-    """RemoteBridge, executors vs driver: rows/s per epoch of ``rows`` rows (median)."""
+    """RemoteBridge, executors vs driver, live table only and with Lance: rows/s per epoch
+    of ``rows`` rows (median), and Spark's own floors: ``toArrow`` and a no-op ``mapInArrow``
+    over the same cached epoch (what each path pays before doing anything)."""
     from pushtable.spark import RemoteBridge, local_spark
     from pushtable.spark.remote import Push
 
     spark = local_spark("pushtable-bench-flight")
     client = connect(uri)
     out: dict[str, Any] = {}
+    floors: dict[str, list[float]] = {"to_arrow_s": [], "map_in_arrow_noop_s": []}
+    pushes: tuple[Push, ...] = ("driver", "executors")
     try:
-        pushes: tuple[Push, ...] = ("driver", "executors")
-        for push in pushes:
-            name = f"spark_{push}"
-            client.create_table(name, pa.schema([("id", pa.int64()), ("v", pa.float64())]))
-            result = client.sql(f"SELECT count(*) AS n FROM {name}")
-            counted: dict[str, Any] = {}
-            query = threading.Thread(target=_drain_into, args=(result, counted), daemon=True)
-            query.start()
-            bridge = RemoteBridge(uri, name, query_id=f"bench-{push}", push=push)
-            seconds = []
-            for e in range(epochs + 1):  # epoch 0 warms up (JIT, Python workers)
-                df = spark.range(e * rows, (e + 1) * rows, numPartitions=2).selectExpr(
-                    "id", "rand() AS v"
-                )
-                df = df.cache()
-                df.count()  # the epoch's data is ready, as a micro-batch's would be
-                started = time.perf_counter()
-                bridge(df, e)
-                if e:
-                    seconds.append(time.perf_counter() - started)
-                df.unpersist()
-            bridge.close()
-            query.join(600)
-            assert counted["n"] == [rows * (epochs + 1)], counted
-            median = statistics.median(seconds)
-            out[push] = {"epoch_s_median": median, "rows_per_s": rows / median}
+        with tempfile.TemporaryDirectory() as tmp:
+            for lance in (False, True):
+                for push in pushes:
+                    key = f"{push}+lance" if lance else push
+                    name = "spark_" + key.replace("+", "_")
+                    client.create_table(name, pa.schema([("id", pa.int64()), ("v", pa.float64())]))
+                    result = client.sql(f"SELECT count(*) AS n FROM {name}")
+                    counted: dict[str, Any] = {}
+                    query = threading.Thread(
+                        target=_drain_into, args=(result, counted), daemon=True
+                    )
+                    query.start()
+                    bridge = RemoteBridge(
+                        uri,
+                        name,
+                        query_id=f"bench-{key}",
+                        push=push,
+                        lance_uri=f"{tmp}/{name}.lance" if lance else None,
+                    )
+                    seconds = []
+                    for e in range(epochs + 1):  # epoch 0 warms up (JIT, Python workers)
+                        df = spark.range(e * rows, (e + 1) * rows, numPartitions=2)
+                        df = df.selectExpr("id", "rand() AS v").cache()
+                        df.count()  # the epoch's data is ready, as a micro-batch's would be
+                        if e and not lance and push == "driver":
+                            started = time.perf_counter()
+                            df.toArrow()
+                            floors["to_arrow_s"].append(time.perf_counter() - started)
+                            started = time.perf_counter()
+                            df.mapInArrow(_count_rows, "n long").collect()
+                            floors["map_in_arrow_noop_s"].append(time.perf_counter() - started)
+                        started = time.perf_counter()
+                        bridge(df, e)
+                        if e:
+                            seconds.append(time.perf_counter() - started)
+                        df.unpersist()
+                    bridge.close()
+                    query.join(600)
+                    assert counted["n"] == [rows * (epochs + 1)], counted
+                    median = statistics.median(seconds)
+                    out[key] = {"epoch_s_median": median, "rows_per_s": rows / median}
         out["executors_vs_driver"] = out["executors"]["rows_per_s"] / out["driver"]["rows_per_s"]
+        out["executors_vs_driver_with_lance"] = (
+            out["executors+lance"]["rows_per_s"] / out["driver+lance"]["rows_per_s"]
+        )
+        out["floors"] = {k: statistics.median(v) for k, v in floors.items()}
+        out["rows"] = rows
         return out
     finally:
         client.close()
@@ -241,8 +271,16 @@ def table(results: dict[str, Any]) -> str:
         f"({s['gb_per_s']:.2f} GB/s)"
     )
     sp = results["spark"]
+    for suffix, label in (("", "live table"), ("+lance", "live table + Lance")):
+        d, x = sp["driver" + suffix], sp["executors" + suffix]
+        lines.append(
+            f"Spark {sp['rows']:,}-row epochs, {label}: driver {d['rows_per_s'] / 1e6:.2f} M "
+            f"rows/s, executors {x['rows_per_s'] / 1e6:.2f} M rows/s "
+            f"({x['rows_per_s'] / d['rows_per_s']:.2f}x)"
+        )
+    f = sp["floors"]
     lines.append(
-        f"Spark epochs: driver {sp['driver']['rows_per_s'] / 1e6:.2f} M rows/s, executors "
-        f"{sp['executors']['rows_per_s'] / 1e6:.2f} M rows/s ({sp['executors_vs_driver']:.2f}x)"
+        f"Spark floors per epoch: toArrow {f['to_arrow_s']:.3f} s, no-op mapInArrow "
+        f"{f['map_in_arrow_noop_s']:.3f} s"
     )
     return "\n".join(lines)

@@ -155,8 +155,9 @@ def flight(suite: dict[str, Any], path: Path) -> Path:
     left.legend(fontsize=8)
     left.set_title("write -> live count(*): one process vs pushtable serve")
     spark = suite["spark"]
-    right.bar([0, 1], [spark[k]["rows_per_s"] / 1e6 for k in ("driver", "executors")], 0.5)
-    right.set_xticks([0, 1], ["driver push", "executor push"])
+    keys = ("driver", "executors", "driver+lance", "executors+lance")
+    right.bar(range(4), [spark[k]["rows_per_s"] / 1e6 for k in keys], 0.5)
+    right.set_xticks(range(4), ["driver", "executors", "driver\n+Lance", "executors\n+Lance"])
     right.set_ylabel("M rows/s")
     right.set_title("Spark epochs -> server (local[2])")
     fig.tight_layout()
