@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -85,31 +86,12 @@ def run(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity: int) ->
     uri = out / "events.lance"
     bridge = ForeachBatchBridge(sinks=[sink], lance_uri=uri)
 
-    live_batches: list[pa.RecordBatch] = []
-    live_error: list[BaseException] = []
-
-    def live_query() -> None:
-        try:
-            for batch in ctx.sql(sql).execute_stream():
-                b = batch.to_pyarrow()
-                live_batches.append(b)
-                console.print(_as_table(pa.Table.from_batches([b]), "live result batch"))
-        except Exception as exc:  # noqa: BLE001 - reported below
-            live_error.append(exc)
-
-    reader = threading.Thread(target=live_query, name="live-sql", daemon=True)
-    reader.start()
-    stream = (
-        spark.readStream.schema(SPARK_DDL)
-        .option("maxFilesPerTrigger", 1)
-        .parquet(str(out / "source"))
+    reader, live_error = _print_live(
+        lambda: (b.to_pyarrow() for b in ctx.sql(sql).execute_stream()),
+        console,
+        "live result batch",
     )
-    query = (
-        stream.writeStream.foreachBatch(bridge)
-        .option("checkpointLocation", str(out / "checkpoint"))
-        .trigger(availableNow=True)
-        .start()
-    )
+    query = _start(spark, out, bridge, out / "checkpoint")
     bridge.watch(query, spark)
     started = time.perf_counter()
     interrupted = False
@@ -185,28 +167,8 @@ def run_connect(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity:
     )
     uri, checkpoint = out / "events.lance", out / "checkpoint"
     bridge = RemoteBridge(server.location, "events", lance_uri=uri, checkpoint=checkpoint)
-    live_error: list[BaseException] = []
-
-    def live_query() -> None:
-        try:
-            for batch in client.sql(sql):
-                console.print(_as_table(pa.Table.from_batches([batch]), "live result (remote)"))
-        except Exception as exc:  # noqa: BLE001 - reported below
-            live_error.append(exc)
-
-    reader = threading.Thread(target=live_query, name="live-sql", daemon=True)
-    reader.start()
-    stream = (
-        spark.readStream.schema(SPARK_DDL)
-        .option("maxFilesPerTrigger", 1)
-        .parquet(str(out / "source"))
-    )
-    query = (
-        stream.writeStream.foreachBatch(bridge)
-        .option("checkpointLocation", str(checkpoint))
-        .trigger(availableNow=True)
-        .start()
-    )
+    reader, live_error = _print_live(lambda: client.sql(sql), console, "live result (remote)")
+    query = _start(spark, out, bridge, checkpoint)
     sink = client.sink("events")
     interrupted = False
     try:
@@ -241,6 +203,39 @@ def run_connect(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity:
         f"in {uri} (version {result.lance_version})"
     )
     return result
+
+
+def _print_live(
+    batches: Callable[[], Iterable[pa.RecordBatch]], console: Any, title: str
+) -> tuple[threading.Thread, list[BaseException]]:
+    """Print each live result batch as the query yields it, on a thread; its error is kept."""
+    errors: list[BaseException] = []
+
+    def show() -> None:
+        try:
+            for batch in batches():
+                console.print(_as_table(pa.Table.from_batches([batch]), title))
+        except Exception as exc:  # noqa: BLE001 - reported by the caller
+            errors.append(exc)
+
+    reader = threading.Thread(target=show, name="live-sql", daemon=True)
+    reader.start()
+    return reader, errors
+
+
+def _start(spark: Any, out: Path, bridge: Any, checkpoint: Path) -> Any:
+    """The demo's streaming query: one generated file per epoch into ``bridge``."""
+    stream = (
+        spark.readStream.schema(SPARK_DDL)
+        .option("maxFilesPerTrigger", 1)
+        .parquet(str(out / "source"))
+    )
+    return (
+        stream.writeStream.foreachBatch(bridge)
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(availableNow=True)
+        .start()
+    )
 
 
 def _as_table(data: pa.Table, title: str) -> Any:

@@ -98,7 +98,49 @@ class SinkStats:
     reader_gone: bool
 
 
-class _Producer:
+class ProducerScope:
+    """``with`` / ``async with`` for a producer: end of stream on success, ``fail(exc)`` on
+    error. Shared by local sinks, topics and remote sinks."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        raise NotImplementedError
+
+    def fail(self, exc: BaseException) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self.close()
+        else:
+            self.fail(exc)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            await self.aclose()
+        else:
+            self.fail(exc)
+
+
+class _Producer(ProducerScope):
     """The producer API shared by :class:`TableSink` and :class:`pushtable.Topic`."""
 
     def __init__(self, native: _native.Sink, name: str, schema: pa.Schema) -> None:
@@ -175,31 +217,6 @@ class _Producer:
     def closed(self) -> bool:
         """True once :meth:`close` or :meth:`fail` was called."""
         return bool(self._native.stats()["closed"])
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc is None:
-            self.close()
-        else:
-            self.fail(exc)
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.__exit__(exc_type, exc, tb)
 
 
 class TableSink(_Producer):

@@ -11,6 +11,7 @@ import pyarrow as pa
 import pytest
 
 from pushtable import SessionContext, TableSink
+from pushtable.flight import Client, Server, connect
 
 SCHEMA = pa.schema([("k", pa.int32()), ("v", pa.float64())])
 WAIT = 30.0  # upper bound for any wait in a test; reaching it is a failure, not a pass
@@ -91,3 +92,18 @@ def wait_until(condition: Callable[[], bool], what: str) -> None:
 def query(ctx: SessionContext, sql: str) -> Background:
     """Start ``sql`` in the background and collect it into a pydict."""
     return Background(lambda: ctx.sql(sql).to_arrow_table().to_pydict())
+
+
+@pytest.fixture
+def server() -> Iterator[Server]:
+    """A ``pushtable serve`` server on a free loopback port, stopped after the test."""
+    s = Server()
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def client(server: Server) -> Iterator[Client]:
+    """A client of :func:`server`."""
+    with connect(server.location) as c:
+        yield c

@@ -47,7 +47,7 @@ def test_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -> None
     with pytest.raises(SystemExit):
         main(["demo", "--help"])
     out = capsys.readouterr().out
-    for option in ("--out", "--epochs", "--rows-per-epoch", "--sql", "--capacity"):
+    for option in ("--out", "--connect", "--epochs", "--rows-per-epoch", "--sql", "--capacity"):
         assert option in out
 
 
@@ -78,6 +78,27 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert "counts match: 1,000 rows live, 1,000 rows" in " ".join(done.stdout.split())
     assert (tmp_path / "run" / "events.lance").is_dir()
+
+
+@pytest.mark.spark
+@pytest.mark.slow  # a Spark Connect server start; the Connect path itself is in the default run
+def test_demo_over_spark_connect(tmp_path: Path) -> None:
+    done = _pushtable(
+        "demo",
+        "--connect",
+        "--epochs",
+        "2",
+        "--rows-per-epoch",
+        "500",
+        "--out",
+        str(tmp_path / "run"),
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "counts match: 1,000 rows live on the server, 1,000 rows" in " ".join(
+        done.stdout.split()
+    )
 
 
 @pytest.mark.spark

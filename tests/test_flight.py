@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import functools
 import os
@@ -11,7 +12,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -35,19 +35,6 @@ from pushtable.flight import Client, Server, connect, serve
 from tests.conftest import SCHEMA, WAIT, Background, batch, wait_until
 
 NOT_NULL = pa.schema([pa.field("k", pa.int32(), nullable=False), ("v", pa.float64())])
-
-
-@pytest.fixture
-def server() -> Iterator[Server]:
-    s = Server()
-    yield s
-    s.stop()
-
-
-@pytest.fixture
-def client(server: Server) -> Iterator[Client]:
-    with connect(server.location) as c:
-        yield c
 
 
 def remote_ks(client: Client, sql: str) -> Background:
@@ -414,3 +401,34 @@ def test_the_serve_command_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
         assert isinstance(reading.join_error(), (StreamFailedError, ServerUnavailableError))
     finally:
         proc.kill()
+
+
+@pytest.mark.asyncio
+async def test_asyncio_producers_write_remotely_without_blocking_the_loop(
+    server: Server, client: Client
+) -> None:
+    """awrite on a full remote table waits off the loop: a ticker task keeps running."""
+    client.create_table("t", SCHEMA, capacity=1)
+    sink = client.sink("t", window=1)
+    await sink.awrite(batch(1), timeout=WAIT)
+    await sink.awrite(batch(1), timeout=WAIT)  # queued, then one in the handler: now full
+    ticks = 0
+    stop = asyncio.Event()
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            await asyncio.sleep(0.001)
+
+    ticking = asyncio.create_task(ticker())
+    blocked = asyncio.create_task(sink.awrite(batch(1), timeout=WAIT))
+    await asyncio.to_thread(wait_until, lambda: ticks >= 20, "the loop to keep running")
+    assert not blocked.done()  # still waiting for room, and the loop ran meanwhile
+    reader = Background(lambda: client.sql("SELECT count(*) AS n FROM t").read_all())
+    await asyncio.wait_for(blocked, WAIT)
+    async with sink:  # aclose on exit: end of stream
+        await sink.awrite(batch(2), timeout=WAIT)
+    stop.set()
+    await ticking
+    assert reader.join().to_pydict() == {"n": [5]}

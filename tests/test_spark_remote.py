@@ -9,7 +9,6 @@ import pickle
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import lance
@@ -23,19 +22,6 @@ from tests.conftest import WAIT, Background
 from tests.spark_support import ARROW, ids, stamped, write_epochs
 
 ROWS = 20
-
-
-@pytest.fixture
-def server() -> Iterator[Server]:
-    s = Server()
-    yield s
-    s.stop()
-
-
-@pytest.fixture
-def client(server: Server) -> Iterator[Client]:
-    with connect(server.location) as c:
-        yield c
 
 
 def epoch_df(spark: SparkSession, epoch: int) -> DataFrame:

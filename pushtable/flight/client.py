@@ -17,7 +17,6 @@ import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import pyarrow as pa
@@ -31,7 +30,7 @@ from pushtable.errors import (
     WriteTimeoutError,
 )
 from pushtable.flight import protocol
-from pushtable.sink import SinkStats, _check_timeout
+from pushtable.sink import ProducerScope, SinkStats, _check_timeout
 from pushtable.topic import TopicStats
 
 __all__ = ["Client", "RemoteResult", "RemoteSink", "RemoteSinkStats", "connect"]
@@ -445,7 +444,7 @@ class Stager:
         self._put.finish()
 
 
-class RemoteSink:
+class RemoteSink(ProducerScope):
     """A producer for a table on a ``pushtable serve`` server, used like a local ``TableSink``.
 
     Example:
@@ -614,31 +613,3 @@ class RemoteSink:
     @property
     def closed(self) -> bool:
         return self._closed
-
-    def __enter__(self) -> RemoteSink:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc is None:
-            self.close()
-        else:
-            self.fail(exc)
-
-    async def __aenter__(self) -> RemoteSink:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc is None:
-            await self.aclose()
-        else:
-            self.fail(exc)

@@ -181,6 +181,7 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
             with self._call():
                 self._do_put(context, descriptor, reader, acks)
         finally:
+            acks.close()  # before the call ends: no stop notice may touch a finished call
             with self._lock:
                 self._acks.discard(acks)
 
@@ -412,6 +413,7 @@ class _Acks:
     def __init__(self, writer: Any) -> None:
         self._writer = writer
         self._lock = threading.Lock()
+        self._closed = False
 
     def send(self, count: int) -> None:
         with self._lock:
@@ -419,7 +421,12 @@ class _Acks:
 
     def stopping(self) -> None:
         with self._lock, contextlib.suppress(flight.FlightError, pa.ArrowException, OSError):
-            self._writer.write(protocol.STOPPING)
+            if not self._closed:  # the handler has not returned: the call is alive
+                self._writer.write(protocol.STOPPING)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
 
 
 def _batches(reader: Any) -> Iterator[pa.RecordBatch]:

@@ -20,6 +20,7 @@ import json
 import logging
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -170,39 +171,26 @@ class RemoteBridge:
             self._report(query_id, epoch, -1, started, "replayed: committed and published")
             return
         live_schema = self._live_schema(client, to_arrow_schema(batch_df.schema))
-        if self.push == "executors":
-            rows, result = self._from_executors(
-                batch_df, query_id, epoch, writer, lance_done, live_done, live_schema
-            )
-        else:
-            rows, result = self._from_driver(
-                batch_df, query_id, epoch, writer, lance_done, live_done, live_schema
-            )
+        plan = _Epoch(query_id, epoch, writer, lance_done, live_done, live_schema)
+        send = self._from_executors if self.push == "executors" else self._from_driver
+        rows, result = send(batch_df, plan)
         reason = result.reason if result is not None else "no Lance dataset configured"
         self._report(query_id, epoch, rows, started, reason)
 
-    def _from_executors(
-        self,
-        batch_df: DataFrame,
-        query_id: str,
-        epoch: int,
-        writer: LanceEpochWriter | None,
-        lance_done: bool,
-        live_done: bool,
-        live_schema: pa.Schema,
-    ) -> tuple[int, CommitResult | None]:
+    def _from_executors(self, batch_df: DataFrame, plan: _Epoch) -> tuple[int, CommitResult | None]:
         from lance.fragment import FragmentMetadata
         from pyspark.sql.pandas.types import to_arrow_schema
 
+        writer = plan.writer
         lance_schema = None
-        if writer is not None and not lance_done:
+        if writer is not None and not plan.lance_done:
             lance_schema = writer.schema_for(to_arrow_schema(batch_df.schema))
         task = _PartitionTask(
             settings=self._settings(),
             table=self.table,
-            query_id=query_id,
-            epoch=epoch,
-            live_schema=None if live_done else live_schema,
+            query_id=plan.query_id,
+            epoch=plan.epoch,
+            live_schema=None if plan.live_done else plan.live_schema,
             lance_schema=lance_schema,
             lance_uri=self.lance_uri,
             storage_options=self.storage_options,
@@ -213,41 +201,39 @@ class RemoteBridge:
         ).collect()
         result = None
         if writer is not None:
-            fragments = [
-                FragmentMetadata.from_json(f) for r in out for f in json.loads(r["fragments"])
-            ]
-            if lance_done:
-                result = writer.replayed(epoch)
+            if plan.lance_done:
+                result = writer.replayed(plan.epoch)
             else:
                 assert lance_schema is not None
-                result = writer.commit_fragments(epoch, fragments, lance_schema)
-        if not live_done:
-            parts = [(int(r["partition"]), int(r["attempt"])) for r in out]
-            self._connect().publish(
-                self.table, query_id, epoch, parts, timeout=self.publish_timeout
-            )
+                fragments = [
+                    FragmentMetadata.from_json(f) for r in out for f in json.loads(r["fragments"])
+                ]
+                result = writer.commit_fragments(plan.epoch, fragments, lance_schema)
+        self._publish(plan, [(int(r["partition"]), int(r["attempt"])) for r in out])
         return sum(int(r["rows"]) for r in out), result
 
-    def _from_driver(
-        self,
-        batch_df: DataFrame,
-        query_id: str,
-        epoch: int,
-        writer: LanceEpochWriter | None,
-        lance_done: bool,
-        live_done: bool,
-        live_schema: pa.Schema,
-    ) -> tuple[int, CommitResult | None]:
+    def _from_driver(self, batch_df: DataFrame, plan: _Epoch) -> tuple[int, CommitResult | None]:
         table = batch_df.toArrow()
         result = None
-        if writer is not None:
-            result = writer.replayed(epoch) if lance_done else writer.commit(epoch, table)
-        if not live_done:
-            client = self._connect()
-            data = conform_to(table, live_schema)
-            client.stage(self.table, query_id, epoch, 0, 0, data.to_batches(), live_schema)
-            client.publish(self.table, query_id, epoch, [(0, 0)], timeout=self.publish_timeout)
+        if plan.writer is not None:
+            done = plan.lance_done
+            result = (
+                plan.writer.replayed(plan.epoch) if done else plan.writer.commit(plan.epoch, table)
+            )
+        if not plan.live_done:
+            data = conform_to(table, plan.live_schema).to_batches()
+            self._connect().stage(
+                self.table, plan.query_id, plan.epoch, 0, 0, data, plan.live_schema
+            )
+        self._publish(plan, [(0, 0)])
         return table.num_rows, result
+
+    def _publish(self, plan: _Epoch, parts: list[tuple[int, int]]) -> None:
+        """After the Lance commit: the staged shares of ``parts`` into the live table, once."""
+        if not plan.live_done:
+            self._connect().publish(
+                self.table, plan.query_id, plan.epoch, parts, timeout=self.publish_timeout
+            )
 
     # -- helpers ------------------------------------------------------------------------
 
@@ -306,6 +292,19 @@ class RemoteBridge:
     def _report(self, query_id: str, epoch: int, rows: int, started: float, why: str) -> None:
         seconds = time.perf_counter() - started
         self.last_report = EpochReport(query_id, epoch, rows, 0.0, seconds, 0.0, True, True, why)
+
+
+@dataclass(frozen=True)
+class _Epoch:
+    """What one epoch still needs: a Lance commit (unless ``lance_done``), a publish (unless
+    ``live_done``, i.e. the server published it before)."""
+
+    query_id: str
+    epoch: int
+    writer: LanceEpochWriter | None
+    lance_done: bool
+    live_done: bool
+    live_schema: pa.Schema
 
 
 class _PartitionTask:
