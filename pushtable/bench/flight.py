@@ -6,6 +6,8 @@
   another process (``pushtable serve`` on loopback), the query running there.
 - **sql**: ``SELECT k, v`` results streamed back to a remote client while a remote producer
   writes 65,536-row batches: rows/s received.
+- **latency**: a remote producer writes one-row batches at 100/s; a remote ``SELECT k`` stamps
+  each row as it arrives: write -> result time p50 / p99 / max.
 - **spark**: 1,000,000-row epochs on ``local[2]``: :class:`~pushtable.spark.RemoteBridge`
   with ``push="executors"`` vs ``push="driver"`` into a server table drained by a query, without
   and with Lance; and Spark's floors for each path (``toArrow``, a no-op ``mapInArrow``).
@@ -142,6 +144,36 @@ def sql_stream(client: Client, name: str, rows: int, batches: int) -> float:
     return elapsed
 
 
+def latency(client: Client, name: str, samples: int, rate: float) -> dict[str, float]:
+    """Remote write -> remote result time: one-row batches at ``rate``/s from a remote
+    producer; a remote ``SELECT k`` stamps each row as it arrives (k = the write's clock)."""
+    client.create_table(name, SCHEMA, capacity=16)
+    result = client.sql(f"SELECT k FROM {name}")
+    delays: list[float] = []
+
+    def read() -> None:
+        for batch in result:
+            now = time.perf_counter_ns()
+            delays.extend((now - k) / 1e6 for k in batch.column(0).to_pylist())
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    with client.sink(name, window=1) as sink:
+        for _ in range(samples):
+            stamp = time.perf_counter_ns()
+            sink.write(pa.record_batch([pa.array([stamp]), pa.array([0.0])], schema=SCHEMA))
+            time.sleep(1 / rate)
+    reader.join(60)
+    assert len(delays) == samples, len(delays)
+    ordered = sorted(delays)
+    return {
+        "samples": samples,
+        "p50_ms": ordered[len(ordered) // 2],
+        "p99_ms": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))],
+        "max_ms": ordered[-1],
+    }
+
+
 def _drain_into(result: Any, out: dict[str, Any]) -> None:
     out.update(result.read_all().to_pydict())
 
@@ -220,7 +252,7 @@ def run(quick: bool) -> dict[str, Any]:
     """The ``flight`` suite; each figure the median of the repeats."""
     repeats = 1 if quick else 3
     total_rows = 2_000_000 if quick else 16_777_216
-    out: dict[str, Any] = {"write": [], "sql": {}, "spark": {}}
+    out: dict[str, Any] = {"write": [], "sql": {}, "latency": {}, "spark": {}}
     with server_process() as uri, connect(uri) as client:
         n = 0
         for rows in (8_192, 65_536):
@@ -253,6 +285,7 @@ def run(quick: bool) -> dict[str, Any]:
             "rows_per_s": moved / secs,
             "gb_per_s": moved * BYTES_PER_ROW / secs / 1e9,
         }
+        out["latency"] = latency(client, "lat", 50 if quick else 300, 100.0)
         out["spark"] = spark_epochs(uri, 1 if quick else 3, 200_000 if quick else 1_000_000)
     return out
 
@@ -269,6 +302,11 @@ def table(results: dict[str, Any]) -> str:
     lines.append(
         f"remote SQL streaming (SELECT k, v): {s['rows_per_s'] / 1e6:.1f} M rows/s "
         f"({s['gb_per_s']:.2f} GB/s)"
+    )
+    lat = results["latency"]
+    lines.append(
+        f"remote write -> remote result, 1-row batches at 100/s: p50 {lat['p50_ms']:.2f} ms, "
+        f"p99 {lat['p99_ms']:.2f} ms, max {lat['max_ms']:.2f} ms ({lat['samples']} samples)"
     )
     sp = results["spark"]
     for suffix, label in (("", "live table"), ("+lance", "live table + Lance")):
