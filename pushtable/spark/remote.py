@@ -307,32 +307,20 @@ class _Epoch:
     live_schema: pa.Schema
 
 
+@dataclass(frozen=True)
 class _PartitionTask:
     """What one Spark task runs (pickled to the executors): stage its partition on the
     server and write its Lance fragments, in one pass over the partition's batches."""
 
-    def __init__(
-        self,
-        *,
-        settings: dict[str, Any],
-        table: str,
-        query_id: str,
-        epoch: int,
-        live_schema: pa.Schema | None,
-        lance_schema: pa.Schema | None,
-        lance_uri: str | None,
-        storage_options: dict[str, str] | None,
-        fail_first_attempt: tuple[int, str] | None,
-    ) -> None:
-        self.settings = settings
-        self.table = table
-        self.query_id = query_id
-        self.epoch = epoch
-        self.live_schema = live_schema
-        self.lance_schema = lance_schema
-        self.lance_uri = lance_uri
-        self.storage_options = storage_options
-        self.fail_first_attempt = fail_first_attempt
+    settings: dict[str, Any]
+    table: str
+    query_id: str
+    epoch: int
+    live_schema: pa.Schema | None
+    lance_schema: pa.Schema | None
+    lance_uri: str | None
+    storage_options: dict[str, str] | None
+    fail_first_attempt: tuple[int, str] | None
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from pyspark import TaskContext
