@@ -31,7 +31,7 @@ from pushtable.errors import (
     UnknownTableError,
     WriteTimeoutError,
 )
-from pushtable.flight import protocol
+from pushtable.flight import protocol, sql
 from pushtable.sink import TableSink
 from pushtable.topic import Topic
 
@@ -225,6 +225,29 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
 
     # -- DoGet: remote SQL --------------------------------------------------------------
 
+    def get_flight_info(self, context: Any, descriptor: Any) -> Any:
+        """Flight SQL statement queries (:mod:`pushtable.flight.sql`): plan, then one ticket."""
+        if descriptor.descriptor_type != flight.DescriptorType.CMD:
+            raise NotImplementedError(
+                "pushtable serve answers GetFlightInfo for Flight SQL statement queries only"
+            )
+        try:
+            query = sql.statement_query(descriptor.command)
+        except ValueError as exc:
+            raise protocol.server_error(exc) from exc
+        if query is None:
+            kind = sql.command(descriptor.command)[0].rsplit(".", 1)[-1]
+            raise NotImplementedError(
+                f"pushtable serve implements the Flight SQL statement query only; {kind} is "
+                "not implemented (see docs/network.md)"
+            )
+        try:
+            schema = self.ctx.sql(query).schema()
+        except Exception as exc:
+            raise protocol.server_error(_query_error(exc)) from exc
+        ticket = flight.Ticket(json.dumps({"sql": query}).encode())
+        return flight.FlightInfo(schema, descriptor, [flight.FlightEndpoint(ticket, [])], -1, -1)
+
     def do_get(self, context: Any, ticket: Any) -> Any:
         try:
             request = json.loads(ticket.ticket)
@@ -288,12 +311,27 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
         return [(name, "see pushtable.flight.protocol") for name in protocol.ACTIONS]
 
     def do_action(self, context: Any, action: Any) -> Iterator[bytes]:
+        if action.type in sql.ACTIONS:
+            yield from self._sql_action(action)
+            return
         try:
             body = json.loads(action.body.to_pybytes() or b"{}")
             result = self._act(action.type, body)
         except (PushTableError, ValueError, TypeError, KeyError, pa.ArrowException) as exc:
             raise protocol.server_error(exc) from exc
         yield json.dumps(result).encode()
+
+    def _sql_action(self, action: Any) -> Iterator[bytes]:
+        """Flight SQL prepared statements (stateless: the handle is the query text)."""
+        if action.type == "ClosePreparedStatement":
+            return
+        try:
+            result = sql.prepared(action.body.to_pybytes(), lambda q: self.ctx.sql(q).schema())
+        except ValueError as exc:
+            raise protocol.server_error(exc) from exc
+        except Exception as exc:
+            raise protocol.server_error(_query_error(exc)) from exc
+        yield result
 
     def _act(self, kind: str, body: dict[str, Any]) -> Any:
         if kind == "create_table":
