@@ -94,7 +94,21 @@ class ServerStoppedError(PushTableError):
 
 
 class RemoteError(PushTableError):
-    """A server-side error with no more specific pushtable class; the message is the server's."""
+    """An error from the other side of the wire with no more specific pushtable class.
+
+    ``remote_type`` names the original exception's class when it is known (a remote
+    producer's ``fail(exc)``), so readers see ``RuntimeError: ...`` as they would locally.
+    """
+
+    def __init__(self, message: str, remote_type: str | None = None) -> None:
+        super().__init__(message)
+        self.remote_type = remote_type
+
+
+def describe(exc: BaseException) -> str:
+    """``"Type: message"`` on one line: how a failure is named to a stream's reader."""
+    name = exc.remote_type if isinstance(exc, RemoteError) and exc.remote_type else None
+    return f"{name or type(exc).__name__}: {exc}".replace("\n", " ")
 
 
 class SchemaMismatchError(PushTableError, ValueError):

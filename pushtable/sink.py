@@ -28,6 +28,7 @@ from pushtable.errors import (
     SchemaMismatchError,
     SinkClosedError,
     WriteTimeoutError,
+    describe,
     remember_failure,
 )
 
@@ -208,7 +209,7 @@ class _Producer(ProducerScope):
         """
         if not isinstance(exc, BaseException):
             raise TypeError(f"fail() takes an exception, got {type(exc).__name__}")
-        message = f"{type(exc).__name__}: {exc}".replace("\n", " ")
+        message = describe(exc)
         if self._native.fail(message):
             self.error = exc
             remember_failure(self.name, message, exc)

@@ -348,7 +348,7 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
             self._table(body["name"]).close()
             return {}
         if kind == "fail":
-            error = errors.RemoteError(f"{body['type']}: {body['message']}")
+            error = errors.RemoteError(str(body["message"]), remote_type=str(body["type"]))
             self._table(body["name"]).fail(error)
             return {}
         if kind == "stats":
