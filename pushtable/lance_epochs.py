@@ -113,6 +113,8 @@ def _normalise(t: pa.DataType) -> pa.DataType:
 
 def conform_to(table: pa.Table, target: pa.Schema) -> pa.Table:
     """Cast ``table`` to ``target``; a new, missing or retyped column raises SchemaDriftError."""
+    if table.schema.equals(target):
+        return table  # the common case (every epoch after the first): nothing to check or copy
     have = {f.name: f for f in table.schema}
     want = {f.name: f for f in target}
     for name in have.keys() - want.keys():

@@ -27,6 +27,7 @@ from pushtable.errors import (
     PushTableError,
     ServerStoppedError,
     SinkClosedError,
+    UnknownTableError,
     WriteTimeoutError,
 )
 from pushtable.flight import protocol
@@ -192,8 +193,6 @@ class Client:
         for t in self.tables():
             if t["name"] == name:
                 return t["schema"]
-        from pushtable.errors import UnknownTableError
-
         raise UnknownTableError(f"no table named {name!r} on the server at {self.uri}")
 
     # -- producing and querying ---------------------------------------------------------
@@ -293,13 +292,7 @@ class RemoteResult:
         return self._reader.schema
 
     def __iter__(self) -> Iterator[pa.RecordBatch]:
-        while True:
-            try:
-                chunk = _call(self._reader.read_chunk)
-            except StopIteration:
-                return
-            if chunk.data is not None:
-                yield chunk.data
+        return protocol.batches(lambda: _call(self._reader.read_chunk))
 
     def read_all(self) -> pa.Table:
         return pa.Table.from_batches(list(self), schema=self.schema)
@@ -338,6 +331,12 @@ class _Put:
         self.changed = threading.Condition()
         self.io = threading.Lock()  # one call on the writer at a time
         threading.Thread(target=self._read_acks, name="pushtable-acks", daemon=True).start()
+
+    def send(self, batch: pa.RecordBatch) -> None:
+        """Write one batch (already in the stream's wire schema)."""
+        with self.io:
+            _call(self.writer.write_batch, batch)
+        self.sent += 1
 
     def _read_acks(self) -> None:
         try:
@@ -425,19 +424,16 @@ class Stager:
     def __init__(self, client: Client, path: list[str], schema: pa.Schema) -> None:
         self._table = path[0]
         self._schema = schema
-        self._wire_schema = pa.schema([f.with_nullable(True) for f in schema])
+        self._wire_schema = protocol.wire_schema(schema)
         self._put = _Put(client, flight.FlightDescriptor.for_path(*path), self._wire_schema)
 
     def write(self, batch: pa.RecordBatch) -> None:
-        protocol.check_batch_schema(self._table, self._schema, batch.schema)
-        batch = pa.RecordBatch.from_arrays(batch.columns, schema=self._wire_schema)
+        batch = protocol.to_wire(self._table, self._schema, self._wire_schema, batch)
         try:
-            with self._put.io:
-                _call(self._put.writer.write_batch, batch)
+            self._put.send(batch)
         except PushTableError:
             self._put.finish(timeout=30.0)  # the server's reason, if it gave one
             raise
-        self._put.sent += 1
 
     def finish(self) -> None:
         """End the share; returns once the server holds all of it (raises its error)."""
@@ -469,7 +465,7 @@ class RemoteSink(ProducerScope):
         self.name = name
         self.schema = schema
         self.window = window
-        self._wire_schema = pa.schema([f.with_nullable(True) for f in schema])
+        self._wire_schema = protocol.wire_schema(schema)
         self._put: _Put | None = None
         self._sent = 0
         self._acked = 0
@@ -534,19 +530,15 @@ class RemoteSink(ProducerScope):
             if self._closed:
                 raise SinkClosedError(f"remote sink for '{self.name}' is closed")
             try:
-                for batch in self._batches(data):
-                    protocol.check_batch_schema(self.name, self.schema, batch.schema)
-                    # NOT NULL is the server's to check, on the data.
-                    batch = pa.RecordBatch.from_arrays(batch.columns, schema=self._wire_schema)
+                for data_batch in self._batches(data):
+                    batch = protocol.to_wire(self.name, self.schema, self._wire_schema, data_batch)
                     put = self._stream()
                     if not put.wait(self.window - 1, deadline):
                         raise WriteTimeoutError(
                             f"write to remote table '{self.name}' timed out after {timeout}s "
                             f"with {self.window} batch(es) unacknowledged"
                         )
-                    with put.io:
-                        _call(put.writer.write_batch, batch)
-                    put.sent += 1
+                    put.send(batch)
                     written += 1
             except PushTableError as exc:
                 if self._put is not None and self._put.error is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pyarrow as pa
@@ -89,6 +90,31 @@ def schema_from(text: str) -> pa.Schema:
 
 def action(name: str, body: dict[str, Any] | None = None) -> flight.Action:
     return flight.Action(name, json.dumps(body or {}).encode())
+
+
+def wire_schema(schema: pa.Schema) -> pa.Schema:
+    """The schema a table's batches cross the wire with: every field nullable (NOT NULL is
+    the server's sink's to check, on the data, with its own message)."""
+    return pa.schema([f.with_nullable(True) for f in schema])
+
+
+def to_wire(
+    table: str, schema: pa.Schema, wire: pa.Schema, batch: pa.RecordBatch
+) -> pa.RecordBatch:
+    """``batch`` checked against the table's ``schema`` and labelled with its ``wire`` schema."""
+    check_batch_schema(table, schema, batch.schema)
+    return pa.RecordBatch.from_arrays(batch.columns, schema=wire)
+
+
+def batches(read_chunk: Callable[[], Any]) -> Iterator[pa.RecordBatch]:
+    """The record batches of a Flight stream, read with ``read_chunk`` until it ends."""
+    while True:
+        try:
+            chunk = read_chunk()
+        except StopIteration:
+            return
+        if chunk.data is not None:
+            yield chunk.data
 
 
 def check_batch_schema(table: str, expected: pa.Schema, got: pa.Schema) -> None:

@@ -194,7 +194,7 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
             if len(path) != 1:
                 raise ValueError(f"unexpected DoPut path {path!r}")
             producer = self._table(path[0])
-            for count, batch in enumerate(_batches(reader), start=1):
+            for count, batch in enumerate(protocol.batches(reader.read_chunk), start=1):
                 self._write(context, producer, batch)
                 writer.send(count)
         except (PushTableError, ValueError, pa.ArrowException) as exc:
@@ -215,7 +215,7 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
         table, _, query, epoch, partition, attempt = path
         producer = self._table(table)
         batches: list[pa.RecordBatch] = []
-        for batch in _batches(reader):
+        for batch in protocol.batches(reader.read_chunk):
             protocol.check_batch_schema(table, producer.schema, batch.schema)
             batches.append(batch)
             writer.send(len(batches))
@@ -465,16 +465,6 @@ class _Acks:
     def close(self) -> None:
         with self._lock:
             self._closed = True
-
-
-def _batches(reader: Any) -> Iterator[pa.RecordBatch]:
-    while True:
-        try:
-            chunk = reader.read_chunk()
-        except StopIteration:
-            return
-        if chunk.data is not None:
-            yield chunk.data
 
 
 def _query_error(exc: BaseException) -> BaseException:

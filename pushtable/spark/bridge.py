@@ -387,8 +387,7 @@ class ForeachBatchBridge:
                 # Names and types are conformed here; NOT NULL is checked by the sink on the
                 # data, with a message naming the field.
                 relaxed = pa.schema([f.with_nullable(True) for f in sink.schema])
-                data = table if table.schema.equals(relaxed) else conform_to(table, relaxed)
-                sink.write(data, timeout=timeout)
+                sink.write(conform_to(table, relaxed), timeout=timeout)
             except (ReaderGoneError, SinkClosedError) as exc:
                 # A reader that stopped early must not stop the persisting query.
                 self._detach(sink, None, str(exc))

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import pyarrow as pa
 
+from pushtable.errors import UnknownTableError
 from pushtable.flight.client import Client, connect
 from pushtable.lance_epochs import (
     MODES,
@@ -277,10 +278,11 @@ class RemoteBridge:
 
     def _live_schema(self, client: Client, epoch_schema: pa.Schema) -> pa.Schema:
         """The server table's schema; the table is created from the epoch's if absent."""
-        names = {t["name"] for t in client.tables()}
-        if self.table not in names:
+        try:
+            schema = client.schema(self.table)
+        except UnknownTableError:
             client.create_table(self.table, epoch_schema, if_not_exists=True)
-        schema = client.schema(self.table)
+            schema = client.schema(self.table)
         try:  # on the driver, before any task runs: a clear error, not an executor trace
             conform_to(epoch_schema.empty_table(), schema)
         except SchemaDriftError as exc:
