@@ -31,6 +31,7 @@ from pushtable.errors import (
     StreamFailedError,
     UnauthenticatedError,
     UnknownTableError,
+    UnsupportedTableError,
     WriteTimeoutError,
 )
 from pushtable.explain import LiveExplanation, explain_live
@@ -63,6 +64,7 @@ __all__ = [
     "TopicStats",
     "UnauthenticatedError",
     "UnknownTableError",
+    "UnsupportedTableError",
     "WriteTimeoutError",
     "connect",
     "explain_live",

@@ -15,6 +15,7 @@ import pyarrow as pa
 
 from pushtable import _native
 from pushtable.dataframe import DataFrame
+from pushtable.engine import TableSources, plan_live
 from pushtable.explain import LiveExplanation, explain_live
 from pushtable.sink import TableSink
 
@@ -113,6 +114,9 @@ class SessionContext(datafusion.SessionContext):
 
     Its ``sql``/``sql_with_options``/``table`` return a :class:`pushtable.DataFrame`, whose
     errors from streaming tables are pushtable's own classes (e.g. ``StreamConsumedError``).
+    A query that needs an ordered table's order to answer while data arrives (a window
+    ``GROUP BY``, a running window function) is planned and run by pushtable's embedded
+    engine (:mod:`pushtable.engine`); the DataFrame it returns is an ordinary one.
 
     Example:
         >>> import threading, pyarrow as pa
@@ -127,6 +131,52 @@ class SessionContext(datafusion.SessionContext):
         >>> ctx.sql("SELECT sum(n) AS total FROM events").to_pydict()
         {'total': [3]}
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._sources = TableSources()
+
+    # --- what the live engine needs to know about the tables -----------------------------
+
+    def register_table(self, name: str, table: Any) -> None:
+        """Register ``table`` (a table provider, a ``DataFrame`` view, a dataset…) as ``name``."""
+        super().register_table(name, table)
+        self._sources.record(name, table)
+
+    def register_table_provider(self, name: str, provider: Any) -> None:
+        """Alias of :meth:`register_table` (datafusion's older name)."""
+        self.register_table(name, provider)
+
+    def deregister_table(self, name: str) -> None:
+        """Remove the table ``name``."""
+        super().deregister_table(name)
+        self._sources.forget(name)
+
+    def register_record_batches(self, name: str, partitions: list[list[pa.RecordBatch]]) -> None:
+        """Register in-memory record batches as ``name``."""
+        super().register_record_batches(name, partitions)
+        self._sources.record_memory(name)
+
+    def from_arrow(self, data: Any, name: str | None = None) -> DataFrame:
+        """A DataFrame over Arrow data, registered as ``name`` when given."""
+        df = DataFrame(super().from_arrow(data, name).df)
+        if name is not None:
+            self._sources.record_memory(name)
+        return df
+
+    def from_pandas(self, data: Any, name: str | None = None) -> DataFrame:
+        """A DataFrame over a pandas DataFrame, registered as ``name`` when given."""
+        df = DataFrame(super().from_pandas(data, name).df)
+        if name is not None:
+            self._sources.record_memory(name)
+        return df
+
+    def from_pydict(self, data: dict[str, list[Any]], name: str | None = None) -> DataFrame:
+        """A DataFrame over a dict of columns, registered as ``name`` when given."""
+        df = DataFrame(super().from_pydict(data, name).df)
+        if name is not None:
+            self._sources.record_memory(name)
+        return df
 
     def register_streaming_table(
         self,
@@ -159,11 +209,22 @@ class SessionContext(datafusion.SessionContext):
             >>> SessionContext().sql("SELECT 1 AS one").to_pydict()
             {'one': [1]}
         """
+        if not args and not kwargs and (live := self._live(query)) is not None:
+            return live
         return DataFrame(super().sql(query, *args, **kwargs).df)
 
     def sql_with_options(self, query: str, *args: Any, **kwargs: Any) -> DataFrame:
         """Like :meth:`sql`, with ``datafusion.SQLOptions``."""
+        if len(args) + len(kwargs) <= 1 and (live := self._live(query)) is not None:
+            return live  # the engine plans queries only: no DDL, DML or SET
         return DataFrame(super().sql_with_options(query, *args, **kwargs).df)
+
+    def _live(self, query: str) -> DataFrame | None:
+        """``query`` run by the live engine, if it needs it."""
+        plan = plan_live(self, self._sources, query)
+        if plan is None or not plan.reasons:
+            return None
+        return DataFrame(super().read_table(plan.query()).df)
 
     def table(self, name: str) -> DataFrame:
         """The registered table ``name`` as a :class:`pushtable.DataFrame`."""

@@ -26,6 +26,7 @@ __all__ = [
     "StreamFailedError",
     "UnauthenticatedError",
     "UnknownTableError",
+    "UnsupportedTableError",
     "WriteTimeoutError",
 ]
 
@@ -46,6 +47,11 @@ class SinkClosedError(PushTableError):
 
 class ReaderGoneError(PushTableError):
     """No query will read this table any more (it stopped early, or the table was dropped)."""
+
+
+class UnsupportedTableError(PushTableError, ValueError):
+    """A query over an ordered live table reads a table pushtable's live engine cannot read
+    (the message names it and says how to register it instead)."""
 
 
 class StreamConsumedError(PushTableError):

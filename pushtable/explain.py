@@ -1,6 +1,10 @@
 """Know before you run: does a query over streaming tables answer while data arrives?
 
-:func:`explain_live` reads the physical plan DataFusion would run and classifies it:
+:func:`explain_live` says which engine runs the query and reads the physical plan it would
+run. Queries that need an ordered table's order (a window ``GROUP BY``, a running window
+function) run in pushtable's embedded engine (``engine="pushtable"``) and stream
+(``"incremental: windows emit as they close"``); the rest run in datafusion-python
+(``engine="datafusion"``) and are classified:
 
 - ``"incremental"``: every operator above a live scan passes rows on as they come;
 - ``"batched"``: an operator above a live scan holds rows until it has ``batch_size`` of
@@ -42,9 +46,13 @@ class LiveExplanation:
     reasons: list[str] = field(default_factory=list)
     hint: str | None = None
     plan: str = ""
+    #: Which engine runs the query: ``"datafusion"`` or ``"pushtable"`` (the live engine).
+    engine: Literal["datafusion", "pushtable"] = "datafusion"
 
     def __str__(self) -> str:
         lines = [f"{self.mode}: " + ("; ".join(self.reasons) or "rows stream as they arrive")]
+        if self.engine == "pushtable":
+            lines.append("engine: pushtable (the live engine plans it with the table's order)")
         if self.hint:
             lines.append(f"hint: {self.hint}")
         return "\n".join(lines)
@@ -59,7 +67,7 @@ def _name(node: datafusion.ExecutionPlan) -> str:
 
 
 def _reads_a_live_table(node: datafusion.ExecutionPlan) -> bool:
-    return _name(node) == "StreamingTableExec" or any(
+    return _name(node) in ("LiveScanExec", "LiveQueryExec") or any(
         _reads_a_live_table(c) for c in node.children()
     )
 
@@ -73,8 +81,9 @@ def _classify(node: datafusion.ExecutionPlan, found: list[tuple[Mode, str, str |
             (
                 "at_end",
                 "GROUP BY/aggregates over a live table need the whole stream",
-                "aggregates answer at close(); select rows (filters, projections) for answers "
-                "while data arrives",
+                "aggregates answer at close(); declare the table's order (order_by=, or an "
+                "arrival column) and GROUP BY a window of it (date_bin, date_trunc, ts / n) "
+                "for windows that emit as they close",
             )
         )
     elif name == "SortExec":
@@ -115,6 +124,19 @@ def explain_live(ctx: datafusion.SessionContext, sql: str) -> LiveExplanation:
         >>> explain_live(ctx, "SELECT k, count(*) FROM t GROUP BY k").mode
         'at_end'
     """
+    sources = getattr(ctx, "_sources", None)
+    if sources is not None:
+        from pushtable.engine import plan_live
+
+        live = plan_live(ctx, sources, sql)
+        if live is not None and live.reasons:
+            return LiveExplanation(
+                "incremental",
+                [r.split(": ", 1)[-1] for r in live.reasons],
+                None,
+                live.display,
+                "pushtable",
+            )
     try:
         plan = ctx.sql(sql).execution_plan()
     except Exception as exc:

@@ -192,6 +192,30 @@ class _Producer(ProducerScope):
                 raise _public_error(exc) from None
         await _wait_off_loop(self._native, data, timeout)
 
+    def advance(self, ts: Any) -> None:
+        """Declare a watermark: no row whose first ``order_by`` column is below ``ts`` will come.
+
+        A live query's windows that end at or before ``ts`` are emitted at once, with no new
+        row; a row below ``ts`` written later is late (``late="reject"`` raises
+        :class:`OrderViolationError`, ``late="drop"`` drops it). ``ts`` is a value of the
+        column's type (a ``datetime`` for a timestamp column, an ``int``…); an ``int`` for a
+        timestamp column is in the column's unit. A watermark at or below the current one
+        changes nothing. Raises ``ValueError`` for a table without ``order_by``.
+        """
+        data_type = self._native.watermark_type()
+        if data_type is None:
+            raise ValueError(
+                f"'{self.name}' declares no integer, date or timestamp order_by column, so it "
+                "cannot have a watermark"
+            )
+        value = pa.scalar(ts, type=data_type)
+        if pa.types.is_date32(data_type):
+            value = value.cast(pa.int32())
+        try:
+            self._native.advance(int(value.cast(pa.int64()).as_py()))
+        except _native.NativeError as exc:
+            raise _public_error(exc) from None
+
     def close(self) -> None:
         """End of stream: the query finishes after the queued batches. Idempotent."""
         self._native.close()

@@ -283,7 +283,7 @@ def test_self_join_is_refused(ctx: SessionContext) -> None:
 def test_planning_does_not_consume_but_explain_analyze_does(ctx: SessionContext) -> None:
     sink = ctx.register_streaming_table("t", SCHEMA)
     plan = ctx.sql("EXPLAIN SELECT k FROM t WHERE v > 0").to_pydict()
-    assert any("StreamingTableExec" in line for line in plan["plan"])
+    assert any("LiveScanExec" in line for line in plan["plan"])
     df = ctx.sql("SELECT sum(k) AS s FROM t")
     df.schema()
     sink.write(batch(4))

@@ -28,9 +28,9 @@ use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use arrow::array::{Array, RecordBatch};
-use arrow::datatypes::SchemaRef;
+use arrow::datatypes::{DataType, SchemaRef};
 use arrow::error::ArrowError;
-use datafusion_common::{DataFusionError, Result as DFResult};
+use datafusion_common::{DataFusionError, Result as DFResult, ScalarValue};
 use datafusion_execution::RecordBatchStream;
 use futures::Stream;
 
@@ -163,6 +163,8 @@ struct Cursor {
     /// Since when a producer has been waiting for this cursor without it reading.
     full_since: Option<Instant>,
     read_batches: u64,
+    /// The newest watermark this cursor's reader was handed.
+    watermark_delivered: Option<i64>,
 }
 
 #[derive(Debug)]
@@ -180,6 +182,8 @@ struct State {
     gone: Option<&'static str>,
     waiters: VecDeque<Arc<Waiter>>,
     newest: Option<Newest>,
+    /// The latest watermark (`advance`): its value, and the log position it follows.
+    watermark: Option<(i64, u64)>,
     stats: Stats,
 }
 
@@ -369,6 +373,7 @@ impl Channel {
                 gone: None,
                 waiters: VecDeque::new(),
                 newest: None,
+                watermark: None,
                 stats: Stats::default(),
             }),
         })
@@ -443,6 +448,7 @@ impl Channel {
             error_delivered: false,
             full_since: None,
             read_batches: 0,
+            watermark_delivered: None,
         });
         Reader {
             channel: Arc::clone(self),
@@ -565,7 +571,8 @@ impl Channel {
                             (None, Some(gate), Some(c)) => {
                                 let late_in_batch = c.dropped;
                                 let offered = c.batch().num_rows() + late_in_batch;
-                                match gate.admit(c, &mut st.newest) {
+                                let floor = st.watermark.map(|(w, _)| w);
+                                match gate.admit(c, &mut st.newest, floor) {
                                     Ok((admitted, late)) => {
                                         st.stats.late_rows += (late_in_batch + late) as u64;
                                         if late > 0 {
@@ -665,6 +672,39 @@ impl Channel {
             .iter_mut()
             .flat_map(|c| c.wakers.drain(..))
             .collect()
+    }
+
+    /// The type a watermark of this channel is expressed in (its first order column), or why
+    /// it cannot have one.
+    pub fn watermark_type(&self) -> Result<DataType, String> {
+        match &self.order {
+            Some(gate) => gate.watermark_type(&self.schema),
+            None => Err(format!(
+                "'{}' declares no order_by column, so it cannot have a watermark",
+                self.name
+            )),
+        }
+    }
+
+    /// Declare that no row whose first order column is below `value` will come: readers that
+    /// listen for watermarks get it after every batch written before it, and later rows below
+    /// it are late. A watermark at or below the current one changes nothing.
+    pub fn advance(&self, value: i64) -> Result<(), PushError<()>> {
+        let mut st = self.lock();
+        if let Some(msg) = &st.failure {
+            return Err(PushError::Failed(msg.clone()));
+        }
+        if st.closed {
+            return Err(PushError::Closed);
+        }
+        if st.watermark.is_some_and(|(w, _)| value <= w) {
+            return Ok(());
+        }
+        st.watermark = Some((value, st.end()));
+        let wakers = Self::take_all_wakers(&mut st);
+        drop(st);
+        wakers.into_iter().for_each(Waker::wake);
+        Ok(())
     }
 
     /// End of stream: queued batches stay readable, blocked and later writes fail.
@@ -844,19 +884,46 @@ impl CursorWatch {
     }
 }
 
+/// Where a stream hands on the watermark it passed, for the operators above it: the engine's
+/// window aggregates read it when the (empty) marker batch that follows reaches them.
+#[derive(Debug, Default)]
+pub struct WatermarkCell(Mutex<Option<ScalarValue>>);
+
+impl WatermarkCell {
+    pub fn get(&self) -> Option<ScalarValue> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    pub fn set(&self, value: ScalarValue) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(value);
+    }
+}
+
+/// A scan that listens for watermarks: the cell it hands them to, and their type.
+#[derive(Debug, Clone)]
+pub struct Markers {
+    pub cell: Arc<WatermarkCell>,
+    pub data_type: DataType,
+}
+
 /// One partition of the scan: a record-batch stream over a reader's cursor. Several may
 /// read one cursor concurrently (each batch goes to exactly one of them).
+///
+/// With `markers`, a watermark reached in the log is handed to the cell and announced by an
+/// empty batch, after every batch written before it and before any written after it.
 #[derive(Debug)]
 pub struct ReaderStream {
     reader: Arc<Reader>,
     done: bool,
+    markers: Option<Markers>,
 }
 
 impl ReaderStream {
-    pub fn new(reader: Arc<Reader>) -> Self {
+    pub fn new(reader: Arc<Reader>, markers: Option<Markers>) -> Self {
         Self {
             reader,
             done: false,
+            markers,
         }
     }
 
@@ -911,6 +978,7 @@ impl Stream for ReaderStream {
         let mut st = channel.lock();
         let failure = st.failure.clone();
         let first = st.first;
+        let watermark = st.watermark;
         let Some(c) = st.cursor(id) else {
             drop(st);
             self.done = true;
@@ -938,6 +1006,19 @@ impl Stream for ReaderStream {
             });
         }
         let seq = c.next;
+        if let (Some(markers), Some((w, at))) = (&self.markers, watermark) {
+            if seq >= at && c.watermark_delivered.is_none_or(|d| d < w) {
+                c.watermark_delivered = Some(w);
+                drop(st);
+                let value = ScalarValue::Int64(Some(w))
+                    .cast_to(&markers.data_type)
+                    .map_err(|e| DataFusionError::Execution(e.to_string()));
+                return Poll::Ready(Some(value.map(|v| {
+                    markers.cell.set(v);
+                    RecordBatch::new_empty(Arc::clone(&channel.schema))
+                })));
+            }
+        }
         if seq < first + st.log.len() as u64 {
             let batch = st.log[(seq - first) as usize].batch.clone();
             let c = st.cursor(id).expect("cursor present");

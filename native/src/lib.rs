@@ -10,6 +10,7 @@
 //! package maps them onto its public hierarchy).
 
 mod channel;
+mod engine;
 mod order;
 mod provider;
 mod schema;
@@ -349,6 +350,29 @@ impl Sink {
         }
     }
 
+    /// Declare that no row whose first order column is below `value` (as an integer: the
+    /// column's own scale) will come. Raises ValueError where the table cannot have one.
+    fn advance(&self, value: i64) -> PyResult<()> {
+        let name = &self.channel.name;
+        self.channel
+            .watermark_type()
+            .map_err(PyValueError::new_err)?;
+        self.channel.advance(value).map_err(|e| match e {
+            PushError::Failed(msg) => {
+                ClosedError::new_err(format!("streaming table '{name}' was failed: {msg}"))
+            }
+            _ => ClosedError::new_err(format!("streaming table '{name}' is closed")),
+        })
+    }
+
+    /// The watermark's type (the first order column's), or None.
+    fn watermark_type<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        match self.channel.watermark_type() {
+            Ok(dt) => Ok(Some(dt.to_pyarrow(py)?)),
+            Err(_) => Ok(None),
+        }
+    }
+
     /// End of stream. Idempotent.
     fn close(&self) {
         self.channel.close();
@@ -512,6 +536,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(interpreter_finalizing, m)?)?;
     m.add_function(wrap_pyfunction!(streaming_table, m)?)?;
     m.add_function(wrap_pyfunction!(topic, m)?)?;
+    engine::register(m)?;
     m.add("NativeError", py.get_type::<NativeError>())?;
     m.add("ClosedError", py.get_type::<ClosedError>())?;
     m.add("ReaderGoneError", py.get_type::<ReaderGoneError>())?;

@@ -8,9 +8,9 @@
 
 use std::sync::Arc;
 
-use arrow::array::{Array, ArrayRef, BooleanArray, RecordBatch};
-use arrow::compute::filter_record_batch;
-use arrow::datatypes::SchemaRef;
+use arrow::array::{Array, ArrayRef, AsArray, BooleanArray, RecordBatch};
+use arrow::compute::{cast, filter_record_batch};
+use arrow::datatypes::{DataType, Int64Type, SchemaRef};
 use arrow::row::{OwnedRow, RowConverter, Rows, SortField};
 use arrow::util::display::{ArrayFormatter, FormatOptions};
 
@@ -116,6 +116,36 @@ impl OrderGate {
             .join(", ")
     }
 
+    /// The type of the first order column when a watermark can be declared on it (an
+    /// integer or a timestamp: values that convert to `i64` keeping their order), else why not.
+    pub fn watermark_type(&self, schema: &SchemaRef) -> Result<DataType, String> {
+        let dt = schema.field(self.indices[0]).data_type().clone();
+        match dt {
+            DataType::Int8
+            | DataType::Int16
+            | DataType::Int32
+            | DataType::Int64
+            | DataType::UInt8
+            | DataType::UInt16
+            | DataType::UInt32
+            | DataType::Timestamp(_, _)
+            | DataType::Date32
+            | DataType::Date64 => Ok(dt),
+            other => Err(format!(
+                "a watermark needs an integer, date or timestamp order column; '{}' is {other}",
+                self.names[0]
+            )),
+        }
+    }
+
+    /// The first order column of `batch` as `i64` values (the watermark's scale).
+    fn first_as_i64(&self, batch: &RecordBatch) -> Result<arrow::array::Int64Array, String> {
+        let col = batch.column(self.indices[0]);
+        let col = cast(col, &DataType::Int64)
+        .map_err(|e| e.to_string())?;
+        Ok(col.as_primitive::<Int64Type>().clone())
+    }
+
     /// Check `batch` within itself: no nulls in the order columns; sorted (reject) or with
     /// the rows behind the batch's own running maximum removed (drop).
     pub fn check(&self, batch: RecordBatch) -> Result<Checked, String> {
@@ -188,10 +218,14 @@ impl OrderGate {
     /// Admit a checked batch after the newest value written (call under the channel lock).
     /// Returns the batch to enqueue (late rows removed when dropping) and how many rows were
     /// dropped here; updates `newest`.
+    ///
+    /// `floor` is the table's watermark (see [`OrderGate::watermark_type`]): rows whose first
+    /// order column is below it are late like rows behind the newest value.
     pub fn admit(
         &self,
         checked: Checked,
         newest: &mut Option<Newest>,
+        floor: Option<i64>,
     ) -> Result<(RecordBatch, usize), String> {
         let Checked { batch, rows, .. } = checked;
         let n = rows.num_rows();
@@ -199,9 +233,27 @@ impl OrderGate {
             return Ok((batch, 0));
         }
         let mut start = 0;
+        if let Some(floor) = floor {
+            let first = self.first_as_i64(&batch)?;
+            let below = first.values().partition_point(|v| *v < floor);
+            if below > 0 {
+                match self.late {
+                    Late::Reject => {
+                        return Err(format!(
+                            "out of order on {}: the batch starts at {}, behind the watermark \
+                             advance() declared ({} as an integer)",
+                            self.column_list(),
+                            self.describe(&self.key_columns(&batch), 0),
+                            floor
+                        ))
+                    }
+                    Late::Drop => start = below,
+                }
+            }
+        }
         if let Some(prev) = newest.as_ref() {
             let prev_row = prev.row.row();
-            if rows.row(0) < prev_row {
+            if start < n && rows.row(start) < prev_row {
                 match self.late {
                     Late::Reject => {
                         return Err(format!(
@@ -212,7 +264,7 @@ impl OrderGate {
                         ))
                     }
                     // The kept rows are sorted: skip the prefix behind the newest value.
-                    Late::Drop => start = partition_point(n, |i| rows.row(i) < prev_row),
+                    Late::Drop => start = start.max(partition_point(n, |i| rows.row(i) < prev_row)),
                 }
             }
         }

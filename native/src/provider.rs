@@ -22,15 +22,16 @@ use datafusion_physical_expr::equivalence::project_ordering;
 use datafusion_physical_expr::{
     create_physical_expr, create_physical_sort_exprs, LexOrdering, PhysicalExpr,
 };
+use datafusion_physical_expr::{EquivalenceProperties, Partitioning};
+use datafusion_physical_plan::execution_plan::{Boundedness, EmissionType};
 use datafusion_physical_plan::stream::RecordBatchStreamAdapter;
-use datafusion_physical_plan::streaming::{PartitionStream, StreamingTableExec};
-use datafusion_physical_plan::ExecutionPlan;
-use futures::StreamExt;
+use datafusion_physical_plan::{DisplayAs, DisplayFormatType, ExecutionPlan, PlanProperties};
+use futures::{Stream, StreamExt};
 use pyo3::exceptions::{PyRuntimeError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::types::PyCapsule;
 
-use crate::channel::{Channel, Reader, ReaderStream};
+use crate::channel::{Channel, Markers, Reader, ReaderStream, WatermarkCell};
 
 /// The table's single right to read its channel, handed to the first scan that executes.
 struct ScanSource {
@@ -99,31 +100,61 @@ impl ScanClaim {
 /// DataFusion's `FilterExec` would).
 struct ScanPartition {
     claim: Arc<ScanClaim>,
-    /// The filter (over the table's columns) and the projection applied after it; with a
-    /// filter, the partition yields `schema` (the projected one) itself.
-    predicate: Option<(Arc<dyn PhysicalExpr>, Option<Vec<usize>>)>,
+    /// The filter (over the table's columns) and the projection applied after it.
+    predicate: Option<Predicate>,
+    /// What the partition yields (projected).
     schema: SchemaRef,
+    /// Without a predicate, the projection applied to each batch.
+    projection: Option<Vec<usize>>,
 }
 
 impl fmt::Debug for ScanPartition {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ScanPartition")
             .field("table", &self.claim.source.channel.name)
-            .field(
-                "predicate",
-                &self.predicate.as_ref().map(|(p, _)| p.to_string()),
-            )
             .finish()
     }
 }
 
-impl PartitionStream for ScanPartition {
-    fn schema(&self) -> &SchemaRef {
-        &self.schema
-    }
+/// A filter evaluated on each batch as it arrives, and the columns kept after it.
+#[derive(Clone)]
+pub struct Predicate {
+    pub expr: Arc<dyn PhysicalExpr>,
+    pub projection: Option<Vec<usize>>,
+}
 
-    fn execute(&self, _ctx: Arc<TaskContext>) -> SendableRecordBatchStream {
-        let schema = Arc::clone(self.schema());
+/// `stream` with `predicate` applied batch by batch. A batch that had rows and has none
+/// left is skipped (not worth a wake-up downstream); an empty input batch (a watermark
+/// marker) passes on, projected.
+pub fn filtered(
+    stream: impl Stream<Item = DFResult<arrow::array::RecordBatch>> + Send + 'static,
+    predicate: Predicate,
+    schema: SchemaRef,
+) -> SendableRecordBatchStream {
+    let Predicate { expr, projection } = predicate;
+    let out = stream.filter_map(move |item| {
+        let mut marker = false;
+        let out = item.and_then(|batch| {
+            marker = batch.num_rows() == 0;
+            let mask = expr.evaluate(&batch)?.into_array(batch.num_rows())?;
+            // Copy only the columns the query reads.
+            let batch = match &projection {
+                Some(p) => batch.project(p)?,
+                None => batch,
+            };
+            Ok(filter_record_batch(&batch, as_boolean_array(&mask)?)?)
+        });
+        futures::future::ready(match out {
+            Ok(batch) if batch.num_rows() == 0 && !marker => None,
+            other => Some(other),
+        })
+    });
+    Box::pin(RecordBatchStreamAdapter::new(schema, out))
+}
+
+impl ScanPartition {
+    fn execute(&self, markers: Option<Markers>) -> SendableRecordBatchStream {
+        let schema = Arc::clone(&self.schema);
         let reader = match self.claim.reader() {
             Ok(Some(reader)) => reader,
             // The other partitions read the stream to its end (or stopped) before this one
@@ -141,28 +172,130 @@ impl PartitionStream for ScanPartition {
                 ))
             }
         };
-        let stream = ReaderStream::new(reader);
-        let Some((predicate, projection)) = self.predicate.clone() else {
-            return Box::pin(stream);
-        };
-        let filtered = stream.filter_map(move |item| {
-            let out = item.and_then(|batch| {
-                let mask = predicate.evaluate(&batch)?.into_array(batch.num_rows())?;
-                // Copy only the columns the query reads.
-                let batch = match &projection {
-                    Some(p) => batch.project(p)?,
-                    None => batch,
-                };
-                Ok(filter_record_batch(&batch, as_boolean_array(&mask)?)?)
-            });
-            // A batch with no matching row is not worth a wake-up downstream.
-            futures::future::ready(match out {
-                Ok(batch) if batch.num_rows() == 0 => None,
-                other => Some(other),
-            })
-        });
-        Box::pin(RecordBatchStreamAdapter::new(schema, filtered))
+        let stream = ReaderStream::new(reader, markers);
+        match (&self.predicate, &self.projection) {
+            (Some(p), _) => filtered(stream, p.clone(), schema),
+            (None, None) => Box::pin(stream),
+            (None, Some(p)) => {
+                let p = p.clone();
+                let projected = stream.map(move |b| Ok(b?.project(&p)?));
+                Box::pin(RecordBatchStreamAdapter::new(schema, projected))
+            }
+        }
     }
+}
+
+/// The scan of a live table: `partitions` streams over one queue (an ordered table keeps
+/// one, in order), filters evaluated as batches arrive, the declared order and boundedness.
+/// Scanned by pushtable's engine, it also passes watermarks on (see [`WatermarkCell`]).
+pub struct LiveScanExec {
+    name: String,
+    partitions: Vec<ScanPartition>,
+    markers: Option<Markers>,
+    limit: Option<usize>,
+    props: Arc<PlanProperties>,
+}
+
+impl fmt::Debug for LiveScanExec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LiveScanExec").field("table", &self.name).finish()
+    }
+}
+
+impl LiveScanExec {
+    /// Where this scan hands on the watermarks it passes (scanned by the engine only).
+    pub fn watermark(&self) -> Option<&Arc<WatermarkCell>> {
+        self.markers.as_ref().map(|m| &m.cell)
+    }
+}
+
+impl DisplayAs for LiveScanExec {
+    fn fmt_as(&self, _t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
+        write!(
+            f,
+            "LiveScanExec: table={}, partitions={}",
+            self.name,
+            self.partitions.len()
+        )?;
+        if let Some(o) = self.props.output_ordering() {
+            write!(f, ", output_ordering=[{o}]")?;
+        }
+        if self.props.boundedness.is_unbounded() {
+            write!(f, ", infinite_source=true")?;
+        }
+        if let Some(l) = self.limit {
+            write!(f, ", fetch={l}")?;
+        }
+        Ok(())
+    }
+}
+
+impl ExecutionPlan for LiveScanExec {
+    fn name(&self) -> &str {
+        "LiveScanExec"
+    }
+
+    fn properties(&self) -> &Arc<PlanProperties> {
+        &self.props
+    }
+
+    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
+        vec![]
+    }
+
+    fn with_new_children(
+        self: Arc<Self>,
+        _children: Vec<Arc<dyn ExecutionPlan>>,
+    ) -> DFResult<Arc<dyn ExecutionPlan>> {
+        Ok(self)
+    }
+
+    fn execute(
+        &self,
+        partition: usize,
+        _context: Arc<TaskContext>,
+    ) -> DFResult<SendableRecordBatchStream> {
+        let part = self.partitions.get(partition).ok_or_else(|| {
+            DataFusionError::Internal(format!("LiveScanExec has no partition {partition}"))
+        })?;
+        let stream = part.execute(self.markers.clone());
+        Ok(match self.limit {
+            None => stream,
+            Some(limit) => limited(stream, limit),
+        })
+    }
+}
+
+/// `stream` cut after `limit` rows (empty marker batches still pass before that).
+fn limited(inner: SendableRecordBatchStream, limit: usize) -> SendableRecordBatchStream {
+    struct Limited {
+        inner: SendableRecordBatchStream,
+        left: usize,
+    }
+    impl Stream for Limited {
+        type Item = DFResult<arrow::array::RecordBatch>;
+        fn poll_next(
+            mut self: std::pin::Pin<&mut Self>,
+            cx: &mut std::task::Context<'_>,
+        ) -> std::task::Poll<Option<Self::Item>> {
+            if self.left == 0 {
+                return std::task::Poll::Ready(None);
+            }
+            let item = futures::ready!(self.inner.poll_next_unpin(cx));
+            std::task::Poll::Ready(item.map(|r| {
+                r.map(|b| {
+                    let keep = b.num_rows().min(self.left);
+                    self.left -= keep;
+                    b.slice(0, keep)
+                })
+            }))
+        }
+    }
+    let schema = inner.schema();
+    Box::pin(RecordBatchStreamAdapter::new(
+        schema,
+        Limited { inner, left: limit },
+    ))
 }
 
 /// The table DataFusion sees: a single-scan streaming table, optionally unbounded and
@@ -234,8 +367,31 @@ impl TableProvider for LiveTable {
         filters: &[Expr],
         limit: Option<usize>,
     ) -> DFResult<Arc<dyn ExecutionPlan>> {
+        Ok(Arc::new(self.scan_exec(state, projection, filters, limit, false)?))
+    }
+}
+
+impl LiveTable {
+    /// Whether the table declares an order (`order_by`).
+    pub fn is_ordered(&self) -> bool {
+        !self.sort_order.is_empty()
+    }
+
+    /// The scan of this table; with `listen`, it passes watermarks on (the engine's scans).
+    pub fn scan_exec(
+        &self,
+        state: &dyn Session,
+        projection: Option<&Vec<usize>>,
+        filters: &[Expr],
+        limit: Option<usize>,
+        listen: bool,
+    ) -> DFResult<LiveScanExec> {
         let schema = self.schema();
         let df_schema = DFSchema::try_from(Arc::clone(&schema))?;
+        let projected = match projection {
+            Some(p) => Arc::new(schema.project(p)?),
+            None => Arc::clone(&schema),
+        };
         let ordering = if self.sort_order.is_empty() {
             vec![]
         } else {
@@ -243,13 +399,10 @@ impl TableProvider for LiveTable {
                 create_physical_sort_exprs(&self.sort_order, &df_schema, state.execution_props())?;
             match projection {
                 // The ordering of the projected columns (none if the first key is projected away).
-                Some(p) => {
-                    let projected = Arc::new(schema.project(p)?);
-                    LexOrdering::new(sort)
-                        .and_then(|o| project_ordering(&o, &projected))
-                        .map(|o| o.to_vec())
-                        .unwrap_or_default()
-                }
+                Some(_) => LexOrdering::new(sort)
+                    .and_then(|o| project_ordering(&o, &projected))
+                    .map(|o| o.to_vec())
+                    .unwrap_or_default(),
                 None => sort,
             }
         };
@@ -257,20 +410,14 @@ impl TableProvider for LiveTable {
         // cross the FFI boundary on every batch.
         let predicate = conjunction(filters.iter().cloned())
             .map(|p| create_physical_expr(&p, &df_schema, state.execution_props()))
-            .transpose()?;
-        // With a filter the partitions project (after evaluating it, before copying rows);
-        // without one, StreamingTableExec projects each batch by index.
-        let (exec_schema, exec_projection, partition_schema) = match (&predicate, projection) {
-            (Some(_), Some(p)) => (
-                Arc::new(schema.project(p)?),
-                None,
-                Arc::new(schema.project(p)?),
-            ),
-            _ => (Arc::clone(&schema), projection, Arc::clone(&schema)),
-        };
+            .transpose()?
+            .map(|expr| Predicate {
+                expr,
+                projection: projection.cloned(),
+            });
         // Several partitions read the queue in parallel (DataFusion then needs no round-robin
         // repartition, which would hold rows back); an ordered table keeps one, in order.
-        let partitions = if self.sort_order.is_empty() {
+        let n = if self.sort_order.is_empty() {
             state.config().target_partitions().max(1)
         } else {
             1
@@ -283,24 +430,46 @@ impl TableProvider for LiveTable {
                 refused: false,
             }),
         });
-        let streams = (0..partitions)
-            .map(|_| {
-                Arc::new(ScanPartition {
-                    claim: Arc::clone(&claim),
-                    predicate: predicate.clone().map(|p| (p, projection.cloned())),
-                    schema: Arc::clone(&partition_schema),
-                }) as Arc<dyn PartitionStream>
+        let partitions = (0..n)
+            .map(|_| ScanPartition {
+                claim: Arc::clone(&claim),
+                predicate: predicate.clone(),
+                schema: Arc::clone(&projected),
+                projection: if predicate.is_some() {
+                    None
+                } else {
+                    projection.cloned()
+                },
             })
             .collect();
-        // The limit applies after the filter (StreamingTableExec limits what a partition yields).
-        Ok(Arc::new(StreamingTableExec::try_new(
-            exec_schema,
-            streams,
-            exec_projection,
-            LexOrdering::new(ordering),
-            self.infinite,
+        let markers = match (listen, self.source.channel.watermark_type()) {
+            (true, Ok(data_type)) => Some(Markers {
+                cell: Arc::default(),
+                data_type,
+            }),
+            _ => None,
+        };
+        let eq = EquivalenceProperties::new_with_orderings(Arc::clone(&projected), [ordering]);
+        let boundedness = if self.infinite {
+            Boundedness::Unbounded {
+                requires_infinite_memory: false,
+            }
+        } else {
+            Boundedness::Bounded
+        };
+        let props = PlanProperties::new(
+            eq,
+            Partitioning::UnknownPartitioning(n),
+            EmissionType::Incremental,
+            boundedness,
+        );
+        Ok(LiveScanExec {
+            name: self.source.channel.name.clone(),
+            partitions,
+            markers,
             limit,
-        )?))
+            props: Arc::new(props),
+        })
     }
 }
 
@@ -308,21 +477,52 @@ impl TableProvider for LiveTable {
 ///
 /// It gives up its reference after the first export, so the session owns the table: when
 /// the session drops it unscanned, blocked producers learn at once that no reader will come.
+/// It keeps a weak one, through which pushtable's engine can still scan the table.
 #[pyclass(module = "pushtable._native", name = "TableProvider")]
 pub struct PyTableProvider {
     table: Mutex<Option<Arc<LiveTable>>>,
+    exported: Mutex<Weak<LiveTable>>,
 }
 
 impl PyTableProvider {
     pub fn new(table: LiveTable) -> Self {
         Self {
             table: Mutex::new(Some(Arc::new(table))),
+            exported: Mutex::new(Weak::new()),
         }
+    }
+
+    /// The table, while its session (or this handle) still holds it.
+    pub fn live(&self) -> Option<Arc<LiveTable>> {
+        let table = self.table.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        table.or_else(|| {
+            self.exported
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .upgrade()
+        })
     }
 }
 
+/// Export `table` as a `datafusion_table_provider` PyCapsule for a datafusion-python
+/// session whose codec is `codec` (see [`logical_codec`]); the streams it yields are polled
+/// inside `runtime` when given.
+pub fn export_capsule<'py>(
+    py: Python<'py>,
+    table: Arc<dyn TableProvider + Send>,
+    codec: FFI_LogicalExtensionCodec,
+    runtime: Option<tokio::runtime::Handle>,
+) -> PyResult<Bound<'py, PyCapsule>> {
+    let provider = FFI_TableProvider::new_with_ffi_codec(table, true, runtime, codec);
+    PyCapsule::new(
+        py,
+        provider,
+        Some(CString::from(c"datafusion_table_provider")),
+    )
+}
+
 /// Read the logical extension codec out of a datafusion-python session (or a codec capsule).
-fn logical_codec(session: &Bound<'_, PyAny>) -> PyResult<FFI_LogicalExtensionCodec> {
+pub fn logical_codec(session: &Bound<'_, PyAny>) -> PyResult<FFI_LogicalExtensionCodec> {
     let name = c"datafusion_logical_extension_codec";
     let capsule_obj = if session.hasattr("__datafusion_logical_extension_codec__")? {
         session.call_method0("__datafusion_logical_extension_codec__")?
@@ -365,11 +565,13 @@ impl PyTableProvider {
                     "this streaming table was already registered with a session",
                 )
             })?;
-        let provider = FFI_TableProvider::new_with_ffi_codec(table, true, None, codec);
-        PyCapsule::new(
-            py,
-            provider,
-            Some(CString::from(c"datafusion_table_provider")),
-        )
+        *self.exported.lock().unwrap_or_else(|p| p.into_inner()) = Arc::downgrade(&table);
+        export_capsule(py, table, codec, None)
+    }
+
+    /// Whether the table declares an order (False once its session dropped it).
+    #[getter]
+    fn ordered(&self) -> bool {
+        self.live().is_some_and(|t| t.is_ordered())
     }
 }

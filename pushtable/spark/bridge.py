@@ -22,6 +22,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -63,6 +64,16 @@ log = logging.getLogger(__name__)
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
 
+#: The driver's log configuration for sessions pushtable starts (see the file).
+LOG4J2 = Path(__file__).with_name("log4j2.properties")
+
+
+def quiet_spark_start() -> None:
+    """Bind a local Spark to loopback before its JVM starts, so Spark does not warn that the
+    machine's hostname resolves to a loopback address (unless the caller chose an address)."""
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+
+
 def local_spark(app: str, **conf: str) -> SparkSession:
     """A quiet ``local[2]`` session on loopback with the UI off (demo, tests, benchmarks).
 
@@ -71,8 +82,12 @@ def local_spark(app: str, **conf: str) -> SparkSession:
     """
     from pyspark.sql import SparkSession
 
+    quiet_spark_start()
     builder = SparkSession.builder.master("local[2]").appName(app)
     settings = {
+        # Errors only from the driver's first line on (setLogLevel below comes too late for
+        # the start-up warnings).
+        "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{LOG4J2}",
         "spark.ui.enabled": "false",
         "spark.ui.showConsoleProgress": "false",
         "spark.driver.bindAddress": "127.0.0.1",
@@ -83,7 +98,11 @@ def local_spark(app: str, **conf: str) -> SparkSession:
     }
     for key, value in settings.items():
         builder = builder.config(key, value)
-    session = builder.getOrCreate()
+    with warnings.catch_warnings():
+        # Starting the JVM forks and at once execs spark-submit: Lance's fork-safety warning
+        # (raised before any fork) does not apply to it.
+        warnings.filterwarnings("ignore", message="lance is not fork-safe")
+        session = builder.getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
     return session
 

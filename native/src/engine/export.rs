@@ -1,0 +1,215 @@
+//! A running query of the engine, handed to datafusion-python as a single-scan table.
+//!
+//! The caller gets an ordinary `datafusion.DataFrame` over it: executing that DataFrame
+//! executes the engine's plan (once), on the engine's runtime, and whatever the caller adds
+//! on top (`.filter`, `.select`, a remote client's SQL) runs in datafusion-python as usual.
+//! Filters are applied here, batch by batch, so nothing above waits for `batch_size` rows.
+
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+use arrow::datatypes::SchemaRef;
+use async_trait::async_trait;
+use datafusion::catalog::{Session, TableProvider};
+use datafusion::common::{DFSchema, DataFusionError, Result};
+use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::logical_expr::utils::conjunction;
+use datafusion::logical_expr::{Expr, TableProviderFilterPushDown, TableType};
+use datafusion::physical_expr::{create_physical_expr, EquivalenceProperties, Partitioning};
+use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
+use datafusion::physical_plan::execution_plan::EmissionType;
+use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
+use datafusion::physical_plan::{
+    DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties, PlanProperties,
+};
+use futures::StreamExt;
+
+use crate::provider::{filtered, Predicate};
+
+/// The engine's plan, runnable once.
+struct Once {
+    plan: Mutex<Option<Arc<dyn ExecutionPlan>>>,
+    task: Arc<TaskContext>,
+    schema: SchemaRef,
+    sql: String,
+}
+
+impl Once {
+    fn take(&self) -> Result<Arc<dyn ExecutionPlan>> {
+        self.plan
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .ok_or_else(|| {
+                DataFusionError::Execution(format!(
+                    "StreamConsumedError: the live query {:?} was already run; its result is \
+                     single-scan like the live tables it reads: call ctx.sql(...) again",
+                    self.sql
+                ))
+            })
+    }
+}
+
+/// A query of the engine as a table: scanning it runs the query.
+pub struct QueryTable {
+    once: Arc<Once>,
+    boundedness: datafusion::physical_plan::execution_plan::Boundedness,
+}
+
+impl fmt::Debug for QueryTable {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("QueryTable")
+            .field("sql", &self.once.sql)
+            .finish()
+    }
+}
+
+impl QueryTable {
+    pub fn new(plan: Arc<dyn ExecutionPlan>, task: Arc<TaskContext>, sql: &str) -> Self {
+        let plan: Arc<dyn ExecutionPlan> = if plan.output_partitioning().partition_count() > 1 {
+            Arc::new(CoalescePartitionsExec::new(plan))
+        } else {
+            plan
+        };
+        Self {
+            boundedness: plan.boundedness(),
+            once: Arc::new(Once {
+                schema: plan.schema(),
+                plan: Mutex::new(Some(plan)),
+                task,
+                sql: sql.to_string(),
+            }),
+        }
+    }
+}
+
+#[async_trait]
+impl TableProvider for QueryTable {
+    fn schema(&self) -> SchemaRef {
+        Arc::clone(&self.once.schema)
+    }
+
+    fn table_type(&self) -> TableType {
+        TableType::View
+    }
+
+    fn supports_filters_pushdown(
+        &self,
+        filters: &[&Expr],
+    ) -> Result<Vec<TableProviderFilterPushDown>> {
+        Ok(filters
+            .iter()
+            .map(|f| {
+                if f.is_volatile() {
+                    TableProviderFilterPushDown::Unsupported
+                } else {
+                    TableProviderFilterPushDown::Exact
+                }
+            })
+            .collect())
+    }
+
+    async fn scan(
+        &self,
+        state: &dyn Session,
+        projection: Option<&Vec<usize>>,
+        filters: &[Expr],
+        _limit: Option<usize>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        let schema = self.schema();
+        let df_schema = DFSchema::try_from(Arc::clone(&schema))?;
+        let predicate = conjunction(filters.iter().cloned())
+            .map(|p| create_physical_expr(&p, &df_schema, state.execution_props()))
+            .transpose()?;
+        let projected = match projection {
+            Some(p) => Arc::new(schema.project(p)?),
+            None => Arc::clone(&schema),
+        };
+        let props = PlanProperties::new(
+            EquivalenceProperties::new(Arc::clone(&projected)),
+            Partitioning::UnknownPartitioning(1),
+            EmissionType::Incremental,
+            self.boundedness,
+        );
+        Ok(Arc::new(QueryScanExec {
+            once: Arc::clone(&self.once),
+            predicate,
+            projection: projection.cloned(),
+            schema: projected,
+            props: Arc::new(props),
+        }))
+    }
+}
+
+/// Runs the engine's plan when executed (once) and yields its batches, filtered.
+struct QueryScanExec {
+    once: Arc<Once>,
+    predicate: Option<Arc<dyn datafusion::physical_expr::PhysicalExpr>>,
+    projection: Option<Vec<usize>>,
+    schema: SchemaRef,
+    props: Arc<PlanProperties>,
+}
+
+impl fmt::Debug for QueryScanExec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LiveQueryExec").finish()
+    }
+}
+
+impl DisplayAs for QueryScanExec {
+    fn fmt_as(&self, _t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
+        write!(f, "LiveQueryExec: engine=pushtable, sql={:?}", self.once.sql)
+    }
+}
+
+impl ExecutionPlan for QueryScanExec {
+    fn name(&self) -> &str {
+        "LiveQueryExec"
+    }
+
+    fn properties(&self) -> &Arc<PlanProperties> {
+        &self.props
+    }
+
+    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
+        vec![]
+    }
+
+    fn with_new_children(
+        self: Arc<Self>,
+        _children: Vec<Arc<dyn ExecutionPlan>>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        Ok(self)
+    }
+
+    fn execute(
+        &self,
+        _partition: usize,
+        _context: Arc<TaskContext>,
+    ) -> Result<SendableRecordBatchStream> {
+        let plan = self.once.take()?;
+        let inner = plan.execute(0, Arc::clone(&self.once.task))?;
+        // Watermark markers stay inside the engine.
+        let stream: SendableRecordBatchStream = Box::pin(RecordBatchStreamAdapter::new(
+            inner.schema(),
+            inner.filter(|r| futures::future::ready(!matches!(r, Ok(b) if b.num_rows() == 0))),
+        ));
+        let schema = Arc::clone(&self.schema);
+        Ok(match (&self.predicate, &self.projection) {
+            (Some(expr), projection) => filtered(
+                stream,
+                Predicate {
+                    expr: Arc::clone(expr),
+                    projection: projection.clone(),
+                },
+                schema,
+            ),
+            (None, Some(p)) => {
+                let p = p.clone();
+                let projected = stream.map(move |b| Ok(b?.project(&p)?));
+                Box::pin(RecordBatchStreamAdapter::new(schema, projected))
+            }
+            (None, None) => stream,
+        })
+    }
+}

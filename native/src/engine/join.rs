@@ -1,0 +1,360 @@
+//! The lookup join: a live table (probe) joined with a bounded one (build), each probe batch
+//! joined and passed on at once.
+//!
+//! DataFusion 54's `HashJoinExec` coalesces its output to `batch_size` rows, so a live row
+//! could wait for thousands of later ones before it leaves the join. This operator builds a
+//! hash table of the bounded side once and emits every probe batch's matches as soon as the
+//! batch arrives, keeping the probe side's order (so a window aggregate can sit above it) and
+//! passing watermark markers (empty batches) on.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use arrow::array::{Array, ArrayRef, RecordBatch, UInt32Array, UInt32Builder};
+use arrow::compute::{concat_batches, take};
+use arrow::datatypes::SchemaRef;
+use arrow::row::{RowConverter, SortField};
+use datafusion::common::{JoinType, Result};
+use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::physical_expr::expressions::Column;
+use datafusion::physical_expr::{
+    EquivalenceProperties, PhysicalExprRef, PhysicalSortExpr,
+};
+use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
+use datafusion::physical_plan::common::collect;
+use datafusion::physical_plan::execution_plan::EmissionType;
+use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
+use datafusion::physical_plan::{
+    DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties, PlanProperties,
+};
+use futures::future::BoxFuture;
+use futures::{FutureExt, Stream, StreamExt};
+
+/// Joins each batch of `probe` (the live side) with the rows of `build` (bounded).
+pub struct LookupJoinExec {
+    build: Arc<dyn ExecutionPlan>,
+    probe: Arc<dyn ExecutionPlan>,
+    on: Vec<(PhysicalExprRef, PhysicalExprRef)>,
+    join_type: JoinType,
+    /// Columns kept from the join's full output (build columns, then probe columns).
+    projection: Option<Vec<usize>>,
+    join_schema: SchemaRef,
+    schema: SchemaRef,
+    props: Arc<PlanProperties>,
+}
+
+impl fmt::Debug for LookupJoinExec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LookupJoinExec")
+            .field("join_type", &self.join_type)
+            .finish()
+    }
+}
+
+impl LookupJoinExec {
+    /// The join types it runs: those that emit only from probe rows.
+    pub fn supports(join_type: JoinType) -> bool {
+        matches!(
+            join_type,
+            JoinType::Inner | JoinType::Right | JoinType::RightSemi | JoinType::RightAnti
+        )
+    }
+
+    /// `join_schema` is the unprojected output (build then probe columns for inner and
+    /// right joins; probe columns for semi and anti joins).
+    pub fn try_new(
+        build: Arc<dyn ExecutionPlan>,
+        probe: Arc<dyn ExecutionPlan>,
+        on: Vec<(PhysicalExprRef, PhysicalExprRef)>,
+        join_type: JoinType,
+        projection: Option<Vec<usize>>,
+        join_schema: SchemaRef,
+    ) -> Result<Self> {
+        let build: Arc<dyn ExecutionPlan> = if build.output_partitioning().partition_count() > 1
+        {
+            Arc::new(CoalescePartitionsExec::new(build))
+        } else {
+            build
+        };
+        let schema = match &projection {
+            Some(p) => Arc::new(join_schema.project(p)?),
+            None => Arc::clone(&join_schema),
+        };
+        // The probe side's order, carried to the output columns that hold it.
+        let offset = match join_type {
+            JoinType::Inner | JoinType::Right => build.schema().fields().len(),
+            _ => 0,
+        };
+        let position = |probe_index: usize| -> Option<usize> {
+            let joined = offset + probe_index;
+            match &projection {
+                Some(p) => p.iter().position(|&i| i == joined),
+                None => Some(joined),
+            }
+        };
+        let mut ordering = Vec::new();
+        if let Some(order) = probe.output_ordering() {
+            for sort in order.iter() {
+                let Some(c) = sort.expr.downcast_ref::<Column>() else {
+                    break;
+                };
+                let Some(at) = position(c.index()) else {
+                    break;
+                };
+                ordering.push(PhysicalSortExpr::new(
+                    Arc::new(Column::new(schema.field(at).name(), at)),
+                    sort.options,
+                ));
+            }
+        }
+        let eq = EquivalenceProperties::new_with_orderings(Arc::clone(&schema), [ordering]);
+        let props = PlanProperties::new(
+            eq,
+            probe.output_partitioning().clone(),
+            EmissionType::Incremental,
+            probe.boundedness(),
+        );
+        Ok(Self {
+            build,
+            probe,
+            on,
+            join_type,
+            projection,
+            join_schema,
+            schema,
+            props: Arc::new(props),
+        })
+    }
+
+    /// The live side.
+    pub fn probe(&self) -> &Arc<dyn ExecutionPlan> {
+        &self.probe
+    }
+}
+
+impl DisplayAs for LookupJoinExec {
+    fn fmt_as(&self, _t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
+        let on: Vec<String> = self
+            .on
+            .iter()
+            .map(|(l, r)| format!("({l}, {r})"))
+            .collect();
+        write!(
+            f,
+            "LookupJoinExec: join_type={:?}, on=[{}], emit=per probe batch",
+            self.join_type,
+            on.join(", ")
+        )
+    }
+}
+
+impl ExecutionPlan for LookupJoinExec {
+    fn name(&self) -> &str {
+        "LookupJoinExec"
+    }
+
+    fn properties(&self) -> &Arc<PlanProperties> {
+        &self.props
+    }
+
+    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
+        vec![&self.build, &self.probe]
+    }
+
+    fn maintains_input_order(&self) -> Vec<bool> {
+        vec![false, true]
+    }
+
+    fn with_new_children(
+        self: Arc<Self>,
+        mut children: Vec<Arc<dyn ExecutionPlan>>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        let probe = children.pop().expect("two children");
+        let build = children.pop().expect("two children");
+        Ok(Arc::new(Self::try_new(
+            build,
+            probe,
+            self.on.clone(),
+            self.join_type,
+            self.projection.clone(),
+            Arc::clone(&self.join_schema),
+        )?))
+    }
+
+    fn execute(
+        &self,
+        partition: usize,
+        context: Arc<TaskContext>,
+    ) -> Result<SendableRecordBatchStream> {
+        let probe = self.probe.execute(partition, Arc::clone(&context))?;
+        let build_input = self.build.execute(0, context)?;
+        let keys: Vec<PhysicalExprRef> = self.on.iter().map(|(l, _)| Arc::clone(l)).collect();
+        let building = async move { BuildTable::collect(build_input, keys).await }.boxed();
+        let stream = JoinStream {
+            probe,
+            state: State::Building(building),
+            probe_keys: self.on.iter().map(|(_, r)| Arc::clone(r)).collect(),
+            join_type: self.join_type,
+            projection: self.projection.clone(),
+            join_schema: Arc::clone(&self.join_schema),
+        };
+        Ok(Box::pin(RecordBatchStreamAdapter::new(
+            Arc::clone(&self.schema),
+            stream,
+        )))
+    }
+}
+
+/// The bounded side, concatenated, with its rows by join key.
+struct BuildTable {
+    batch: RecordBatch,
+    converter: RowConverter,
+    rows: HashMap<Box<[u8]>, Vec<u32>>,
+}
+
+fn has_null(keys: &[ArrayRef], row: usize) -> bool {
+    keys.iter().any(|k| k.is_null(row))
+}
+
+impl BuildTable {
+    async fn collect(input: SendableRecordBatchStream, keys: Vec<PhysicalExprRef>) -> Result<Self> {
+        let schema = input.schema();
+        let batches = collect(input).await?;
+        let batch = concat_batches(&schema, &batches)?;
+        let columns = keys
+            .iter()
+            .map(|k| k.evaluate(&batch)?.into_array(batch.num_rows()))
+            .collect::<Result<Vec<_>>>()?;
+        let fields = columns
+            .iter()
+            .map(|c| SortField::new(c.data_type().clone()))
+            .collect();
+        let converter = RowConverter::new(fields)?;
+        let converted = converter.convert_columns(&columns)?;
+        let mut rows: HashMap<Box<[u8]>, Vec<u32>> = HashMap::new();
+        for i in 0..batch.num_rows() {
+            // SQL equality: a null key matches nothing.
+            if !has_null(&columns, i) {
+                rows.entry(converted.row(i).as_ref().into())
+                    .or_default()
+                    .push(i as u32);
+            }
+        }
+        Ok(Self {
+            batch,
+            converter,
+            rows,
+        })
+    }
+}
+
+enum State {
+    Building(BoxFuture<'static, Result<BuildTable>>),
+    Probing(BuildTable),
+    Done,
+}
+
+struct JoinStream {
+    probe: SendableRecordBatchStream,
+    state: State,
+    probe_keys: Vec<PhysicalExprRef>,
+    join_type: JoinType,
+    projection: Option<Vec<usize>>,
+    join_schema: SchemaRef,
+}
+
+impl JoinStream {
+    fn join(&self, build: &BuildTable, batch: &RecordBatch) -> Result<RecordBatch> {
+        let n = batch.num_rows();
+        let keys = self
+            .probe_keys
+            .iter()
+            .map(|k| k.evaluate(batch)?.into_array(n))
+            .collect::<Result<Vec<_>>>()?;
+        let rows = build.converter.convert_columns(&keys)?;
+        let mut build_idx = UInt32Builder::with_capacity(n);
+        let mut probe_idx = UInt32Builder::with_capacity(n);
+        for i in 0..n {
+            let matches = if has_null(&keys, i) {
+                None
+            } else {
+                build.rows.get(rows.row(i).as_ref())
+            };
+            match (self.join_type, matches) {
+                (JoinType::Inner | JoinType::Right, Some(m)) => {
+                    for &b in m {
+                        build_idx.append_value(b);
+                        probe_idx.append_value(i as u32);
+                    }
+                }
+                (JoinType::Right, None) => {
+                    build_idx.append_null();
+                    probe_idx.append_value(i as u32);
+                }
+                (JoinType::RightSemi, Some(_)) | (JoinType::RightAnti, None) => {
+                    probe_idx.append_value(i as u32);
+                }
+                _ => {}
+            }
+        }
+        let probe_idx: UInt32Array = probe_idx.finish();
+        let mut columns: Vec<ArrayRef> = Vec::with_capacity(self.join_schema.fields().len());
+        if matches!(self.join_type, JoinType::Inner | JoinType::Right) {
+            let build_idx: UInt32Array = build_idx.finish();
+            for c in build.batch.columns() {
+                columns.push(take(c.as_ref(), &build_idx, None)?);
+            }
+        }
+        for c in batch.columns() {
+            columns.push(take(c.as_ref(), &probe_idx, None)?);
+        }
+        let joined = RecordBatch::try_new_with_options(
+            Arc::clone(&self.join_schema),
+            columns,
+            &arrow::array::RecordBatchOptions::new().with_row_count(Some(probe_idx.len())),
+        )?;
+        Ok(match &self.projection {
+            Some(p) => joined.project(p)?,
+            None => joined,
+        })
+    }
+}
+
+impl Stream for JoinStream {
+    type Item = Result<RecordBatch>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        loop {
+            match &mut self.state {
+                State::Done => return Poll::Ready(None),
+                State::Building(fut) => match futures::ready!(fut.poll_unpin(cx)) {
+                    Ok(table) => self.state = State::Probing(table),
+                    Err(e) => {
+                        self.state = State::Done;
+                        return Poll::Ready(Some(Err(e)));
+                    }
+                },
+                State::Probing(_) => {
+                    let item = futures::ready!(self.probe.poll_next_unpin(cx));
+                    let State::Probing(table) = &self.state else {
+                        unreachable!()
+                    };
+                    return Poll::Ready(match item {
+                        None => {
+                            self.state = State::Done;
+                            None
+                        }
+                        Some(Err(e)) => Some(Err(e)),
+                        Some(Ok(batch)) => {
+                            let out = self.join(table, &batch);
+                            Some(out)
+                        }
+                    });
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,338 @@
+//! pushtable's embedded engine: DataFusion 54 planning the queries that need a live
+//! table's order, where that order is a real column ordering.
+//!
+//! datafusion-python sees an ordered table through the FFI with its ordering turned into
+//! opaque foreign expressions, so it can neither stream a `GROUP BY` window nor a running
+//! window function over it. Here the live tables are native providers: the planner knows
+//! their order, [`rule::EmitOnWindowClose`] turns window aggregates into
+//! [`window::WindowAggregateExec`] (emit on window close and on watermarks), and the result
+//! goes back to datafusion-python as a single-scan table ([`export::QueryTable`]).
+//!
+//! - [`window`]: the window aggregate operator;
+//! - [`join`]: the lookup join of a live table with a bounded one;
+//! - [`rule`]: where they replace DataFusion's operators;
+//! - [`export`]: a running query as a table of the caller's session.
+
+mod export;
+mod join;
+mod rule;
+mod window;
+
+use std::ffi::CString;
+use std::fmt;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use arrow::ffi_stream::ArrowArrayStreamReader;
+use arrow::record_batch::RecordBatchReader;
+use arrow_pyarrow::FromPyArrow;
+use async_trait::async_trait;
+use datafusion::catalog::{MemTable, Session, TableProvider};
+use datafusion::common::Result as DFResult;
+use datafusion::execution::{SessionStateBuilder, TaskContext, TaskContextProvider};
+use datafusion::logical_expr::{Expr, TableProviderFilterPushDown, TableType};
+use datafusion::physical_optimizer::optimizer::PhysicalOptimizer;
+use datafusion::physical_plan::aggregates::AggregateExec;
+use datafusion::physical_plan::windows::BoundedWindowAggExec;
+use datafusion::physical_plan::{displayable, ExecutionPlan, InputOrderMode};
+use datafusion::prelude::{SQLOptions, SessionConfig, SessionContext};
+use datafusion_ffi::proto::logical_extension_codec::FFI_LogicalExtensionCodec;
+use datafusion_ffi::table_provider::FFI_TableProvider;
+use pyo3::exceptions::{PyKeyError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyCapsule;
+
+use crate::provider::{export_capsule, logical_codec, LiveScanExec, LiveTable, PyTableProvider};
+
+/// The engine's tokio runtime: plans are made and run on it (two workers, like the machine's
+/// cores; a query's own work runs in whichever thread polls it).
+pub fn runtime() -> &'static tokio::runtime::Runtime {
+    static RUNTIME: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
+    RUNTIME.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("pushtable-engine")
+            .enable_all()
+            .build()
+            .expect("cannot start the engine's runtime")
+    })
+}
+
+/// A live table as the engine scans it: like datafusion-python's scan, but passing
+/// watermarks on to the operators above.
+#[derive(Debug)]
+struct EngineTable(Arc<LiveTable>);
+
+#[async_trait]
+impl TableProvider for EngineTable {
+    fn schema(&self) -> arrow::datatypes::SchemaRef {
+        self.0.schema()
+    }
+
+    fn table_type(&self) -> TableType {
+        TableType::View
+    }
+
+    fn supports_filters_pushdown(
+        &self,
+        filters: &[&Expr],
+    ) -> DFResult<Vec<TableProviderFilterPushDown>> {
+        self.0.supports_filters_pushdown(filters)
+    }
+
+    async fn scan(
+        &self,
+        state: &dyn Session,
+        projection: Option<&Vec<usize>>,
+        filters: &[Expr],
+        limit: Option<usize>,
+    ) -> DFResult<Arc<dyn ExecutionPlan>> {
+        Ok(Arc::new(
+            self.0.scan_exec(state, projection, filters, limit, true)?,
+        ))
+    }
+}
+
+fn session(batch_size: usize) -> SessionContext {
+    let config = SessionConfig::new()
+        .with_target_partitions(1)
+        .with_batch_size(batch_size)
+        .with_information_schema(false);
+    let mut rules = PhysicalOptimizer::new().rules;
+    // After partial and final aggregates are combined, before sorting is enforced.
+    let at = rules
+        .iter()
+        .position(|r| r.name() == "EnforceSorting")
+        .unwrap_or(rules.len() - 1);
+    rules.insert(at, Arc::new(rule::EmitOnWindowClose));
+    let state = SessionStateBuilder::new()
+        .with_config(config)
+        .with_default_features()
+        .with_physical_optimizer_rules(rules)
+        .build();
+    SessionContext::new_with_state(state)
+}
+
+/// Why a plan needs the engine: the operators in it that use a live table's order.
+fn uses_of_order(plan: &Arc<dyn ExecutionPlan>, out: &mut Vec<String>) -> bool {
+    let mut live = plan.is::<LiveScanExec>();
+    for child in plan.children() {
+        live |= uses_of_order(child, out);
+    }
+    if !live {
+        return false;
+    }
+    let reason = if plan.is::<window::WindowAggregateExec>() {
+        Some("incremental: windows emit as they close (and on watermarks)")
+    } else if plan.is::<join::LookupJoinExec>() {
+        Some("incremental: joined rows stream as they arrive")
+    } else if plan.is::<BoundedWindowAggExec>() {
+        Some("incremental: window functions stream in the table's order")
+    } else if let Some(agg) = plan.downcast_ref::<AggregateExec>() {
+        (*agg.input_order_mode() != InputOrderMode::Linear)
+            .then_some("incremental: the aggregate streams in the table's order")
+    } else {
+        None
+    };
+    if let Some(r) = reason {
+        if !out.iter().any(|o| o == r) {
+            out.push(r.to_string());
+        }
+    }
+    true
+}
+
+/// The engine of one `ctx.sql(...)` call: the caller's tables, registered natively.
+#[pyclass(module = "pushtable._native", name = "Engine")]
+pub struct PyEngine {
+    ctx: Arc<SessionContext>,
+}
+
+/// A query planned by the engine: what it would run, and whether it needs to.
+#[pyclass(module = "pushtable._native", name = "LivePlan")]
+pub struct PyLivePlan {
+    plan: Mutex<Option<Arc<dyn ExecutionPlan>>>,
+    task: Arc<TaskContext>,
+    sql: String,
+    /// Why the engine must run it (empty: datafusion-python runs it as well).
+    #[pyo3(get)]
+    reasons: Vec<String>,
+    /// The physical plan, indented.
+    #[pyo3(get)]
+    display: String,
+}
+
+impl fmt::Debug for PyEngine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Engine").finish()
+    }
+}
+
+fn py_err(e: impl fmt::Display) -> PyErr {
+    PyRuntimeError::new_err(e.to_string())
+}
+
+#[pymethods]
+impl PyEngine {
+    #[new]
+    #[pyo3(signature = (batch_size=8192))]
+    fn new(batch_size: usize) -> Self {
+        Self {
+            ctx: Arc::new(session(batch_size.max(1))),
+        }
+    }
+
+    /// Register a live table (a streaming table or a topic subscription) under `name`.
+    fn register_live(&self, name: &str, provider: PyRef<'_, PyTableProvider>) -> PyResult<()> {
+        let table = provider.live().ok_or_else(|| {
+            PyKeyError::new_err(format!(
+                "the live table '{name}' was dropped from its session"
+            ))
+        })?;
+        self.ctx
+            .register_table(name, Arc::new(EngineTable(table)))
+            .map_err(py_err)?;
+        Ok(())
+    }
+
+    /// Register an object with `__datafusion_table_provider__` (a Lance dataset's provider,
+    /// any FFI table provider of DataFusion 54).
+    fn register_provider(&self, py: Python<'_>, name: &str, obj: Bound<'_, PyAny>) -> PyResult<()> {
+        let task: Arc<dyn TaskContextProvider> = Arc::clone(&self.ctx) as _;
+        let codec = FFI_LogicalExtensionCodec::new_default(&task);
+        let session = PyCapsule::new(
+            py,
+            codec,
+            Some(CString::from(c"datafusion_logical_extension_codec")),
+        )?;
+        let capsule = obj.call_method1("__datafusion_table_provider__", (session,))?;
+        let capsule = capsule.cast::<PyCapsule>().map_err(|_| {
+            PyTypeError::new_err(format!(
+                "'{name}': __datafusion_table_provider__ did not return a PyCapsule"
+            ))
+        })?;
+        let ptr = capsule.pointer_checked(Some(c"datafusion_table_provider"))?;
+        // SAFETY: the capsule's name guarantees an FFI_TableProvider; it is cloned (the
+        // clone keeps the provider alive), and the reference is not kept.
+        let ffi = unsafe { ptr.cast::<FFI_TableProvider>().as_ref() };
+        let provider: Arc<dyn TableProvider> = ffi.into();
+        self.ctx.register_table(name, provider).map_err(py_err)?;
+        Ok(())
+    }
+
+    /// Register Arrow data (`__arrow_c_stream__`: a pyarrow Table, a reader) in memory.
+    fn register_arrow(&self, name: &str, data: Bound<'_, PyAny>) -> PyResult<()> {
+        let reader = ArrowArrayStreamReader::from_pyarrow_bound(&data)?;
+        let schema = reader.schema();
+        let batches = reader
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| PyValueError::new_err(format!("'{name}': {e}")))?;
+        let table = MemTable::try_new(schema, vec![batches]).map_err(py_err)?;
+        self.ctx
+            .register_table(name, Arc::new(table))
+            .map_err(py_err)?;
+        Ok(())
+    }
+
+    /// Plan a query (no DDL, DML or SET: those never reach the engine).
+    fn plan(&self, py: Python<'_>, sql: &str) -> PyResult<PyLivePlan> {
+        let ctx = Arc::clone(&self.ctx);
+        let text = sql.to_string();
+        let planned = py.detach(move || {
+            runtime().block_on(async move {
+                let options = SQLOptions::new()
+                    .with_allow_ddl(false)
+                    .with_allow_dml(false)
+                    .with_allow_statements(false);
+                let df = ctx.sql_with_options(&text, options).await?;
+                df.create_physical_plan().await
+            })
+        });
+        let plan = planned.map_err(py_err)?;
+        if std::env::var("PUSHTABLE_DEBUG").is_ok() {
+            fn walk(p: &Arc<dyn ExecutionPlan>, d: usize) {
+                use datafusion::physical_plan::ExecutionPlanProperties;
+                eprintln!("{}{} ordering={:?}", " ".repeat(d), p.name(), p.output_ordering().map(|o| o.to_string()));
+                for c in p.children() { walk(c, d + 2); }
+            }
+            walk(&plan, 0);
+        }
+        let mut reasons = Vec::new();
+        uses_of_order(&plan, &mut reasons);
+        let display = displayable(plan.as_ref()).indent(true).to_string();
+        Ok(PyLivePlan {
+            display,
+            plan: Mutex::new(Some(plan)),
+            task: self.ctx.task_ctx(),
+            sql: sql.to_string(),
+            reasons,
+        })
+    }
+}
+
+/// The plan's result as a table for a datafusion-python session (`ctx.read_table`).
+#[pyclass(module = "pushtable._native", name = "LiveQuery")]
+pub struct PyLiveQuery {
+    table: Mutex<Option<Arc<export::QueryTable>>>,
+}
+
+#[pymethods]
+impl PyLivePlan {
+    /// The running query as a single-scan table (once).
+    fn query(&self) -> PyResult<PyLiveQuery> {
+        let plan = self
+            .plan
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .ok_or_else(|| PyRuntimeError::new_err("this plan was already turned into a query"))?;
+        let table = export::QueryTable::new(plan, Arc::clone(&self.task), &self.sql);
+        Ok(PyLiveQuery {
+            table: Mutex::new(Some(Arc::new(table))),
+        })
+    }
+}
+
+#[pymethods]
+impl PyLiveQuery {
+    fn __datafusion_table_provider__<'py>(
+        &self,
+        py: Python<'py>,
+        session: Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyCapsule>> {
+        let codec = logical_codec(&session)?;
+        let table = self
+            .table
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+            .ok_or_else(|| PyRuntimeError::new_err("this live query was already read"))?;
+        export_capsule(py, table, codec, Some(runtime().handle().clone()))
+    }
+}
+
+/// The tables `sql` reads (names as written, CTEs excluded); empty when it does not parse.
+#[pyfunction]
+fn table_references(sql: &str) -> Vec<String> {
+    let Ok(statements) = datafusion::sql::parser::DFParser::parse_sql(sql) else {
+        return Vec::new();
+    };
+    let mut names = Vec::new();
+    for statement in &statements {
+        if let Ok((tables, _)) = datafusion::sql::resolve::resolve_table_references(statement, true)
+        {
+            names.extend(tables.into_iter().map(|t| t.table().to_string()));
+        }
+    }
+    names.sort();
+    names.dedup();
+    names
+}
+
+/// Add the engine's classes to the module.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(table_references, m)?)?;
+    m.add_class::<PyEngine>()?;
+    m.add_class::<PyLivePlan>()?;
+    m.add_class::<PyLiveQuery>()?;
+    Ok(())
+}

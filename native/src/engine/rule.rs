@@ -1,0 +1,268 @@
+//! The engine's physical optimizer rule: a `GROUP BY` over an ordered live input whose key
+//! includes a window of the order column becomes a [`WindowAggregateExec`]; a hash join of a
+//! live table with a bounded one becomes a [`LookupJoinExec`]; window functions above them
+//! are fitted to the order they now declare.
+//!
+//! It runs right after DataFusion combines partial and final aggregates and before sorting
+//! is enforced (so an `ORDER BY window` above it costs nothing: the output is in window
+//! order) and long before the sanity check (which would refuse an unordered aggregate over
+//! an unbounded input).
+
+use std::sync::Arc;
+
+use arrow::datatypes::Schema;
+use datafusion::common::config::ConfigOptions;
+use datafusion::common::tree_node::{Transformed, TransformedResult, TreeNode};
+use datafusion::common::{Result, ScalarValue};
+use datafusion::logical_expr::interval_arithmetic::Interval;
+use datafusion::logical_expr::sort_properties::{ExprProperties, SortProperties};
+use datafusion::logical_expr::Operator;
+use datafusion::physical_expr::expressions::{BinaryExpr, Column, Literal};
+use datafusion::physical_expr::PhysicalExpr;
+use datafusion::physical_optimizer::PhysicalOptimizerRule;
+use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
+use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
+use datafusion::physical_plan::joins::{HashJoinExec, PartitionMode};
+use datafusion::physical_plan::windows::{
+    get_best_fitting_window, BoundedWindowAggExec, WindowAggExec,
+};
+use datafusion::physical_plan::projection::ProjectionExec;
+use datafusion::physical_plan::repartition::RepartitionExec;
+use datafusion::physical_plan::sorts::sort::SortExec;
+use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
+
+use super::join::LookupJoinExec;
+use super::window::WindowAggregateExec;
+use crate::channel::WatermarkCell;
+use crate::provider::LiveScanExec;
+
+/// Replaces window `GROUP BY`s over ordered input by [`WindowAggregateExec`].
+#[derive(Debug, Default)]
+pub struct EmitOnWindowClose;
+
+impl PhysicalOptimizerRule for EmitOnWindowClose {
+    fn optimize(
+        &self,
+        plan: Arc<dyn ExecutionPlan>,
+        _config: &ConfigOptions,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        if std::env::var("PUSHTABLE_DEBUG").is_ok() {
+            eprintln!("rule input:\n{}", datafusion::physical_plan::displayable(plan.as_ref()).indent(true));
+        }
+        plan.transform_up(|node| {
+            let new = match window_aggregate(&node)? {
+                Some(new) => Some(new),
+                None => match lookup_join(&node)? {
+                    Some(new) => Some(new),
+                    None => refit_window_function(&node)?,
+                },
+            };
+            Ok(match new {
+                Some(new) => Transformed::yes(new),
+                None => Transformed::no(node),
+            })
+        })
+        .data()
+    }
+
+    fn name(&self) -> &str {
+        "pushtable_emit_on_window_close"
+    }
+
+    fn schema_check(&self) -> bool {
+        true
+    }
+}
+
+/// The aggregate reading raw rows behind `node` (itself, or the partial stage of a final one).
+fn raw_aggregate(node: &Arc<dyn ExecutionPlan>) -> Option<&AggregateExec> {
+    let agg = node.downcast_ref::<AggregateExec>()?;
+    match agg.mode() {
+        AggregateMode::Single | AggregateMode::SinglePartitioned => Some(agg),
+        AggregateMode::Final | AggregateMode::FinalPartitioned => {
+            let mut child = agg.input();
+            while child.is::<CoalescePartitionsExec>() || child.is::<RepartitionExec>() {
+                child = child.children()[0];
+            }
+            let partial = child.downcast_ref::<AggregateExec>()?;
+            (*partial.mode() == AggregateMode::Partial).then_some(partial)
+        }
+        _ => None,
+    }
+}
+
+fn window_aggregate(node: &Arc<dyn ExecutionPlan>) -> Result<Option<Arc<dyn ExecutionPlan>>> {
+    let Some(raw) = raw_aggregate(node) else {
+        return Ok(None);
+    };
+    let group_by = raw.group_expr();
+    if group_by.is_empty() || group_by.has_grouping_set() || raw.limit_options().is_some() {
+        return Ok(None);
+    }
+    let input = raw.input();
+    if input.output_partitioning().partition_count() != 1 {
+        return Ok(None);
+    }
+    let Some(order_column) = leading_order_column(input) else {
+        return Ok(None);
+    };
+    let Some(window_key) = group_by
+        .expr()
+        .iter()
+        .position(|(e, _)| non_decreasing(e, order_column, &input.schema()))
+    else {
+        return Ok(None);
+    };
+    let exec = WindowAggregateExec::try_new(
+        Arc::clone(input),
+        group_by.clone(),
+        raw.aggr_expr().to_vec(),
+        raw.filter_expr().to_vec(),
+        window_key,
+        order_column,
+        watermark_source(input),
+        node.schema(),
+    )?;
+    Ok(Some(Arc::new(exec)))
+}
+
+/// Whether `plan` reads a live table.
+fn reads_live(plan: &Arc<dyn ExecutionPlan>) -> bool {
+    plan.is::<LiveScanExec>() || plan.children().into_iter().any(reads_live)
+}
+
+/// A hash join of a live table (probe) with a bounded one (build) becomes a
+/// [`LookupJoinExec`], which emits each probe batch's rows at once.
+fn lookup_join(node: &Arc<dyn ExecutionPlan>) -> Result<Option<Arc<dyn ExecutionPlan>>> {
+    let Some(join) = node.downcast_ref::<HashJoinExec>() else {
+        return Ok(None);
+    };
+    if join.filter().is_some() || join.null_aware {
+        return Ok(None);
+    }
+    let (left_live, right_live) = (reads_live(join.left()), reads_live(join.right()));
+    if left_live && !right_live && !join.right().boundedness().is_unbounded() {
+        // The live side must be the probe side: swap, then replace the swapped join.
+        let swapped = join.swap_inputs(PartitionMode::CollectLeft)?;
+        return Ok(Some(swapped.transform_up(|n| {
+            Ok(match lookup_join(&n)? {
+                Some(new) => Transformed::yes(new),
+                None => Transformed::no(n),
+            })
+        })
+        .data()?));
+    }
+    if left_live || !right_live || !LookupJoinExec::supports(*join.join_type()) {
+        return Ok(None);
+    }
+    let exec = LookupJoinExec::try_new(
+        Arc::clone(join.left()),
+        Arc::clone(join.right()),
+        join.on().to_vec(),
+        *join.join_type(),
+        join.projection.as_ref().map(|p| p.to_vec()),
+        Arc::clone(join.join_schema()),
+    )?;
+    Ok(Some(Arc::new(exec)))
+}
+
+/// A window function over an input whose order changed (a window aggregate below it now
+/// declares its output order): planned again to fit that order instead of sorting.
+fn refit_window_function(node: &Arc<dyn ExecutionPlan>) -> Result<Option<Arc<dyn ExecutionPlan>>> {
+    let (exprs, input, keys) = if let Some(w) = node.downcast_ref::<BoundedWindowAggExec>() {
+        (w.window_expr(), w.input(), w.partition_keys())
+    } else if let Some(w) = node.downcast_ref::<WindowAggExec>() {
+        (w.window_expr(), w.input(), w.partition_keys())
+    } else {
+        return Ok(None);
+    };
+    if !reads_live(input) {
+        return Ok(None);
+    }
+    // Without the sort planned for it, where the input's own order fits.
+    if let Some(sort) = input.downcast_ref::<SortExec>() {
+        if let Some(fitted) = get_best_fitting_window(exprs, sort.input(), &keys)? {
+            return Ok(Some(fitted));
+        }
+    }
+    get_best_fitting_window(exprs, input, &keys)
+}
+
+/// The column `plan`'s output is ordered on, ascending, first (index in its schema).
+fn leading_order_column(plan: &Arc<dyn ExecutionPlan>) -> Option<usize> {
+    let ordering = plan.output_ordering()?;
+    let first = ordering.first();
+    if first.options.descending {
+        return None;
+    }
+    first.expr.downcast_ref::<Column>().map(|c| c.index())
+}
+
+/// Where the watermarks of `plan`'s order come from: a live scan or a window aggregate below
+/// it, reached only through operators that pass each batch on at once (a projection).
+fn watermark_source(plan: &Arc<dyn ExecutionPlan>) -> Option<Arc<WatermarkCell>> {
+    if let Some(scan) = plan.downcast_ref::<LiveScanExec>() {
+        return scan.watermark().cloned();
+    }
+    if let Some(window) = plan.downcast_ref::<WindowAggregateExec>() {
+        return Some(Arc::clone(window.frontier()));
+    }
+    if plan.is::<ProjectionExec>() {
+        return watermark_source(plan.children()[0]);
+    }
+    if let Some(join) = plan.downcast_ref::<LookupJoinExec>() {
+        return watermark_source(join.probe());
+    }
+    None
+}
+
+/// Whether `expr` never decreases as column `column` grows: the column itself, `date_bin`,
+/// `date_trunc`, casts, `+`/`-` a constant, `*` or `/` a positive constant, and whatever
+/// else DataFusion knows to preserve order.
+pub fn non_decreasing(expr: &Arc<dyn PhysicalExpr>, column: usize, schema: &Schema) -> bool {
+    matches!(
+        properties(expr, column, schema).sort_properties,
+        SortProperties::Ordered(o) if !o.descending
+    )
+}
+
+fn properties(expr: &Arc<dyn PhysicalExpr>, column: usize, schema: &Schema) -> ExprProperties {
+    if let Some(c) = expr.downcast_ref::<Column>() {
+        // The column's type matters: a cast keeps the order only between some types.
+        let mut unknown = ExprProperties::new_unknown();
+        if let Ok(range) = Interval::make_unbounded(schema.field(c.index()).data_type()) {
+            unknown = unknown.with_range(range);
+        }
+        return if c.index() == column {
+            unknown.with_order(SortProperties::Ordered(Default::default()))
+        } else {
+            unknown
+        };
+    }
+    let children: Vec<ExprProperties> = expr
+        .children()
+        .iter()
+        .map(|c| properties(c, column, schema))
+        .collect();
+    if let Some(b) = expr.downcast_ref::<BinaryExpr>() {
+        // DataFusion does not know that dividing by a positive constant keeps the order
+        // (integer bucketing: `ts / 1000`).
+        let positive_literal = b
+            .right()
+            .downcast_ref::<Literal>()
+            .is_some_and(|l| is_positive(l.value()));
+        if *b.op() == Operator::Divide && positive_literal {
+            return ExprProperties::new_unknown().with_order(children[0].sort_properties);
+        }
+    }
+    expr.get_properties(&children)
+        .unwrap_or_else(|_| ExprProperties::new_unknown())
+}
+
+fn is_positive(value: &ScalarValue) -> bool {
+    if value.is_null() {
+        return false;
+    }
+    let zero = ScalarValue::new_zero(&value.data_type());
+    zero.is_ok_and(|z| value.partial_cmp(&z) == Some(std::cmp::Ordering::Greater))
+}

@@ -1,0 +1,449 @@
+//! The window aggregate: a `GROUP BY` whose key includes a non-decreasing function of the
+//! input's order column (`date_bin(..., ts)`, `date_trunc`, `ts / 1000`, `ts` itself), run
+//! so that each window's groups are emitted exactly once, as soon as the window is closed.
+//!
+//! A window is closed when nothing more can fall into it: when a row of a later window has
+//! been read (the input is ordered), or when a watermark says no row below some value will
+//! come. DataFusion's sorted aggregate covers the first case only and cannot be told about
+//! watermarks, so this operator does the grouping itself with DataFusion's own group-value
+//! tables and `GroupsAccumulator`s (exact results, any aggregate function): groups are
+//! numbered in the order they first appear, which for ordered input is window order, so the
+//! closed windows are always a prefix and leave with `EmitTo::First(n)`.
+//!
+//! Watermarks reach it through a [`WatermarkCell`] written by the stream below (a live scan,
+//! or another window aggregate's emitted frontier) just before an empty marker batch.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use arrow::array::{new_null_array, ArrayRef, AsArray, RecordBatch};
+use arrow::datatypes::{Field, Schema, SchemaRef};
+use datafusion::common::{Result, ScalarValue};
+use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::logical_expr::{EmitTo, GroupsAccumulator};
+use datafusion::physical_expr::aggregate::AggregateFunctionExpr;
+use datafusion::physical_expr::expressions::Column;
+use datafusion::physical_expr::{
+    EquivalenceProperties, GroupsAccumulatorAdapter, Partitioning, PhysicalExpr, PhysicalSortExpr,
+};
+use datafusion::physical_plan::aggregates::group_values::{new_group_values, GroupValues};
+use datafusion::physical_plan::aggregates::order::{GroupOrdering, GroupOrderingFull};
+use datafusion::physical_plan::aggregates::{
+    aggregate_expressions, evaluate_group_by, evaluate_many, AggregateMode, PhysicalGroupBy,
+};
+use datafusion::physical_plan::execution_plan::EmissionType;
+use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
+use datafusion::physical_plan::{
+    DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties, PlanProperties,
+};
+use futures::{Stream, StreamExt};
+
+use crate::channel::WatermarkCell;
+
+/// A `GROUP BY` over ordered input that emits each window's groups when the window closes.
+pub struct WindowAggregateExec {
+    input: Arc<dyn ExecutionPlan>,
+    group_by: PhysicalGroupBy,
+    aggr_expr: Vec<Arc<AggregateFunctionExpr>>,
+    filter_expr: Vec<Option<Arc<dyn PhysicalExpr>>>,
+    /// Which group expression is the window (non-decreasing in the input order).
+    window_key: usize,
+    /// The input's order column (index in the input schema): watermarks are its values.
+    order_column: usize,
+    /// Watermarks from below (a live scan or another window aggregate), if any.
+    upstream: Option<Arc<WatermarkCell>>,
+    /// Where this operator hands on its frontier (every later output row has a window key
+    /// at or above it), for a window aggregate above it.
+    frontier: Arc<WatermarkCell>,
+    schema: SchemaRef,
+    props: Arc<PlanProperties>,
+}
+
+impl fmt::Debug for WindowAggregateExec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WindowAggregateExec")
+            .field("window", &self.group_by.expr()[self.window_key].1)
+            .finish()
+    }
+}
+
+impl WindowAggregateExec {
+    /// Build over `input`, which must be one partition ordered ascending on `order_column`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn try_new(
+        input: Arc<dyn ExecutionPlan>,
+        group_by: PhysicalGroupBy,
+        aggr_expr: Vec<Arc<AggregateFunctionExpr>>,
+        filter_expr: Vec<Option<Arc<dyn PhysicalExpr>>>,
+        window_key: usize,
+        order_column: usize,
+        upstream: Option<Arc<WatermarkCell>>,
+        schema: SchemaRef,
+    ) -> Result<Self> {
+        let key_name = schema.field(window_key).name().clone();
+        // Ascending, nulls last: how the order column itself is declared (it holds no nulls).
+        let ordering = vec![PhysicalSortExpr::new(
+            Arc::new(Column::new(&key_name, window_key)),
+            arrow::compute::SortOptions {
+                descending: false,
+                nulls_first: false,
+            },
+        )];
+        let eq = EquivalenceProperties::new_with_orderings(Arc::clone(&schema), [ordering]);
+        let props = PlanProperties::new(
+            eq,
+            Partitioning::UnknownPartitioning(1),
+            EmissionType::Incremental,
+            input.boundedness(),
+        );
+        Ok(Self {
+            input,
+            group_by,
+            aggr_expr,
+            filter_expr,
+            window_key,
+            order_column,
+            upstream,
+            frontier: Arc::default(),
+            schema,
+            props: Arc::new(props),
+        })
+    }
+
+    /// Where this operator hands on its frontier (read by a window aggregate above it).
+    pub fn frontier(&self) -> &Arc<WatermarkCell> {
+        &self.frontier
+    }
+}
+
+impl DisplayAs for WindowAggregateExec {
+    fn fmt_as(&self, _t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
+        let keys: Vec<String> = self
+            .group_by
+            .expr()
+            .iter()
+            .map(|(e, n)| format!("{e} as {n}"))
+            .collect();
+        let aggs: Vec<&str> = self.aggr_expr.iter().map(|a| a.name()).collect();
+        write!(
+            f,
+            "WindowAggregateExec: window={}, gby=[{}], aggr=[{}], emit=on window close{}",
+            self.group_by.expr()[self.window_key].1,
+            keys.join(", "),
+            aggs.join(", "),
+            if self.upstream.is_some() {
+                ", watermark"
+            } else {
+                ""
+            }
+        )
+    }
+}
+
+impl ExecutionPlan for WindowAggregateExec {
+    fn name(&self) -> &str {
+        "WindowAggregateExec"
+    }
+
+    fn properties(&self) -> &Arc<PlanProperties> {
+        &self.props
+    }
+
+    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
+        vec![&self.input]
+    }
+
+    fn maintains_input_order(&self) -> Vec<bool> {
+        vec![false]
+    }
+
+    fn with_new_children(
+        self: Arc<Self>,
+        mut children: Vec<Arc<dyn ExecutionPlan>>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        let input = children.swap_remove(0);
+        Ok(Arc::new(Self::try_new(
+            input,
+            self.group_by.clone(),
+            self.aggr_expr.clone(),
+            self.filter_expr.clone(),
+            self.window_key,
+            self.order_column,
+            self.upstream.clone(),
+            Arc::clone(&self.schema),
+        )?))
+    }
+
+    fn execute(
+        &self,
+        partition: usize,
+        context: Arc<TaskContext>,
+    ) -> Result<SendableRecordBatchStream> {
+        let input = self.input.execute(partition, context)?;
+        let input_schema = self.input.schema();
+        let group_schema = self.group_by.group_schema(&input_schema)?;
+        let accumulators = self
+            .aggr_expr
+            .iter()
+            .map(group_accumulator)
+            .collect::<Result<Vec<_>>>()?;
+        let stream = WindowStream {
+            input,
+            group_by: self.group_by.clone(),
+            arguments: aggregate_expressions(&self.aggr_expr, &AggregateMode::Single, 0)?,
+            filters: self.filter_expr.clone(),
+            // The streaming variant interns row by row, so groups are numbered in the order
+            // of their first row (which, for ordered input, is window order).
+            group_values: new_group_values(
+                group_schema,
+                &GroupOrdering::Full(GroupOrderingFull::new()),
+            )?,
+            accumulators,
+            window_key: self.window_key,
+            probe: Probe::new(&input_schema, self.order_column),
+            upstream: self.upstream.clone(),
+            seen_watermark: None,
+            frontier: Arc::clone(&self.frontier),
+            windows: VecDeque::new(),
+            groups_seen: 0,
+            group_indices: Vec::new(),
+            schema: Arc::clone(&self.schema),
+            pending: VecDeque::new(),
+            done: false,
+        };
+        Ok(Box::pin(RecordBatchStreamAdapter::new(
+            Arc::clone(&self.schema),
+            stream,
+        )))
+    }
+}
+
+/// DataFusion's fast per-group accumulator where the function has one, else its adapter
+/// over the row accumulator (count distinct, percentiles…): both emit `First(n)` exactly.
+fn group_accumulator(expr: &Arc<AggregateFunctionExpr>) -> Result<Box<dyn GroupsAccumulator>> {
+    if expr.groups_accumulator_supported() {
+        expr.create_groups_accumulator()
+    } else {
+        let expr = Arc::clone(expr);
+        Ok(Box::new(GroupsAccumulatorAdapter::new(move || {
+            expr.create_accumulator()
+        })))
+    }
+}
+
+/// Turns a watermark (a value of the input's order column) into the window key it opens:
+/// the key expression evaluated on a one-row batch holding the watermark.
+struct Probe {
+    schema: SchemaRef,
+    order_column: usize,
+}
+
+impl Probe {
+    fn new(input: &Schema, order_column: usize) -> Self {
+        let fields: Vec<Field> = input
+            .fields()
+            .iter()
+            .map(|f| f.as_ref().clone().with_nullable(true))
+            .collect();
+        Self {
+            schema: Arc::new(Schema::new(fields)),
+            order_column,
+        }
+    }
+
+    fn key(&self, key_expr: &Arc<dyn PhysicalExpr>, watermark: &ScalarValue) -> Result<ScalarValue> {
+        let columns: Vec<ArrayRef> = self
+            .schema
+            .fields()
+            .iter()
+            .enumerate()
+            .map(|(i, f)| {
+                if i == self.order_column {
+                    watermark.cast_to(f.data_type())?.to_array_of_size(1)
+                } else {
+                    Ok(new_null_array(f.data_type(), 1))
+                }
+            })
+            .collect::<Result<_>>()?;
+        let batch = RecordBatch::try_new(Arc::clone(&self.schema), columns)?;
+        let value = key_expr.evaluate(&batch)?.into_array(1)?;
+        ScalarValue::try_from_array(&value, 0)
+    }
+}
+
+struct WindowStream {
+    input: SendableRecordBatchStream,
+    group_by: PhysicalGroupBy,
+    arguments: Vec<Vec<Arc<dyn PhysicalExpr>>>,
+    filters: Vec<Option<Arc<dyn PhysicalExpr>>>,
+    group_values: Box<dyn GroupValues>,
+    accumulators: Vec<Box<dyn GroupsAccumulator>>,
+    window_key: usize,
+    probe: Probe,
+    upstream: Option<Arc<WatermarkCell>>,
+    seen_watermark: Option<ScalarValue>,
+    frontier: Arc<WatermarkCell>,
+    /// Open windows, oldest first: (window key, index of its first group).
+    windows: VecDeque<(ScalarValue, usize)>,
+    /// Groups whose window is known (all groups created so far).
+    groups_seen: usize,
+    group_indices: Vec<usize>,
+    schema: SchemaRef,
+    pending: VecDeque<RecordBatch>,
+    done: bool,
+}
+
+impl WindowStream {
+    /// Fold `batch` into the groups; returns the window key of its last row.
+    fn aggregate(&mut self, batch: &RecordBatch) -> Result<Option<ScalarValue>> {
+        let n = batch.num_rows();
+        if n == 0 {
+            return Ok(None);
+        }
+        let keys = evaluate_group_by(&self.group_by, batch)?;
+        let keys = &keys[0];
+        let values = evaluate_many(&self.arguments, batch)?;
+        let filters = self
+            .filters
+            .iter()
+            .map(|f| match f {
+                Some(f) => f.evaluate(batch)?.into_array(n).map(Some),
+                None => Ok(None),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        self.group_values.intern(keys, &mut self.group_indices)?;
+        let total = self.group_values.len();
+        // New groups are numbered in the order of their first row: record their windows.
+        let window = &keys[self.window_key];
+        if total > self.groups_seen {
+            for (row, &g) in self.group_indices.iter().enumerate() {
+                if g == self.groups_seen {
+                    let key = ScalarValue::try_from_array(window, row)?;
+                    if self.windows.back().is_none_or(|(k, _)| *k != key) {
+                        self.windows.push_back((key, g));
+                    }
+                    self.groups_seen += 1;
+                    if self.groups_seen == total {
+                        break;
+                    }
+                }
+            }
+        }
+        for ((acc, values), filter) in self.accumulators.iter_mut().zip(&values).zip(&filters) {
+            let filter = filter.as_ref().map(|f| f.as_boolean());
+            acc.update_batch(values, &self.group_indices, filter, total)?;
+        }
+        ScalarValue::try_from_array(window, n - 1).map(Some)
+    }
+
+    /// The window key a new watermark from below opens, if there is a new one.
+    fn watermark_key(&mut self) -> Result<Option<ScalarValue>> {
+        let Some(cell) = &self.upstream else {
+            return Ok(None);
+        };
+        let Some(w) = cell.get() else {
+            return Ok(None);
+        };
+        if self.seen_watermark.as_ref() == Some(&w) {
+            return Ok(None);
+        }
+        let key_expr = Arc::clone(&self.group_by.expr()[self.window_key].0);
+        let key = self.probe.key(&key_expr, &w)?;
+        self.seen_watermark = Some(w);
+        Ok(Some(key))
+    }
+
+    /// Emit every window whose key is below `threshold` (nothing later can fall into it).
+    fn emit_below(&mut self, threshold: &ScalarValue) -> Result<()> {
+        let mut closed = 0;
+        while let Some((key, _)) = self.windows.front() {
+            if key.partial_cmp(threshold) != Some(std::cmp::Ordering::Less) {
+                break;
+            }
+            self.windows.pop_front();
+            closed += 1;
+        }
+        if closed > 0 {
+            let n = self.windows.front().map_or(self.groups_seen, |(_, g)| *g);
+            self.emit(EmitTo::First(n))?;
+            for (_, g) in self.windows.iter_mut() {
+                *g -= n;
+            }
+            self.groups_seen -= n;
+        }
+        // Every later row's window key is at least `threshold`.
+        if !threshold.is_null() {
+            self.frontier.set(threshold.clone());
+        }
+        Ok(())
+    }
+
+    fn emit(&mut self, to: EmitTo) -> Result<()> {
+        if self.group_values.is_empty() {
+            return Ok(());
+        }
+        let mut columns = self.group_values.emit(to)?;
+        for acc in self.accumulators.iter_mut() {
+            columns.push(acc.evaluate(to)?);
+        }
+        let batch = RecordBatch::try_new(Arc::clone(&self.schema), columns)?;
+        if batch.num_rows() > 0 {
+            self.pending.push_back(batch);
+        }
+        Ok(())
+    }
+
+    fn on_batch(&mut self, batch: &RecordBatch) -> Result<()> {
+        let by_rows = self.aggregate(batch)?;
+        let by_watermark = self.watermark_key()?;
+        let threshold = match (by_rows, by_watermark) {
+            (Some(a), Some(b)) => {
+                if a.partial_cmp(&b) == Some(std::cmp::Ordering::Less) {
+                    b
+                } else {
+                    a
+                }
+            }
+            (Some(a), None) | (None, Some(a)) => a,
+            (None, None) => return Ok(()),
+        };
+        self.emit_below(&threshold)
+    }
+}
+
+impl Stream for WindowStream {
+    type Item = Result<RecordBatch>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        loop {
+            if let Some(batch) = self.pending.pop_front() {
+                return Poll::Ready(Some(Ok(batch)));
+            }
+            if self.done {
+                return Poll::Ready(None);
+            }
+            match futures::ready!(self.input.poll_next_unpin(cx)) {
+                Some(Ok(batch)) => {
+                    if let Err(e) = self.on_batch(&batch) {
+                        self.done = true;
+                        return Poll::Ready(Some(Err(e)));
+                    }
+                }
+                Some(Err(e)) => {
+                    self.done = true;
+                    return Poll::Ready(Some(Err(e)));
+                }
+                None => {
+                    self.done = true;
+                    self.windows.clear();
+                    if let Err(e) = self.emit(EmitTo::All) {
+                        return Poll::Ready(Some(Err(e)));
+                    }
+                }
+            }
+        }
+    }
+}

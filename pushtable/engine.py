@@ -1,0 +1,109 @@
+"""Which engine runs a query: datafusion-python, or pushtable's embedded live engine.
+
+datafusion-python 54 sees a live table's declared order only as opaque foreign expressions,
+so over an ordered table it can neither emit a ``GROUP BY`` window as it closes nor stream
+a running window function. The native crate embeds DataFusion 54 and plans those queries
+itself, with the order as a real column ordering; the result comes back as a single-scan
+table read by an ordinary ``datafusion.DataFrame``. Every other query runs in
+datafusion-python, as before.
+
+:class:`TableSources` remembers how each table of a :class:`pushtable.SessionContext` was
+registered, so that the engine can register the same tables when a query needs it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import datafusion
+
+from pushtable import _native
+from pushtable.errors import UnsupportedTableError
+
+__all__ = ["TableSources", "plan_live"]
+
+
+@dataclass
+class TableSources:
+    """How the tables of one context were registered (what the engine can register too)."""
+
+    live: dict[str, _native.TableProvider] = field(default_factory=dict)
+    providers: dict[str, Any] = field(default_factory=dict)
+    memory: set[str] = field(default_factory=set)
+    other: dict[str, str] = field(default_factory=dict)
+
+    def forget(self, name: str) -> None:
+        self.live.pop(name, None)
+        self.providers.pop(name, None)
+        self.memory.discard(name)
+        self.other.pop(name, None)
+
+    def record(self, name: str, table: Any) -> None:
+        """``table`` was registered under ``name`` with ``register_table``."""
+        self.forget(name)
+        if isinstance(table, _native.TableProvider):
+            self.live[name] = table
+        elif hasattr(table, "__datafusion_table_provider__"):
+            self.providers[name] = table
+        else:
+            self.other[name] = f"a {type(table).__name__}"
+
+    def record_memory(self, name: str) -> None:
+        """``name`` holds in-memory Arrow data (record batches, ``from_arrow``, ...)."""
+        self.forget(name)
+        self.memory.add(name)
+
+
+def _register(
+    engine: _native.Engine, ctx: datafusion.SessionContext, sources: TableSources, name: str
+) -> str | None:
+    """Register ``name`` with the engine; returns why it cannot be, or None."""
+    if name in sources.live:
+        engine.register_live(name, sources.live[name])
+    elif name in sources.providers:
+        engine.register_provider(name, sources.providers[name])
+    elif name in sources.memory:
+        data = datafusion.SessionContext.table(ctx, name).to_arrow_table()
+        engine.register_arrow(name, data)
+    elif ctx.table_exist(name):
+        return sources.other.get(name, "registered directly with datafusion")
+    return None
+
+
+def plan_live(
+    ctx: datafusion.SessionContext, sources: TableSources, sql: str
+) -> _native.LivePlan | None:
+    """Plan ``sql`` with the engine when it reads a live table; None when it reads none,
+    or when the engine cannot plan it (datafusion-python then runs it, as before).
+
+    Raises :class:`UnsupportedTableError` when the query reads an ordered live table together
+    with a table the engine cannot read, naming that table and what to do instead.
+    """
+    names = _native.table_references(sql)
+    live = [n for n in names if n in sources.live]
+    if not live:
+        return None
+    engine = _native.Engine()
+    unsupported: dict[str, str] = {}
+    for name in names:
+        try:
+            why = _register(engine, ctx, sources, name)
+        except Exception as exc:  # noqa: BLE001 - a third-party provider may raise anything
+            why = f"its provider could not be imported ({exc})"
+        if why is not None:
+            unsupported[name] = why
+    try:
+        return engine.plan(sql)
+    except RuntimeError:  # DataFusion's planning error (any other error is a bug: raised)
+        if unsupported and any(sources.live[n].ordered for n in live):
+            name, what = next(iter(unsupported.items()))
+            raise UnsupportedTableError(
+                f"table {name!r} ({what}) cannot be read by pushtable's live engine, which "
+                f"runs queries over the ordered live table(s) {', '.join(map(repr, live))}; "
+                "register it through pushtable.SessionContext as a table provider "
+                "(register_table(name, lance.FFILanceTableProvider(ds)) or any "
+                "__datafusion_table_provider__ object) or as in-memory data "
+                "(register_record_batches, from_arrow, from_pandas)"
+            ) from None
+        return None

@@ -1,0 +1,295 @@
+"""The live engine: windows that emit as they close, watermarks, running window functions.
+
+Every test runs real queries through ``pushtable.SessionContext.sql``; results are read
+while the producer still holds the table open, and each wait is bounded by ``WAIT``.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from pushtable import (
+    OrderViolationError,
+    SessionContext,
+    Topic,
+    UnsupportedTableError,
+)
+from tests.conftest import WAIT
+
+TS = pa.timestamp("ms", tz="UTC")
+SCHEMA = pa.schema([("ts", TS), ("k", pa.string()), ("v", pa.int64())])
+T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+
+def rows(*items: tuple[float, str, int]) -> pa.RecordBatch:
+    """A batch of (seconds after T0, k, v) rows."""
+    return pa.record_batch(
+        [
+            pa.array([T0 + timedelta(seconds=s) for s, _, _ in items], TS),
+            pa.array([k for _, k, _ in items], pa.string()),
+            pa.array([v for _, _, v in items], pa.int64()),
+        ],
+        schema=SCHEMA,
+    )
+
+
+class LiveRows:
+    """Reads a query's stream in a thread; each result row lands in a queue as it comes."""
+
+    def __init__(self, ctx: SessionContext, sql: str) -> None:
+        self.rows: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        stream = ctx.sql(sql).execute_stream()  # planned now: the scan is claimed at once
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream: Any) -> None:
+        try:
+            for b in stream:
+                for row in b.to_pyarrow().to_pylist():
+                    self.rows.put(row)
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            self.error = exc
+        finally:
+            self.done.set()
+
+    def take(self, n: int) -> list[dict[str, Any]]:
+        """The next ``n`` result rows; fails the test if they do not come within WAIT."""
+        out = []
+        for _ in range(n):
+            try:
+                out.append(self.rows.get(timeout=WAIT))
+            except queue.Empty:
+                pytest.fail(f"only {len(out)} of {n} rows came (error: {self.error!r})")
+        return out
+
+    def nothing_yet(self) -> bool:
+        return self.rows.empty()
+
+    def finish(self) -> list[dict[str, Any]]:
+        """The rows left after the stream ends."""
+        assert self.done.wait(WAIT), "the query did not end"
+        if self.error is not None:
+            raise self.error
+        out = []
+        while not self.rows.empty():
+            out.append(self.rows.get_nowait())
+        return out
+
+
+WINDOW_SQL = (
+    "SELECT date_bin(INTERVAL '1 second', ts) AS w, count(*) AS n, sum(v) AS s FROM t GROUP BY 1"
+)
+
+
+def at(seconds: float) -> datetime:
+    return T0 + timedelta(seconds=seconds)
+
+
+@pytest.mark.parametrize("unbounded", [False, True])
+def test_a_window_is_emitted_when_the_next_one_starts(unbounded: bool) -> None:
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table("t", SCHEMA, order_by="ts", unbounded=unbounded)
+    live = LiveRows(ctx, WINDOW_SQL)
+    sink.write(rows((0.1, "a", 1), (0.5, "b", 2)))
+    sink.write(rows((0.9, "a", 3)))
+    assert live.nothing_yet()  # window 0 is still open
+    sink.write(rows((1.2, "a", 10)))  # the first row of window 1 closes window 0
+    [first] = live.take(1)
+    assert first == {"w": at(0), "n": 3, "s": 6}
+    sink.write(rows((1.3, "b", 20), (3.0, "c", 5)))
+    assert live.take(1) == [{"w": at(1), "n": 2, "s": 30}]
+    sink.close()  # end of stream emits the rest
+    assert live.finish() == [{"w": at(3), "n": 1, "s": 5}]
+
+
+def test_every_aggregate_is_exact_per_window_and_key() -> None:
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table("t", SCHEMA, order_by="ts")
+    sql = (
+        "SELECT date_bin(INTERVAL '1 second', ts) AS w, k, count(*) AS n, sum(v) AS s, "
+        "avg(v) AS a, min(v) AS lo, max(v) AS hi, count(DISTINCT v) AS d, "
+        "approx_percentile_cont(0.5) WITHIN GROUP (ORDER BY v) AS p "
+        "FROM t GROUP BY w, k"
+    )
+    live = LiveRows(ctx, sql)
+    data = [(i * 0.25, "ab"[i % 2], (i * 7) % 5) for i in range(16)]  # windows 0..3
+    written = [rows(*data[i : i + 3]) for i in range(0, 16, 3)]
+    for b in written:
+        sink.write(b)
+    got = live.take(6)  # windows 0..2 (two keys each) closed by the rows of window 3
+    sink.close()
+    got += live.finish()
+    reference = SessionContext()
+    reference.register_record_batches("t", [written])
+    expected = reference.sql(sql + " ORDER BY w, k").to_pylist()
+    assert sorted(got, key=lambda r: (r["w"], r["k"])) == expected
+
+
+def test_integer_buckets_and_date_trunc_are_windows_too() -> None:
+    ctx = SessionContext()
+    schema = pa.schema([("ts", pa.int64()), ("v", pa.int64())])
+    sink = ctx.register_streaming_table("t", schema, order_by="ts")
+    live = LiveRows(ctx, "SELECT ts / 1000 AS bucket, sum(v) AS s FROM t GROUP BY ts / 1000")
+    sink.write(pa.table({"ts": [1, 999, 1000], "v": [1, 2, 3]}))
+    assert live.take(1) == [{"bucket": 0, "s": 3}]
+    sink.close()
+    assert live.finish() == [{"bucket": 1, "s": 3}]
+
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table("t", SCHEMA, order_by="ts")
+    live = LiveRows(ctx, "SELECT date_trunc('minute', ts) AS m, count(*) AS n FROM t GROUP BY 1")
+    sink.write(rows((1, "a", 1), (59, "a", 1), (61, "a", 1)))
+    assert live.take(1) == [{"m": at(0), "n": 2}]
+    sink.close()
+    assert live.finish() == [{"m": at(60), "n": 1}]
+
+
+def test_a_topic_subscription_windows_like_a_table() -> None:
+    topic = Topic("events", SCHEMA, order_by="ts")
+    ctx = SessionContext()
+    topic.subscribe(ctx, "t", unbounded=True)
+    live = LiveRows(ctx, WINDOW_SQL)
+    topic.write(rows((0.2, "a", 1), (1.5, "a", 2)))
+    assert live.take(1) == [{"w": at(0), "n": 1, "s": 1}]
+    topic.close()
+    assert live.finish() == [{"w": at(1), "n": 1, "s": 2}]
+
+
+# --- watermarks ------------------------------------------------------------------------
+
+
+def test_advance_emits_closed_windows_with_no_new_row() -> None:
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table("t", SCHEMA, order_by="ts", unbounded=True)
+    live = LiveRows(ctx, WINDOW_SQL)
+    sink.write(rows((0.1, "a", 1), (1.1, "a", 2), (1.9, "a", 3)))
+    assert live.take(1) == [{"w": at(0), "n": 1, "s": 1}]
+    sink.advance(at(2))  # window [1, 2) ends at the watermark
+    assert live.take(1) == [{"w": at(1), "n": 2, "s": 5}]
+    with pytest.raises(OrderViolationError, match="watermark"):
+        sink.write(rows((1.95, "late", 100)))
+    sink.write(rows((2.5, "a", 7)))  # the sink is still usable
+    sink.advance(at(2.5))  # a watermark inside an open window closes nothing
+    sink.advance(at(1))  # one behind the current one changes nothing
+    sink.close()
+    assert live.finish() == [{"w": at(2), "n": 1, "s": 7}]
+
+
+def test_late_rows_after_a_watermark_are_dropped_and_counted_with_late_drop() -> None:
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table("t", SCHEMA, order_by="ts", late="drop")
+    live = LiveRows(ctx, WINDOW_SQL)
+    sink.write(rows((0.5, "a", 1)))
+    sink.advance(at(1))
+    assert live.take(1) == [{"w": at(0), "n": 1, "s": 1}]
+    sink.write(rows((0.7, "late", 100), (1.5, "a", 2)))
+    assert sink.stats.late_rows == 1
+    sink.close()
+    assert live.finish() == [{"w": at(1), "n": 1, "s": 2}]
+
+
+def test_advance_needs_an_ordered_table_and_an_open_one() -> None:
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table("plain", SCHEMA)
+    with pytest.raises(ValueError, match="order_by"):
+        sink.advance(at(1))
+    ordered = ctx.register_streaming_table("t", SCHEMA, order_by="ts")
+    ordered.close()
+    with pytest.raises(Exception, match="closed"):
+        ordered.advance(at(1))
+
+
+def test_watermarks_reach_windows_over_windows() -> None:
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table("t", SCHEMA, order_by="ts", unbounded=True)
+    sql = (
+        "SELECT second, k, n, sum(n) OVER (PARTITION BY k ORDER BY second "
+        "ROWS UNBOUNDED PRECEDING) AS running FROM (SELECT date_bin(INTERVAL '1 second', ts) "
+        "AS second, k, count(*) AS n FROM t GROUP BY 1, 2)"
+    )
+    live = LiveRows(ctx, sql)
+    sink.write(rows((0.1, "a", 0), (0.2, "a", 0), (1.1, "a", 0)))
+    assert live.take(1) == [{"second": at(0), "k": "a", "n": 2, "running": 2}]
+    sink.advance(at(2))
+    assert live.take(1) == [{"second": at(1), "k": "a", "n": 1, "running": 3}]
+    sink.close()
+    assert live.finish() == []
+
+
+# --- running window functions, the DataFrame API, explain -------------------------------
+
+
+def test_a_running_total_streams_row_by_row() -> None:
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table("t", SCHEMA, order_by="ts", unbounded=True)
+    live = LiveRows(ctx, "SELECT v, sum(v) OVER (ORDER BY ts ROWS UNBOUNDED PRECEDING) AS r FROM t")
+    sink.write(rows((0.1, "a", 1)))
+    assert live.take(1) == [{"v": 1, "r": 1}]
+    sink.write(rows((0.2, "a", 2), (0.3, "a", 3)))
+    assert live.take(2) == [{"v": 2, "r": 3}, {"v": 3, "r": 6}]
+    sink.close()
+    assert live.finish() == []
+
+
+def test_the_result_is_an_ordinary_dataframe() -> None:
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table("t", SCHEMA, order_by="ts")
+    df = ctx.sql(WINDOW_SQL).filter("n > 1").select("w", "n")
+    sink.write(rows((0.1, "a", 1), (0.2, "a", 1), (1.5, "a", 1), (2.5, "a", 1), (2.6, "a", 1)))
+    sink.close()
+    assert df.to_arrow_table().to_pylist() == [{"w": at(0), "n": 2}, {"w": at(2), "n": 2}]
+
+
+def test_explain_live_names_the_engine() -> None:
+    ctx = SessionContext()
+    ctx.register_streaming_table("t", SCHEMA, order_by="ts", unbounded=True)
+    ctx.register_streaming_table("u", SCHEMA)
+    windows = ctx.explain_live(WINDOW_SQL)
+    assert windows.mode == "incremental"
+    assert windows.engine == "pushtable"
+    assert "windows emit as they close" in str(windows)
+    assert "WindowAggregateExec" in windows.plan
+    rows_only = ctx.explain_live("SELECT k FROM u WHERE v > 1")
+    assert (rows_only.mode, rows_only.engine) == ("incremental", "datafusion")
+    at_end = ctx.explain_live("SELECT k, count(*) FROM u GROUP BY k")
+    assert (at_end.mode, at_end.engine) == ("at_end", "datafusion")
+
+
+def test_windows_join_in_memory_tables() -> None:
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table("t", SCHEMA, order_by="ts")
+    names = pa.record_batch({"k": ["a", "b"], "name": ["alpha", "beta"]})
+    ctx.register_record_batches("names", [[names]])
+    sql = (
+        "SELECT date_bin(INTERVAL '1 second', t.ts) AS w, names.name, count(*) AS n "
+        "FROM t JOIN names ON t.k = names.k GROUP BY 1, 2"
+    )
+    assert ctx.explain_live(sql).engine == "pushtable"
+    live = LiveRows(ctx, sql)
+    sink.write(rows((0.1, "a", 1), (0.2, "b", 1), (0.3, "a", 1), (1.5, "b", 1)))
+    got = live.take(2)
+    assert sorted(got, key=lambda r: r["name"]) == [
+        {"w": at(0), "name": "alpha", "n": 2},
+        {"w": at(0), "name": "beta", "n": 1},
+    ]
+    sink.close()
+    assert live.finish() == [{"w": at(1), "name": "beta", "n": 1}]
+
+
+def test_a_table_the_engine_cannot_read_is_named() -> None:
+    ctx = SessionContext()
+    ctx.register_streaming_table("t", SCHEMA, order_by="ts", unbounded=True)
+    ctx.register_view("v", ctx.sql("SELECT 'a' AS k"))
+    with pytest.raises(UnsupportedTableError, match=r"'v'.*register_record_batches"):
+        ctx.sql(
+            "SELECT date_bin(INTERVAL '1 second', t.ts) AS w, count(*) FROM t "
+            "JOIN v ON t.k = v.k GROUP BY 1"
+        )
