@@ -72,6 +72,7 @@ def register_streaming_table(
     unbounded: bool = False,
     order_by: str | Sequence[str] | None = None,
     late: Literal["reject", "drop"] = "reject",
+    arrival_column: str | None = None,
 ) -> TableSink:
     """Register a single-scan table named ``name`` in ``ctx`` and return its :class:`TableSink`.
 
@@ -85,6 +86,12 @@ def register_streaming_table(
     batch out of order within itself or behind the newest value written raises
     :class:`OrderViolationError` and is not queued (``late="reject"``), or loses its late rows,
     counted in ``stats.late_rows`` (``late="drop"``). Nulls in an order column are rejected.
+
+    ``arrival_column="arrived_at"`` adds a ``timestamp[us, tz=UTC]`` column that the sink fills
+    with each batch's write time (never going back), so any stream can be windowed by arrival;
+    the table is ordered by it unless ``order_by`` says otherwise, and its windows close by
+    the clock (a few milliseconds after each boundary, with no new rows). Producers write the
+    schema without it.
 
     Example:
         >>> import datafusion, pyarrow as pa
@@ -101,7 +108,7 @@ def register_streaming_table(
         schema = pa.schema(schema)
     order = order_columns(order_by, late)
     native, provider = _native.streaming_table(
-        name, schema, capacity, max_bytes, unbounded, order, late
+        name, schema, capacity, max_bytes, unbounded, order, late, arrival_column
     )
     ctx.register_table(name, provider)
     # `provider` handed its only reference to the session: from now on the session owns the
@@ -188,6 +195,7 @@ class SessionContext(datafusion.SessionContext):
         unbounded: bool = False,
         order_by: str | Sequence[str] | None = None,
         late: Literal["reject", "drop"] = "reject",
+        arrival_column: str | None = None,
     ) -> TableSink:
         """Register a single-scan streaming table; see :func:`register_streaming_table`."""
         return register_streaming_table(
@@ -199,6 +207,7 @@ class SessionContext(datafusion.SessionContext):
             unbounded=unbounded,
             order_by=order_by,
             late=late,
+            arrival_column=arrival_column,
         )
 
     def sql(self, query: str, *args: Any, **kwargs: Any) -> DataFrame:

@@ -2,10 +2,11 @@
 
 A local Spark (``local[2]``) streams generated Parquet files, one per epoch. The
 :class:`~pushtable.spark.ForeachBatchBridge` commits each epoch to a Lance dataset exactly once
-and pushes it into a live streaming table, where a SQL query runs while Spark is still
-producing. At the end, one SQL statement joins what was persisted (the Lance dataset, through
-``lance.FFILanceTableProvider`` in the same DataFusion context) with what the live table
-delivered, and the two row counts must match.
+and pushes it, stamped with its epoch id, into a live table ordered by epoch; a SQL query
+grouped by epoch prints each epoch's result the moment the epoch lands, while Spark is still
+producing (the bridge advances the table's watermark at each epoch's end). At the end, one SQL
+statement compares what the live *query* returned with what was persisted (the Lance dataset,
+through ``lance.FFILanceTableProvider`` in the same DataFusion context), level by level.
 """
 
 from __future__ import annotations
@@ -27,20 +28,25 @@ from pushtable.spark import ForeachBatchBridge, local_spark
 
 LEVELS = ("debug", "info", "warn", "error", "fatal")
 SCHEMA = pa.schema([("id", pa.int64()), ("level", pa.string()), ("latency_ms", pa.float64())])
+#: The live table: the epoch's rows, stamped with the epoch id by the bridge.
+LIVE_SCHEMA = SCHEMA.append(pa.field("epoch", pa.int64()))
 SPARK_DDL = "id long, level string, latency_ms double"
 DEFAULT_SQL = (
-    "SELECT level, count(*) AS events, round(avg(latency_ms), 2) AS avg_latency_ms "
-    "FROM events GROUP BY level ORDER BY level"
+    "SELECT epoch, level, count(*) AS events, round(avg(latency_ms), 2) AS avg_latency_ms "
+    "FROM events GROUP BY epoch, level"
 )
 
 
 @dataclass(frozen=True)
 class DemoResult:
     epochs: int
+    #: rows the live query counted (its ``events`` column summed), or rows the table took
     live_rows: int
     lance_rows: int
     lance_version: int
     interrupted: bool
+    #: epochs Spark had committed when the live query printed its first result
+    first_result_after_epochs: int | None = None
 
     @property
     def matched(self) -> bool:
@@ -82,15 +88,23 @@ def run(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity: int) ->
     console.print("starting local Spark (local[2])…")
     spark = local_spark("pushtable-demo")
     ctx = SessionContext()
-    sink = ctx.register_streaming_table("events", SCHEMA, capacity=capacity)
-    uri = out / "events.lance"
-    bridge = ForeachBatchBridge(sinks=[sink], lance_uri=uri)
-
-    reader, live_error = _print_live(
-        lambda: (b.to_pyarrow() for b in ctx.sql(sql).execute_stream()),
-        console,
-        "live result batch",
+    sink = ctx.register_streaming_table(
+        "events", LIVE_SCHEMA, capacity=capacity, order_by="epoch", unbounded=True
     )
+    uri = out / "events.lance"
+    bridge = ForeachBatchBridge(sinks=[sink], lance_uri=uri, epoch_column="epoch")
+    returned: list[pa.RecordBatch] = []
+    first_after: list[int] = []
+
+    def live_batches() -> Iterable[pa.RecordBatch]:
+        for b in ctx.sql(sql).execute_stream():
+            if not first_after:
+                report = bridge.last_report
+                first_after.append(0 if report is None else report.epoch_id + 1)
+            returned.append(b.to_pyarrow())
+            yield returned[-1]
+
+    reader, live_error = _print_live(live_batches, console, "live result (as each epoch lands)")
     query = _start(spark, out, bridge, out / "checkpoint")
     bridge.watch(query, spark)
     started = time.perf_counter()
@@ -114,20 +128,14 @@ def run(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity: int) ->
 
     ds = lance.dataset(str(uri))
     ctx.register_table("persisted", lance.FFILanceTableProvider(ds))
-    ctx.register_record_batches(
-        "live_stats", [[pa.record_batch({"live_rows": pa.array([sink.stats.rows], pa.int64())})]]
-    )
-    check = ctx.sql(
-        "SELECT l.live_rows, p.lance_rows, l.live_rows = p.lance_rows AS counts_match "
-        "FROM live_stats l CROSS JOIN (SELECT count(*) AS lance_rows FROM persisted) p"
-    ).to_arrow_table()
-    console.print(_as_table(check, "live table vs persisted Lance dataset (one SQL statement)"))
+    live_rows, lance_rows = _compare(ctx, console, returned, sink.stats.rows)
     result = DemoResult(
         epochs=0 if bridge.last_report is None else bridge.last_report.epoch_id + 1,
-        live_rows=int(check["live_rows"][0].as_py()),
-        lance_rows=int(check["lance_rows"][0].as_py()),
+        live_rows=live_rows,
+        lance_rows=lance_rows,
         lance_version=ds.version,
         interrupted=interrupted,
+        first_result_after_epochs=first_after[0] if first_after else None,
     )
     spark.stop()
     verdict = "[green]counts match[/]" if result.matched else "[red]counts differ[/]"
@@ -135,6 +143,11 @@ def run(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity: int) ->
         f"{verdict}: {result.live_rows:,} rows live, {result.lance_rows:,} rows in {uri} "
         f"(version {result.lance_version})"
     )
+    if result.first_result_after_epochs is not None:
+        console.print(
+            f"first live result after {result.first_result_after_epochs} of {result.epochs} "
+            "epochs committed (results stream while Spark runs)"
+        )
     return result
 
 
@@ -203,6 +216,40 @@ def run_connect(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity:
         f"in {uri} (version {result.lance_version})"
     )
     return result
+
+
+def _compare(
+    ctx: SessionContext, console: Any, returned: list[pa.RecordBatch], table_rows: int
+) -> tuple[int, int]:
+    """One SQL statement: what the live query returned against the Lance dataset.
+
+    With a query that counts ``events`` per ``level`` (the default), level by level; with any
+    other query, the rows the live table took against the rows persisted.
+    """
+    names = returned[0].schema.names if returned else []
+    if {"level", "events"} <= set(names):
+        ctx.register_record_batches("live_results", [returned])
+        check = ctx.sql(
+            "SELECT coalesce(l.level, p.level) AS level, l.events AS live_query, "
+            "p.events AS lance, l.events IS NOT DISTINCT FROM p.events AS match "
+            "FROM (SELECT level, sum(events) AS events FROM live_results GROUP BY level) l "
+            "FULL JOIN (SELECT level, count(*) AS events FROM persisted GROUP BY level) p "
+            "ON l.level = p.level ORDER BY 1"
+        ).to_arrow_table()
+        title = "what the live query returned vs the persisted Lance dataset (one SQL statement)"
+        console.print(_as_table(check, title))
+        live = sum(v or 0 for v in check["live_query"].to_pylist())
+        lance = sum(v or 0 for v in check["lance"].to_pylist())
+        return int(live), int(lance)
+    ctx.register_record_batches(
+        "live_stats", [[pa.record_batch({"live_rows": pa.array([table_rows], pa.int64())})]]
+    )
+    check = ctx.sql(
+        "SELECT l.live_rows, p.lance_rows, l.live_rows = p.lance_rows AS counts_match "
+        "FROM live_stats l CROSS JOIN (SELECT count(*) AS lance_rows FROM persisted) p"
+    ).to_arrow_table()
+    console.print(_as_table(check, "live table vs persisted Lance dataset (one SQL statement)"))
+    return int(check["live_rows"][0].as_py()), int(check["lance_rows"][0].as_py())
 
 
 def _print_live(

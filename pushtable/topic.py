@@ -107,6 +107,7 @@ class Topic(_Producer):
         retain_bytes: int | None = None,
         order_by: str | Sequence[str] | None = None,
         late: Literal["reject", "drop"] = "reject",
+        arrival_column: str | None = None,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string, got {name!r}")
@@ -118,7 +119,7 @@ class Topic(_Producer):
         if not isinstance(schema, pa.Schema):
             schema = pa.schema(schema)
         order = order_columns(order_by, late)
-        native = _native.topic(name, schema, retain, retain_bytes, order, late)
+        native = _native.topic(name, schema, retain, retain_bytes, order, late, arrival_column)
         super().__init__(native, name, schema)
         self.retain = retain
         self.retain_bytes = retain_bytes

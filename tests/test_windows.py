@@ -293,3 +293,52 @@ def test_a_table_the_engine_cannot_read_is_named() -> None:
             "SELECT date_bin(INTERVAL '1 second', t.ts) AS w, count(*) FROM t "
             "JOIN v ON t.k = v.k GROUP BY 1"
         )
+
+
+# --- arrival time ---------------------------------------------------------------------------
+
+
+def test_arrival_windows_close_by_the_clock_with_no_new_row() -> None:
+    ctx = SessionContext()
+    schema = pa.schema([("k", pa.string())])
+    sink = ctx.register_streaming_table("t", schema, arrival_column="arrived_at", unbounded=True)
+    live = LiveRows(
+        ctx,
+        "SELECT date_bin(INTERVAL '50 milliseconds', arrived_at) AS w, count(*) AS n "
+        "FROM t GROUP BY 1",
+    )
+    before = datetime.now(timezone.utc)
+    sink.write(pa.table({"k": ["a", "b", "c"]}))
+    [row] = live.take(1)  # no other row: the clock closed the window
+    assert row["n"] == 3
+    assert before - timedelta(milliseconds=50) <= row["w"] <= datetime.now(timezone.utc)
+    assert not sink.stats.closed
+    sink.close()
+    assert live.finish() == []
+
+
+def test_arrival_stamps_never_go_back_and_producers_write_without_them() -> None:
+    ctx = SessionContext()
+    schema = pa.schema([("k", pa.int64())])
+    sink = ctx.register_streaming_table("t", schema, 32, arrival_column="arrived_at")
+    for i in range(20):
+        sink.write(pa.table({"k": [i, i]}))
+    sink.close()
+    got = ctx.sql("SELECT k, arrived_at FROM t").to_arrow_table()
+    assert got.schema.field("arrived_at").type == pa.timestamp("us", tz="UTC")
+    stamps = got["arrived_at"].to_pylist()
+    assert stamps == sorted(stamps)
+    assert got["k"].to_pylist() == [i for i in range(20) for _ in range(2)]
+
+
+def test_arrival_column_errors_name_the_problem() -> None:
+    ctx = SessionContext()
+    schema = pa.schema([("k", pa.int64())])
+    with pytest.raises(ValueError, match="'k' is already a column"):
+        ctx.register_streaming_table("t", schema, arrival_column="k")
+    sink = ctx.register_streaming_table("u", schema, arrival_column="at")
+    with pytest.raises(ValueError, match="watermark is the clock"):
+        sink.advance(datetime.now(timezone.utc))
+    topic = Topic("events", schema, arrival_column="at")
+    topic.subscribe(ctx, "v")
+    assert ctx.table("v").schema().names == ["k", "at"]

@@ -184,7 +184,17 @@ struct State {
     newest: Option<Newest>,
     /// The latest watermark (`advance`): its value, and the log position it follows.
     watermark: Option<(i64, u64)>,
+    /// Arrival time (µs) never goes back: every stamp and clock watermark is at least this.
+    clock: i64,
     stats: Stats,
+}
+
+impl State {
+    /// The arrival clock now: never behind an earlier stamp or clock watermark.
+    fn tick_clock(&mut self) -> i64 {
+        self.clock = self.clock.max(crate::clock::now_micros());
+        self.clock
+    }
 }
 
 impl State {
@@ -310,6 +320,20 @@ impl CancelToken {
     }
 }
 
+/// `batch` with the arrival column (the last of `schema`) holding `stamp` on every row.
+fn stamp_arrival(schema: &SchemaRef, batch: RecordBatch, stamp: i64) -> RecordBatch {
+    let n = batch.num_rows();
+    let column = arrow::array::TimestampMicrosecondArray::from_value(stamp, n).with_timezone("UTC");
+    let mut columns = batch.columns().to_vec();
+    columns.push(Arc::new(column));
+    RecordBatch::try_new_with_options(
+        Arc::clone(schema),
+        columns,
+        &arrow::array::RecordBatchOptions::new().with_row_count(Some(n)),
+    )
+    .expect("the arrival column matches the table's schema")
+}
+
 /// Bytes a batch holds *as a slice*: a 1,000-row slice of a 1,000,000-row column counts
 /// its 1,000 rows, not the parent buffer (`get_array_memory_size` would).
 pub fn batch_bytes(batch: &RecordBatch) -> usize {
@@ -344,23 +368,47 @@ enum Room {
 #[derive(Debug)]
 pub struct Channel {
     pub name: String,
+    /// What readers see (with the arrival column, if any).
     pub schema: SchemaRef,
+    /// What producers write (without the arrival column).
+    pub input_schema: SchemaRef,
     order: Option<OrderGate>,
+    /// The arrival column's index in `schema`: each batch is stamped at admission.
+    arrival: Option<usize>,
     kind: Kind,
     state: Mutex<State>,
 }
 
+/// How often an idle reader of an arrival-time table learns that the clock moved.
+const CLOCK_TICK: Duration = Duration::from_millis(5);
+
 impl Channel {
     fn with_kind(
         name: String,
-        schema: SchemaRef,
+        input_schema: SchemaRef,
+        arrival: Option<String>,
         order: Option<OrderGate>,
         kind: Kind,
     ) -> Arc<Self> {
+        let (schema, arrival) = match arrival {
+            None => (Arc::clone(&input_schema), None),
+            Some(column) => {
+                let mut fields: Vec<_> = input_schema.fields().iter().cloned().collect();
+                fields.push(Arc::new(arrow::datatypes::Field::new(
+                    column,
+                    DataType::Timestamp(arrow::datatypes::TimeUnit::Microsecond, Some("UTC".into())),
+                    false,
+                )));
+                let n = fields.len() - 1;
+                (Arc::new(arrow::datatypes::Schema::new(fields)), Some(n))
+            }
+        };
         Arc::new(Self {
             name,
             schema,
+            input_schema,
             order,
+            arrival,
             kind,
             state: Mutex::new(State {
                 log: VecDeque::new(),
@@ -374,20 +422,23 @@ impl Channel {
                 waiters: VecDeque::new(),
                 newest: None,
                 watermark: None,
+                clock: i64::MIN,
                 stats: Stats::default(),
             }),
         })
     }
 
-    /// A streaming table's channel and its single reader.
+    /// A streaming table's channel and its single reader; with `arrival`, a column of that
+    /// name is added to `schema` and stamped with each batch's admission time.
     pub fn table(
         name: String,
         schema: SchemaRef,
+        arrival: Option<String>,
         capacity: usize,
         max_bytes: Option<usize>,
         order: Option<OrderGate>,
     ) -> (Arc<Self>, Reader) {
-        let channel = Self::with_kind(name, schema, order, Kind::Table);
+        let channel = Self::with_kind(name, schema, arrival, order, Kind::Table);
         let limits = Limits {
             capacity,
             max_bytes,
@@ -401,10 +452,16 @@ impl Channel {
     pub fn topic(
         name: String,
         schema: SchemaRef,
+        arrival: Option<String>,
         order: Option<OrderGate>,
         retention: Retention,
     ) -> Arc<Self> {
-        Self::with_kind(name, schema, order, Kind::Topic(retention))
+        Self::with_kind(name, schema, arrival, order, Kind::Topic(retention))
+    }
+
+    /// Whether batches are stamped with their arrival time.
+    pub fn has_arrival(&self) -> bool {
+        self.arrival.is_some()
     }
 
     pub fn is_topic(&self) -> bool {
@@ -588,6 +645,15 @@ impl Channel {
                             }
                             _ => unreachable!("a batch is either unordered or checked"),
                         };
+                        let batch = match self.arrival {
+                            None => batch,
+                            Some(_) => {
+                                let stamp = st.tick_clock();
+                                let stamped = stamp_arrival(&self.schema, batch, stamp);
+                                bytes = batch_bytes(&stamped);
+                                stamped
+                            }
+                        };
                         st.stats.rows += batch.num_rows() as u64;
                         st.stats.batches += 1;
                         st.stats.bytes += bytes as u64;
@@ -677,9 +743,10 @@ impl Channel {
     /// The type a watermark of this channel is expressed in (its first order column), or why
     /// it cannot have one.
     pub fn watermark_type(&self) -> Result<DataType, String> {
-        match &self.order {
-            Some(gate) => gate.watermark_type(&self.schema),
-            None => Err(format!(
+        match (&self.order, self.arrival) {
+            (Some(gate), _) => gate.watermark_type(&self.schema),
+            (None, Some(i)) => Ok(self.schema.field(i).data_type().clone()),
+            (None, None) => Err(format!(
                 "'{}' declares no order_by column, so it cannot have a watermark",
                 self.name
             )),
@@ -690,6 +757,13 @@ impl Channel {
     /// listen for watermarks get it after every batch written before it, and later rows below
     /// it are late. A watermark at or below the current one changes nothing.
     pub fn advance(&self, value: i64) -> Result<(), PushError<()>> {
+        if self.order.is_none() {
+            return Err(PushError::Order(format!(
+                "'{}' is ordered by arrival time, whose watermark is the clock: advance() \
+                 applies to an order_by column",
+                self.name
+            )));
+        }
         let mut st = self.lock();
         if let Some(msg) = &st.failure {
             return Err(PushError::Failed(msg.clone()));
@@ -916,6 +990,8 @@ pub struct ReaderStream {
     reader: Arc<Reader>,
     done: bool,
     markers: Option<Markers>,
+    /// When an idle reader of an arrival-time table next hands on the clock.
+    next_clock: Instant,
 }
 
 impl ReaderStream {
@@ -924,6 +1000,7 @@ impl ReaderStream {
             reader,
             done: false,
             markers,
+            next_clock: Instant::now(),
         }
     }
 
@@ -1038,6 +1115,28 @@ impl Stream for ReaderStream {
             drop(st);
             self.done = true;
             return Poll::Ready(None);
+        }
+        // Idle on an arrival-time table: the clock is the watermark (every later row is
+        // stamped at or after it), handed on every CLOCK_TICK so windows close on time.
+        let clock = match (&self.markers, channel.has_arrival()) {
+            (Some(markers), true) => Some(markers.clone()),
+            _ => None,
+        };
+        if let Some(markers) = clock {
+            let now = Instant::now();
+            if now >= self.next_clock {
+                let w = st.tick_clock();
+                drop(st);
+                self.next_clock = now + CLOCK_TICK;
+                let value = ScalarValue::Int64(Some(w))
+                    .cast_to(&markers.data_type)
+                    .map_err(|e| DataFusionError::Execution(e.to_string()));
+                return Poll::Ready(Some(value.map(|v| {
+                    markers.cell.set(v);
+                    RecordBatch::new_empty(Arc::clone(&channel.schema))
+                })));
+            }
+            crate::clock::wake_at(self.next_clock, cx.waker().clone());
         }
         let c = st.cursor(id).expect("cursor present");
         if !c.wakers.iter().any(|w| w.will_wake(cx.waker())) {

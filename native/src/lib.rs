@@ -10,6 +10,7 @@
 //! package maps them onto its public hierarchy).
 
 mod channel;
+mod clock;
 mod engine;
 mod order;
 mod provider;
@@ -198,7 +199,7 @@ impl Sink {
     ) -> PyResult<()> {
         let name = &self.channel.name;
         let batch =
-            schema::conform(&self.channel.schema, batch).map_err(|i| schema_error(py, name, &i))?;
+            schema::conform(&self.channel.input_schema, batch).map_err(|i| schema_error(py, name, &i))?;
         let channel = &self.channel;
         let result = py.detach(|| {
             // Only Python's main thread receives Ctrl-C: other producers never take the GIL
@@ -265,7 +266,7 @@ impl Sink {
             .map_err(|e| (e, 0))?;
             // Check the stream's schema before anything is enqueued.
             let name = &self.channel.name;
-            schema::check_schema(&self.channel.schema, &reader.schema())
+            schema::check_schema(&self.channel.input_schema, &reader.schema())
                 .map_err(|i| (schema_error(py, name, &i), 0))?;
             let mut written = 0;
             loop {
@@ -358,11 +359,17 @@ impl Sink {
             .watermark_type()
             .map_err(PyValueError::new_err)?;
         self.channel.advance(value).map_err(|e| match e {
+            PushError::Order(msg) => PyValueError::new_err(msg),
             PushError::Failed(msg) => {
                 ClosedError::new_err(format!("streaming table '{name}' was failed: {msg}"))
             }
             _ => ClosedError::new_err(format!("streaming table '{name}' is closed")),
         })
+    }
+
+    /// The schema readers see (with the arrival column, if any).
+    fn table_schema<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        self.channel.schema.to_pyarrow(py)
     }
 
     /// The watermark's type (the first order column's), or None.
@@ -483,7 +490,8 @@ fn interpreter_finalizing() {
 /// Create a streaming table: returns `(sink, provider)`; register the provider with a
 /// datafusion-python `SessionContext` and keep the sink for the producers.
 #[pyfunction]
-#[pyo3(signature = (name, schema, capacity, max_bytes=None, unbounded=false, order_by=vec![], late="reject"))]
+#[pyo3(signature = (name, schema, capacity, max_bytes=None, unbounded=false, order_by=vec![], late="reject", arrival_column=None))]
+#[allow(clippy::too_many_arguments)]
 fn streaming_table(
     name: String,
     schema: Bound<'_, PyAny>,
@@ -492,19 +500,42 @@ fn streaming_table(
     unbounded: bool,
     order_by: Vec<String>,
     late: &str,
+    arrival_column: Option<String>,
 ) -> PyResult<(Sink, PyTableProvider)> {
     check_limits(capacity, max_bytes)?;
     let schema = Arc::new(Schema::from_pyarrow_bound(&schema)?);
+    check_arrival(&schema, arrival_column.as_deref())?;
     let gate = order_gate(&schema, &order_by, late)?;
-    let (channel, reader) = Channel::table(name, schema, capacity, max_bytes, gate);
+    let order_by = declared_order(order_by, arrival_column.as_deref());
+    let (channel, reader) =
+        Channel::table(name, schema, arrival_column, capacity, max_bytes, gate);
     let table = provider::live_table(reader, unbounded, &order_by);
     Ok((Sink { channel, order_by }, PyTableProvider::new(table)))
+}
+
+/// An arrival column must be a new column name.
+fn check_arrival(schema: &Schema, arrival: Option<&str>) -> PyResult<()> {
+    match arrival {
+        Some(name) if schema.index_of(name).is_ok() => Err(PyValueError::new_err(format!(
+            "arrival_column '{name}' is already a column of the schema: name a new column"
+        ))),
+        Some("") => Err(PyValueError::new_err("arrival_column must be a non-empty name")),
+        _ => Ok(()),
+    }
+}
+
+/// The order readers see: `order_by`, or else the arrival column (ordered by construction).
+fn declared_order(order_by: Vec<String>, arrival: Option<&str>) -> Vec<String> {
+    match arrival {
+        Some(a) if order_by.is_empty() => vec![a.to_string()],
+        _ => order_by,
+    }
 }
 
 /// Create a topic: a sink whose `subscribe` adds readers at any time. `retain_batches` /
 /// `retain_bytes` keep recent batches for subscribers starting at the earliest.
 #[pyfunction]
-#[pyo3(signature = (name, schema, retain_batches=None, retain_bytes=None, order_by=vec![], late="reject"))]
+#[pyo3(signature = (name, schema, retain_batches=None, retain_bytes=None, order_by=vec![], late="reject", arrival_column=None))]
 fn topic(
     name: String,
     schema: Bound<'_, PyAny>,
@@ -512,15 +543,18 @@ fn topic(
     retain_bytes: Option<usize>,
     order_by: Vec<String>,
     late: &str,
+    arrival_column: Option<String>,
 ) -> PyResult<Sink> {
     let schema = Arc::new(Schema::from_pyarrow_bound(&schema)?);
+    check_arrival(&schema, arrival_column.as_deref())?;
     let gate = order_gate(&schema, &order_by, late)?;
+    let order_by = declared_order(order_by, arrival_column.as_deref());
     let retention = Retention {
         batches: retain_batches,
         bytes: retain_bytes,
     };
     Ok(Sink {
-        channel: Channel::topic(name, schema, gate, retention),
+        channel: Channel::topic(name, schema, arrival_column, gate, retention),
         order_by,
     })
 }

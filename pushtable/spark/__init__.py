@@ -15,6 +15,7 @@ from pushtable.spark.bridge import (
     SlowReaderError,
     StreamingQueryFailedError,
     local_spark,
+    spark_log_path,
 )
 from pushtable.spark.remote import RemoteBridge, query_id_from_checkpoint
 
@@ -27,4 +28,5 @@ __all__ = [
     "StreamingQueryFailedError",
     "local_spark",
     "query_id_from_checkpoint",
+    "spark_log_path",
 ]

@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -64,30 +65,35 @@ log = logging.getLogger(__name__)
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 
 
-#: The driver's log configuration for sessions pushtable starts (see the file).
-LOG4J2 = Path(__file__).with_name("log4j2.properties")
-
-
 def quiet_spark_start() -> None:
     """Bind a local Spark to loopback before its JVM starts, so Spark does not warn that the
     machine's hostname resolves to a loopback address (unless the caller chose an address)."""
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 
 
+def spark_log_path() -> Path:
+    """Where the JVM of a Spark session started by :func:`local_spark` writes its output."""
+    return Path(tempfile.gettempdir()) / f"pushtable-spark-{os.getpid()}.log"
+
+
 def local_spark(app: str, **conf: str) -> SparkSession:
     """A quiet ``local[2]`` session on loopback with the UI off (demo, tests, benchmarks).
+
+    What the JVM prints (start-up warnings a user can do nothing about, Spark's own log) goes
+    to :func:`spark_log_path`, not the terminal; Spark's errors still reach Python as
+    exceptions.
 
     Example: ``spark = local_spark("my-app"); spark.range(3).count()`` gives ``3``; the
     Spark tests run it for real (``tests/spark_support.py``).
     """
+    from pyspark import SparkConf, SparkContext
+    from pyspark.java_gateway import launch_gateway
     from pyspark.sql import SparkSession
 
     quiet_spark_start()
-    builder = SparkSession.builder.master("local[2]").appName(app)
     settings = {
-        # Errors only from the driver's first line on (setLogLevel below comes too late for
-        # the start-up warnings).
-        "spark.driver.extraJavaOptions": f"-Dlog4j2.configurationFile=file:{LOG4J2}",
+        "spark.master": "local[2]",
+        "spark.app.name": app,
         "spark.ui.enabled": "false",
         "spark.ui.showConsoleProgress": "false",
         "spark.driver.bindAddress": "127.0.0.1",
@@ -96,12 +102,20 @@ def local_spark(app: str, **conf: str) -> SparkSession:
         "spark.sql.session.timeZone": "UTC",
         **conf,
     }
-    for key, value in settings.items():
-        builder = builder.config(key, value)
+    spark_conf = SparkConf().setAll(list(settings.items()))
     with warnings.catch_warnings():
         # Starting the JVM forks and at once execs spark-submit: Lance's fork-safety warning
         # (raised before any fork) does not apply to it.
         warnings.filterwarnings("ignore", message="lance is not fork-safe")
+        if SparkContext._active_spark_context is None:  # a new JVM: its output to the log
+            with open(spark_log_path(), "ab") as out:
+                gateway = launch_gateway(  # type: ignore[no-untyped-call]
+                    spark_conf, popen_kwargs={"stdout": out, "stderr": out}
+                )
+            SparkContext(conf=spark_conf, gateway=gateway)
+        builder = SparkSession.builder
+        for key, value in settings.items():
+            builder = builder.config(key, value)
         session = builder.getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
     return session
@@ -167,6 +181,10 @@ class ForeachBatchBridge:
         key: with ``mode="update"``: each epoch is an upsert (Lance ``merge_insert``) by these
             columns, so the dataset holds the latest row per key; without it, update mode
             appends a log of updates.
+        epoch_column: stamp every row pushed to the live tables and subscriptions with its
+            epoch id in this ``int64`` column (not persisted to Lance). Declare the live
+            tables ``order_by=epoch_column``: the bridge then advances their watermark when
+            each epoch is pushed, so ``GROUP BY epoch`` emits each epoch's result as it lands.
 
     Example:
         >>> from pushtable import SessionContext
@@ -194,6 +212,7 @@ class ForeachBatchBridge:
         push_timeout: float = 30.0,
         on_slow_reader: Literal["detach", "block"] = "detach",
         key: Sequence[str] | None = None,
+        epoch_column: str | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
@@ -229,6 +248,17 @@ class ForeachBatchBridge:
             raise ValueError(
                 f"push_timeout must be a finite number of seconds > 0, got {push_timeout}"
             )
+        if epoch_column is not None:
+            for sink in sinks:
+                field = (
+                    sink.schema.field(epoch_column) if epoch_column in sink.schema.names else None
+                )
+                if field is None or not pa.types.is_integer(field.type):
+                    raise ValueError(
+                        f"live table {sink.name!r} needs an integer column {epoch_column!r} "
+                        f"for epoch_column= (its schema: {sink.schema})"
+                    )
+        self.epoch_column = epoch_column
         self.push_timeout = float(push_timeout)
         self.on_slow_reader = on_slow_reader
         self.sinks = list(sinks)
@@ -384,7 +414,7 @@ class ForeachBatchBridge:
         """Before the commit, once per epoch schema: detach sinks that cannot take it."""
         from pyspark.sql.pandas.types import to_arrow_schema
 
-        schema = to_arrow_schema(batch_df.schema)
+        schema = self._stamped_schema(to_arrow_schema(batch_df.schema))
         self._epoch_schema = schema
         key = schema.to_string()
         if key in self._checked:
@@ -399,14 +429,35 @@ class ForeachBatchBridge:
                 )
                 self._detach(sink, error, str(exc))
 
+    def _stamped_schema(self, schema: pa.Schema) -> pa.Schema:
+        """An epoch's schema as the live tables see it (with the epoch column, if any)."""
+        if self.epoch_column is None or self.epoch_column in schema.names:
+            return schema
+        return schema.append(pa.field(self.epoch_column, pa.int64(), nullable=False))
+
+    def _stamped(self, table: pa.Table, epoch_id: int) -> pa.Table:
+        """``table`` with its epoch id in the epoch column (when there is one)."""
+        if self.epoch_column is None or self.epoch_column in table.schema.names:
+            return table
+        ids = pa.repeat(pa.scalar(epoch_id, pa.int64()), table.num_rows)
+        field = pa.field(self.epoch_column, pa.int64(), nullable=False)
+        return table.append_column(field, ids)
+
+    def _advance(self, sink: TableSink | Topic, epoch_id: int) -> None:
+        """After epoch ``epoch_id``: no row of an earlier epoch will come (ordered sinks)."""
+        if self.epoch_column is not None and sink._native.watermark_type() is not None:
+            sink.advance(epoch_id + 1)
+
     def _push(self, table: pa.Table, epoch_id: int) -> None:
         timeout = None if self.on_slow_reader == "block" else self.push_timeout
+        table = self._stamped(table, epoch_id)
         for sink in self._live_sinks():
             try:
                 # Names and types are conformed here; NOT NULL is checked by the sink on the
                 # data, with a message naming the field.
                 relaxed = pa.schema([f.with_nullable(True) for f in sink.schema])
                 sink.write(conform_to(table, relaxed), timeout=timeout)
+                self._advance(sink, epoch_id)
             except (ReaderGoneError, SinkClosedError) as exc:
                 # A reader that stopped early must not stop the persisting query.
                 self._detach(sink, None, str(exc))
@@ -463,6 +514,11 @@ class ForeachBatchBridge:
             )
         if history and self.lance_uri is None:
             raise ValueError("history=True reads the Lance dataset: pass lance_uri=... too")
+        if history and self.epoch_column is not None:
+            raise ValueError(
+                "the Lance history has no epoch column: subscribe with history=False when the "
+                "bridge has epoch_column="
+            )
         with self._lock:
             topic = self._ensure_topic(schema)
             prelude = None
@@ -523,8 +579,10 @@ class ForeachBatchBridge:
                 raise ValueError(
                     "no schema yet (no epoch seen and no Lance dataset): pass schema=..."
                 )
-        relaxed = pa.schema([f.with_nullable(True) for f in schema])
-        self._topic = Topic(f"bridge:{self.lance_uri or id(self)}", relaxed)
+        relaxed = pa.schema([f.with_nullable(True) for f in self._stamped_schema(schema)])
+        self._topic = Topic(
+            f"bridge:{self.lance_uri or id(self)}", relaxed, order_by=self.epoch_column
+        )
         # Every epoch committed so far is in the dataset now: history covers it.
         self._covered = ds.version if ds is not None else 0
         if self._closed or (self._ended and not self._watched):
@@ -543,7 +601,7 @@ class ForeachBatchBridge:
         """Write a committed epoch to the subscriptions (before anything else can fail)."""
         assert self._topic is not None
         try:
-            data = conform_to(table, self._topic.schema)
+            data = conform_to(self._stamped(table, epoch_id), self._topic.schema)
         except (SchemaDriftError, pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
             self._topic.fail(
                 IncompatibleSinkError(f"subscriptions cannot take epoch {epoch_id}: {exc}")
@@ -551,6 +609,7 @@ class ForeachBatchBridge:
             return
         try:
             self._topic.write(data)
+            self._advance(self._topic, epoch_id)
         except SinkClosedError as exc:
             log.warning("epoch %s not published: %s", epoch_id, exc)
         if result.version is not None:
