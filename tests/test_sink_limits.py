@@ -6,6 +6,7 @@ from __future__ import annotations
 import _thread
 import functools
 import math
+import signal
 import subprocess
 import sys
 import textwrap
@@ -166,6 +167,16 @@ def test_type_names_in_errors_are_pyarrow_names(ctx: SessionContext) -> None:
 
 
 def test_ctrl_c_reaches_a_main_thread_writer_that_keeps_being_woken(ctx: SessionContext) -> None:
+    # Python's own SIGINT handler for the duration: a handler an earlier test (Spark's, an
+    # asyncio runner's) left installed must not decide what this test measures.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _ctrl_c_reaches_a_woken_writer(ctx)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _ctrl_c_reaches_a_woken_writer(ctx: SessionContext) -> None:
     sink = ctx.register_streaming_table("t", SCHEMA, capacity=1)
     sink.write(batch(1))
     stop = threading.Event()

@@ -1,7 +1,8 @@
 """``pushtable bench``: every performance claim, reproducible in one run.
 
 Suites: ``core`` (live-table throughput vs DuckDB and a Python drain), ``latency`` (write ->
-result time of live queries), ``spark`` (the bridge's per-epoch split vs ``toArrow``),
+result time of live queries), ``windows`` (the live engine's window aggregates: throughput
+and window-close latency), ``spark`` (the bridge's per-epoch split vs ``toArrow``),
 ``memory`` (RSS stays bounded with a slow reader), ``fanout`` (one producer, 1 / 4 / 16
 live queries over a Topic), ``flight`` (``pushtable serve`` vs one process; Spark executor vs
 driver push) and ``bandwidth`` (the machine's copy rate,
@@ -18,6 +19,7 @@ from typing import Any
 SUITES: tuple[str, ...] = (
     "core",
     "latency",
+    "windows",
     "fanout",
     "flight",
     "spark",
@@ -38,7 +40,7 @@ def run(
     The suites run from the lightest footprint to the heaviest (memory, spark, core), so a
     suite's figures are not skewed by what an earlier one left in the process's heap.
     """
-    from pushtable.bench import core, fanout, flight, latency, machine, memory, spark
+    from pushtable.bench import core, fanout, flight, latency, machine, memory, spark, windows
 
     out: dict[str, Any] = {"machine": machine.describe(), "quick": quick}
     say(f"machine: {out['machine']['cores']} cores, {out['machine']['memory_gb']} GB")
@@ -65,6 +67,9 @@ def run(
     if "latency" in suites:
         out["latency"] = latency.run(quick)
         say(latency.table(out["latency"]))
+    if "windows" in suites:
+        out["windows"] = windows.run(quick)
+        say(windows.table(out["windows"]))
     if "core" in suites:
         out["core"] = core.run(quick)
         say(core.table(out["core"]))

@@ -1,0 +1,139 @@
+"""Windows that emit as they close: throughput and window-close latency of the live engine.
+
+The workload of docs/benchmarks.md's "windows" section: rows ``(ts, k, v)`` with event time
+``ts``, a 1-second tumbling ``count(*)``/``sum(v)`` per window.
+
+- throughput: 2,000,000 rows in 8,192-row batches pushed flat out; rows per second from the
+  first write to the last window's row, results checked against the input;
+- window-close latency: one batch every 20 ms, each batch a new second, so each write closes
+  the previous window; the time from that write to the window's row in Python (p50/p99), at
+  1, 100 and 8,192-row batches.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from pushtable import SessionContext
+
+SCHEMA = pa.schema([("ts", pa.timestamp("ms", tz="UTC")), ("k", pa.int64()), ("v", pa.int64())])
+SQL = "SELECT date_bin(INTERVAL '1 second', ts) AS w, count(*) AS n, sum(v) AS s FROM t GROUP BY 1"
+BATCH_ROWS = (1, 100, 8192)
+
+
+def _batch(first_ms: int, rows: int, span_ms: int) -> pa.RecordBatch:
+    """``rows`` rows from ``first_ms`` spread over ``span_ms`` milliseconds, v = 1."""
+    ts = first_ms + (np.arange(rows, dtype=np.int64) * span_ms) // max(rows, 1)
+    return pa.record_batch(
+        [
+            pa.array(ts, pa.timestamp("ms", tz="UTC")),
+            pa.array(np.arange(rows)),
+            pa.array(np.ones(rows, np.int64)),
+        ],
+        schema=SCHEMA,
+    )
+
+
+def throughput(
+    rows: int = 2_000_000, batch_rows: int = 8192, per_window: int = 100_000
+) -> dict[str, Any]:
+    """Rows per second through a 1-second tumbling window, flat out; results verified."""
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table("t", SCHEMA, capacity=64, order_by="ts", unbounded=True)
+    batches = []
+    for first in range(0, rows, batch_rows):
+        n = min(batch_rows, rows - first)
+        # per_window rows per second of event time
+        ts0 = (first * 1000) // per_window
+        batches.append(_batch(ts0, n, (n * 1000) // per_window))
+    got: list[pa.RecordBatch] = []
+    stream = ctx.sql(SQL).execute_stream()
+
+    def produce() -> None:
+        with sink:
+            for b in batches:
+                sink.write(b)
+
+    start = time.perf_counter()
+    producer = threading.Thread(target=produce)
+    producer.start()
+    for b in stream:
+        got.append(b.to_pyarrow())
+    seconds = time.perf_counter() - start
+    producer.join()
+    result = pa.Table.from_batches(got) if got else pa.table({"n": [], "s": []})
+    ok = sum(result["n"].to_pylist()) == rows and sum(result["s"].to_pylist()) == rows
+    return {
+        "rows": rows,
+        "batch_rows": batch_rows,
+        "windows": result.num_rows,
+        "seconds": seconds,
+        "rows_per_s": rows / seconds,
+        "verified": ok,
+    }
+
+
+def close_latency(batch_rows: int, samples: int = 200, interval: float = 0.02) -> dict[str, Any]:
+    """Write -> window row: each batch opens a new second, closing the one before."""
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table("t", SCHEMA, capacity=16, order_by="ts", unbounded=True)
+    arrived: dict[int, float] = {}
+    stream = ctx.sql(SQL).execute_stream()
+
+    def read() -> None:
+        for b in stream:
+            now = time.perf_counter()
+            for w in b.to_pyarrow().column("w").cast(pa.int64()).to_pylist():
+                arrived.setdefault(w // 1_000_000_000, now)  # ns -> the window's second
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    written: list[float] = []
+    start = time.perf_counter()
+    for i in range(samples + 1):
+        time.sleep(max(0.0, start + i * interval - time.perf_counter()))
+        b = _batch(i * 1000, batch_rows, 500)
+        written.append(time.perf_counter())
+        sink.write(b, timeout=30)
+    time.sleep(interval)
+    sink.close()
+    reader.join(60)
+    # Window i closes when batch i + 1 is written.
+    ms = sorted((arrived[i] - written[i + 1]) * 1e3 for i in range(samples) if i in arrived)
+    return {
+        "batch_rows": batch_rows,
+        "samples": len(ms),
+        "p50_ms": statistics.median(ms),
+        "p99_ms": ms[min(len(ms) - 1, int(len(ms) * 0.99))],
+        "max_ms": ms[-1],
+    }
+
+
+def run(quick: bool) -> dict[str, Any]:
+    """The ``windows`` suite (pushtable's figures)."""
+    runs = [throughput(200_000 if quick else 2_000_000) for _ in range(1 if quick else 3)]
+    best = sorted(runs, key=lambda r: r["rows_per_s"])[len(runs) // 2]
+    latency = [close_latency(rows, 20 if quick else 200) for rows in BATCH_ROWS]
+    return {"throughput": best, "throughput_runs": runs, "close_latency": latency}
+
+
+def table(suite: dict[str, Any]) -> str:
+    t = suite["throughput"]
+    lines = [
+        f"windows throughput: {t['rows']:,} rows in {t['batch_rows']:,}-row batches, "
+        f"{t['windows']} windows: {t['rows_per_s'] / 1e6:.1f} M rows/s (median of "
+        f"{len(suite['throughput_runs'])}, verified={t['verified']})",
+        f"{'batch rows':>10s} {'n':>4s} {'p50 ms':>8s} {'p99 ms':>8s} {'max ms':>8s}",
+    ]
+    for c in suite["close_latency"]:
+        lines.append(
+            f"{c['batch_rows']:10d} {c['samples']:4d} {c['p50_ms']:8.2f} {c['p99_ms']:8.2f} "
+            f"{c['max_ms']:8.2f}"
+        )
+    return "\n".join(lines)
