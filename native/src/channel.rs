@@ -980,6 +980,18 @@ pub struct Markers {
     pub data_type: DataType,
 }
 
+impl Markers {
+    /// Hand on watermark `w` (in the order column's integer scale): set the cell, and return
+    /// the empty batch that makes the operators above read it.
+    fn announce(&self, w: i64, schema: &SchemaRef) -> DFResult<RecordBatch> {
+        let value = ScalarValue::Int64(Some(w))
+            .cast_to(&self.data_type)
+            .map_err(|e| DataFusionError::Execution(e.to_string()))?;
+        self.cell.set(value);
+        Ok(RecordBatch::new_empty(Arc::clone(schema)))
+    }
+}
+
 /// One partition of the scan: a record-batch stream over a reader's cursor. Several may
 /// read one cursor concurrently (each batch goes to exactly one of them).
 ///
@@ -1087,13 +1099,7 @@ impl Stream for ReaderStream {
             if seq >= at && c.watermark_delivered.is_none_or(|d| d < w) {
                 c.watermark_delivered = Some(w);
                 drop(st);
-                let value = ScalarValue::Int64(Some(w))
-                    .cast_to(&markers.data_type)
-                    .map_err(|e| DataFusionError::Execution(e.to_string()));
-                return Poll::Ready(Some(value.map(|v| {
-                    markers.cell.set(v);
-                    RecordBatch::new_empty(Arc::clone(&channel.schema))
-                })));
+                return Poll::Ready(Some(markers.announce(w, &channel.schema)));
             }
         }
         if seq < first + st.log.len() as u64 {
@@ -1128,13 +1134,7 @@ impl Stream for ReaderStream {
                 let w = st.tick_clock();
                 drop(st);
                 self.next_clock = now + CLOCK_TICK;
-                let value = ScalarValue::Int64(Some(w))
-                    .cast_to(&markers.data_type)
-                    .map_err(|e| DataFusionError::Execution(e.to_string()));
-                return Poll::Ready(Some(value.map(|v| {
-                    markers.cell.set(v);
-                    RecordBatch::new_empty(Arc::clone(&channel.schema))
-                })));
+                return Poll::Ready(Some(markers.announce(w, &channel.schema)));
             }
             crate::clock::wake_at(self.next_clock, cx.waker().clone());
         }

@@ -346,18 +346,7 @@ impl TableProvider for LiveTable {
         &self,
         filters: &[&Expr],
     ) -> DFResult<Vec<TableProviderFilterPushDown>> {
-        // Exact: the scan applies every deterministic filter itself, so DataFusion plans no
-        // FilterExec above it.
-        Ok(filters
-            .iter()
-            .map(|f| {
-                if f.is_volatile() {
-                    TableProviderFilterPushDown::Unsupported
-                } else {
-                    TableProviderFilterPushDown::Exact
-                }
-            })
-            .collect())
+        Ok(exact_pushdown(filters))
     }
 
     async fn scan(
@@ -369,6 +358,35 @@ impl TableProvider for LiveTable {
     ) -> DFResult<Arc<dyn ExecutionPlan>> {
         Ok(Arc::new(self.scan_exec(state, projection, filters, limit, false)?))
     }
+}
+
+/// Exact for every deterministic filter: the scan applies it itself, batch by batch, so
+/// DataFusion plans no `FilterExec` (which would wait for `batch_size` rows) above it.
+pub fn exact_pushdown(filters: &[&Expr]) -> Vec<TableProviderFilterPushDown> {
+    filters
+        .iter()
+        .map(|f| {
+            if f.is_volatile() {
+                TableProviderFilterPushDown::Unsupported
+            } else {
+                TableProviderFilterPushDown::Exact
+            }
+        })
+        .collect()
+}
+
+/// The pushed-down `filters` as one predicate over `schema`, planned here, not by the
+/// (possibly foreign) session: evaluating a foreign expression would cross the FFI boundary
+/// on every batch.
+pub fn plan_predicate(
+    filters: &[Expr],
+    schema: &SchemaRef,
+    state: &dyn Session,
+) -> DFResult<Option<Arc<dyn PhysicalExpr>>> {
+    let df_schema = DFSchema::try_from(Arc::clone(schema))?;
+    conjunction(filters.iter().cloned())
+        .map(|p| create_physical_expr(&p, &df_schema, state.execution_props()))
+        .transpose()
 }
 
 impl LiveTable {
@@ -406,12 +424,7 @@ impl LiveTable {
                 None => sort,
             }
         };
-        // Planned here, not by the (foreign) session: evaluating a foreign expression would
-        // cross the FFI boundary on every batch.
-        let predicate = conjunction(filters.iter().cloned())
-            .map(|p| create_physical_expr(&p, &df_schema, state.execution_props()))
-            .transpose()?
-            .map(|expr| Predicate {
+        let predicate = plan_predicate(filters, &schema, state)?.map(|expr| Predicate {
                 expr,
                 projection: projection.cloned(),
             });

@@ -11,11 +11,10 @@ use std::sync::{Arc, Mutex};
 use arrow::datatypes::SchemaRef;
 use async_trait::async_trait;
 use datafusion::catalog::{Session, TableProvider};
-use datafusion::common::{DFSchema, DataFusionError, Result};
+use datafusion::common::{DataFusionError, Result};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
-use datafusion::logical_expr::utils::conjunction;
 use datafusion::logical_expr::{Expr, TableProviderFilterPushDown, TableType};
-use datafusion::physical_expr::{create_physical_expr, EquivalenceProperties, Partitioning};
+use datafusion::physical_expr::{EquivalenceProperties, Partitioning};
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
 use datafusion::physical_plan::execution_plan::EmissionType;
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
@@ -24,7 +23,7 @@ use datafusion::physical_plan::{
 };
 use futures::StreamExt;
 
-use crate::provider::{filtered, Predicate};
+use crate::provider::{exact_pushdown, filtered, plan_predicate, Predicate};
 
 /// The engine's plan, runnable once.
 struct Once {
@@ -97,16 +96,7 @@ impl TableProvider for QueryTable {
         &self,
         filters: &[&Expr],
     ) -> Result<Vec<TableProviderFilterPushDown>> {
-        Ok(filters
-            .iter()
-            .map(|f| {
-                if f.is_volatile() {
-                    TableProviderFilterPushDown::Unsupported
-                } else {
-                    TableProviderFilterPushDown::Exact
-                }
-            })
-            .collect())
+        Ok(exact_pushdown(filters))
     }
 
     async fn scan(
@@ -117,10 +107,7 @@ impl TableProvider for QueryTable {
         _limit: Option<usize>,
     ) -> Result<Arc<dyn ExecutionPlan>> {
         let schema = self.schema();
-        let df_schema = DFSchema::try_from(Arc::clone(&schema))?;
-        let predicate = conjunction(filters.iter().cloned())
-            .map(|p| create_physical_expr(&p, &df_schema, state.execution_props()))
-            .transpose()?;
+        let predicate = plan_predicate(filters, &schema, state)?;
         let projected = match projection {
             Some(p) => Arc::new(schema.project(p)?),
             None => Arc::clone(&schema),

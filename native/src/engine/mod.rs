@@ -248,14 +248,6 @@ impl PyEngine {
             })
         });
         let plan = planned.map_err(py_err)?;
-        if std::env::var("PUSHTABLE_DEBUG").is_ok() {
-            fn walk(p: &Arc<dyn ExecutionPlan>, d: usize) {
-                use datafusion::physical_plan::ExecutionPlanProperties;
-                eprintln!("{}{} ordering={:?}", " ".repeat(d), p.name(), p.output_ordering().map(|o| o.to_string()));
-                for c in p.children() { walk(c, d + 2); }
-            }
-            walk(&plan, 0);
-        }
         let mut reasons = Vec::new();
         uses_of_order(&plan, &mut reasons);
         let display = displayable(plan.as_ref()).indent(true).to_string();

@@ -46,9 +46,6 @@ impl PhysicalOptimizerRule for EmitOnWindowClose {
         plan: Arc<dyn ExecutionPlan>,
         _config: &ConfigOptions,
     ) -> Result<Arc<dyn ExecutionPlan>> {
-        if std::env::var("PUSHTABLE_DEBUG").is_ok() {
-            eprintln!("rule input:\n{}", datafusion::physical_plan::displayable(plan.as_ref()).indent(true));
-        }
         plan.transform_up(|node| {
             let new = match window_aggregate(&node)? {
                 Some(new) => Some(new),
