@@ -396,7 +396,10 @@ impl Channel {
                 let mut fields: Vec<_> = input_schema.fields().iter().cloned().collect();
                 fields.push(Arc::new(arrow::datatypes::Field::new(
                     column,
-                    DataType::Timestamp(arrow::datatypes::TimeUnit::Microsecond, Some("UTC".into())),
+                    DataType::Timestamp(
+                        arrow::datatypes::TimeUnit::Microsecond,
+                        Some("UTC".into()),
+                    ),
                     false,
                 )));
                 let n = fields.len() - 1;

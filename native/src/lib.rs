@@ -198,8 +198,8 @@ impl Sink {
         token: Option<&CancelToken>,
     ) -> PyResult<()> {
         let name = &self.channel.name;
-        let batch =
-            schema::conform(&self.channel.input_schema, batch).map_err(|i| schema_error(py, name, &i))?;
+        let batch = schema::conform(&self.channel.input_schema, batch)
+            .map_err(|i| schema_error(py, name, &i))?;
         let channel = &self.channel;
         let result = py.detach(|| {
             // Only Python's main thread receives Ctrl-C: other producers never take the GIL
@@ -507,8 +507,7 @@ fn streaming_table(
     check_arrival(&schema, arrival_column.as_deref())?;
     let gate = order_gate(&schema, &order_by, late)?;
     let order_by = declared_order(order_by, arrival_column.as_deref());
-    let (channel, reader) =
-        Channel::table(name, schema, arrival_column, capacity, max_bytes, gate);
+    let (channel, reader) = Channel::table(name, schema, arrival_column, capacity, max_bytes, gate);
     let table = provider::live_table(reader, unbounded, &order_by);
     Ok((Sink { channel, order_by }, PyTableProvider::new(table)))
 }
@@ -519,7 +518,9 @@ fn check_arrival(schema: &Schema, arrival: Option<&str>) -> PyResult<()> {
         Some(name) if schema.index_of(name).is_ok() => Err(PyValueError::new_err(format!(
             "arrival_column '{name}' is already a column of the schema: name a new column"
         ))),
-        Some("") => Err(PyValueError::new_err("arrival_column must be a non-empty name")),
+        Some("") => Err(PyValueError::new_err(
+            "arrival_column must be a non-empty name",
+        )),
         _ => Ok(()),
     }
 }

@@ -141,8 +141,7 @@ impl OrderGate {
     /// The first order column of `batch` as `i64` values (the watermark's scale).
     fn first_as_i64(&self, batch: &RecordBatch) -> Result<arrow::array::Int64Array, String> {
         let col = batch.column(self.indices[0]);
-        let col = cast(col, &DataType::Int64)
-        .map_err(|e| e.to_string())?;
+        let col = cast(col, &DataType::Int64).map_err(|e| e.to_string())?;
         Ok(col.as_primitive::<Int64Type>().clone())
     }
 

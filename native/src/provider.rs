@@ -198,7 +198,9 @@ pub struct LiveScanExec {
 
 impl fmt::Debug for LiveScanExec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("LiveScanExec").field("table", &self.name).finish()
+        f.debug_struct("LiveScanExec")
+            .field("table", &self.name)
+            .finish()
     }
 }
 
@@ -356,7 +358,9 @@ impl TableProvider for LiveTable {
         filters: &[Expr],
         limit: Option<usize>,
     ) -> DFResult<Arc<dyn ExecutionPlan>> {
-        Ok(Arc::new(self.scan_exec(state, projection, filters, limit, false)?))
+        Ok(Arc::new(
+            self.scan_exec(state, projection, filters, limit, false)?,
+        ))
     }
 }
 
@@ -425,9 +429,9 @@ impl LiveTable {
             }
         };
         let predicate = plan_predicate(filters, &schema, state)?.map(|expr| Predicate {
-                expr,
-                projection: projection.cloned(),
-            });
+            expr,
+            projection: projection.cloned(),
+        });
         // Several partitions read the queue in parallel (DataFusion then needs no round-robin
         // repartition, which would hold rows back); an ordered table keeps one, in order.
         let n = if self.sort_order.is_empty() {

@@ -145,7 +145,11 @@ impl fmt::Debug for QueryScanExec {
 
 impl DisplayAs for QueryScanExec {
     fn fmt_as(&self, _t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
-        write!(f, "LiveQueryExec: engine=pushtable, sql={:?}", self.once.sql)
+        write!(
+            f,
+            "LiveQueryExec: engine=pushtable, sql={:?}",
+            self.once.sql
+        )
     }
 }
 

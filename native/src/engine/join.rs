@@ -20,9 +20,7 @@ use arrow::row::{RowConverter, SortField};
 use datafusion::common::{JoinType, Result};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_expr::expressions::Column;
-use datafusion::physical_expr::{
-    EquivalenceProperties, PhysicalExprRef, PhysicalSortExpr,
-};
+use datafusion::physical_expr::{EquivalenceProperties, PhysicalExprRef, PhysicalSortExpr};
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
 use datafusion::physical_plan::common::collect;
 use datafusion::physical_plan::execution_plan::EmissionType;
@@ -73,8 +71,7 @@ impl LookupJoinExec {
         projection: Option<Vec<usize>>,
         join_schema: SchemaRef,
     ) -> Result<Self> {
-        let build: Arc<dyn ExecutionPlan> = if build.output_partitioning().partition_count() > 1
-        {
+        let build: Arc<dyn ExecutionPlan> = if build.output_partitioning().partition_count() > 1 {
             Arc::new(CoalescePartitionsExec::new(build))
         } else {
             build
@@ -137,11 +134,7 @@ impl LookupJoinExec {
 
 impl DisplayAs for LookupJoinExec {
     fn fmt_as(&self, _t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
-        let on: Vec<String> = self
-            .on
-            .iter()
-            .map(|(l, r)| format!("({l}, {r})"))
-            .collect();
+        let on: Vec<String> = self.on.iter().map(|(l, r)| format!("({l}, {r})")).collect();
         write!(
             f,
             "LookupJoinExec: join_type={:?}, on=[{}], emit=per probe batch",

@@ -23,12 +23,12 @@ use datafusion::physical_optimizer::PhysicalOptimizerRule;
 use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
 use datafusion::physical_plan::joins::{HashJoinExec, PartitionMode};
-use datafusion::physical_plan::windows::{
-    get_best_fitting_window, BoundedWindowAggExec, WindowAggExec,
-};
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::repartition::RepartitionExec;
 use datafusion::physical_plan::sorts::sort::SortExec;
+use datafusion::physical_plan::windows::{
+    get_best_fitting_window, BoundedWindowAggExec, WindowAggExec,
+};
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 
 use super::join::LookupJoinExec;
@@ -141,13 +141,16 @@ fn lookup_join(node: &Arc<dyn ExecutionPlan>) -> Result<Option<Arc<dyn Execution
     if left_live && !right_live && !join.right().boundedness().is_unbounded() {
         // The live side must be the probe side: swap, then replace the swapped join.
         let swapped = join.swap_inputs(PartitionMode::CollectLeft)?;
-        return Ok(Some(swapped.transform_up(|n| {
-            Ok(match lookup_join(&n)? {
-                Some(new) => Transformed::yes(new),
-                None => Transformed::no(n),
-            })
-        })
-        .data()?));
+        return Ok(Some(
+            swapped
+                .transform_up(|n| {
+                    Ok(match lookup_join(&n)? {
+                        Some(new) => Transformed::yes(new),
+                        None => Transformed::no(n),
+                    })
+                })
+                .data()?,
+        ));
     }
     if left_live || !right_live || !LookupJoinExec::supports(*join.join_type()) {
         return Ok(None);

@@ -254,7 +254,11 @@ impl Probe {
         }
     }
 
-    fn key(&self, key_expr: &Arc<dyn PhysicalExpr>, watermark: &ScalarValue) -> Result<ScalarValue> {
+    fn key(
+        &self,
+        key_expr: &Arc<dyn PhysicalExpr>,
+        watermark: &ScalarValue,
+    ) -> Result<ScalarValue> {
         let columns: Vec<ArrayRef> = self
             .schema
             .fields()
