@@ -159,8 +159,10 @@ def test_a_topic_subscription_windows_like_a_table() -> None:
     live = LiveRows(ctx, WINDOW_SQL)
     topic.write(rows((0.2, "a", 1), (1.5, "a", 2)))
     assert live.take(1) == [{"w": at(0), "n": 1, "s": 1}]
+    topic.advance(at(2))  # a topic's watermark reaches every subscription
+    assert live.take(1) == [{"w": at(1), "n": 1, "s": 2}]
     topic.close()
-    assert live.finish() == [{"w": at(1), "n": 1, "s": 2}]
+    assert live.finish() == []
 
 
 # --- watermarks ------------------------------------------------------------------------
@@ -342,3 +344,34 @@ def test_arrival_column_errors_name_the_problem() -> None:
     topic = Topic("events", schema, arrival_column="at")
     topic.subscribe(ctx, "v")
     assert ctx.table("v").schema().names == ["k", "at"]
+
+
+# --- over the network -------------------------------------------------------------------
+
+
+def test_a_remote_watermark_travels_in_order_with_the_batches() -> None:
+    from pushtable.flight import Server, connect
+
+    server = Server()
+    try:
+        with connect(server.location) as client:
+            client.create_table("t", SCHEMA, order_by="ts", unbounded=True)
+            result = client.sql(WINDOW_SQL)  # planned on the server by its live engine
+            rows_seen: queue.Queue[dict[str, Any]] = queue.Queue()
+
+            def read() -> None:
+                for b in result:
+                    for row in b.to_pylist():
+                        rows_seen.put(row)
+
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            with client.sink("t") as sink:
+                sink.write(rows((0.1, "a", 1), (0.2, "a", 2)))
+                sink.advance(at(1))  # after the batch, on the same stream
+                assert rows_seen.get(timeout=WAIT) == {"w": at(0), "n": 2, "s": 3}
+                sink.write(rows((1.5, "a", 4)))
+            reader.join(WAIT)
+            assert rows_seen.get(timeout=WAIT) == {"w": at(1), "n": 1, "s": 4}
+    finally:
+        server.stop()

@@ -332,10 +332,13 @@ class _Put:
         self.io = threading.Lock()  # one call on the writer at a time
         threading.Thread(target=self._read_acks, name="pushtable-acks", daemon=True).start()
 
-    def send(self, batch: pa.RecordBatch) -> None:
-        """Write one batch (already in the stream's wire schema)."""
+    def send(self, batch: pa.RecordBatch, metadata: bytes | None = None) -> None:
+        """Write one batch (already in the stream's wire schema), with ``metadata`` if any."""
         with self.io:
-            _call(self.writer.write_batch, batch)
+            if metadata is None:
+                _call(self.writer.write_batch, batch)
+            else:
+                _call(self.writer.write_with_metadata, batch, pa.py_buffer(metadata))
         self.sent += 1
 
     def _read_acks(self) -> None:
@@ -549,6 +552,24 @@ class RemoteSink(ProducerScope):
     async def awrite(self, data: Any, timeout: float | None = None) -> None:
         """Asyncio form of :meth:`write` (runs it on a worker thread; the loop never blocks)."""
         await asyncio.to_thread(self.write, data, timeout)
+
+    def advance(self, ts: Any, timeout: float | None = None) -> None:
+        """``TableSink.advance`` on the server's table, in order with the batches written
+        before and after it on this sink (an ``int``, or a ``datetime`` for a timestamp
+        column). Errors (no ``order_by``, a closed table) come back like a write's."""
+        metadata = protocol.advance_metadata(ts)
+        timeout = _check_timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            if self._closed:
+                raise SinkClosedError(f"remote sink for '{self.name}' is closed")
+            put = self._stream()
+            if not put.wait(self.window - 1, deadline):
+                raise WriteTimeoutError(
+                    f"advance on remote table '{self.name}' timed out after {timeout}s "
+                    f"with {self.window} batch(es) unacknowledged"
+                )
+            put.send(pa.RecordBatch.from_pylist([], schema=self._wire_schema), metadata)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the server acknowledged every batch sent (queued in its table)."""

@@ -1,7 +1,9 @@
 """The wire conventions ``pushtable serve`` and its clients share (Arrow Flight).
 
 - **DoPut** ``path=[table]``: a producer's stream of batches; the server acknowledges each
-  batch it queued with an 8-byte little-endian count (its ``app_metadata``).
+  batch it queued with an 8-byte little-endian count (its ``app_metadata``). An empty batch
+  whose ``app_metadata`` is ``{"advance": ...}`` (JSON) is a watermark, in order with the
+  batches around it (``RemoteSink.advance``); it is acknowledged like a batch.
 - **DoPut** ``path=[table, "stage", query, epoch, partition, attempt]``: one Spark task's
   share of an epoch, held until the driver publishes the epoch (``publish`` action).
 - **DoGet** ticket ``{"sql": ...}``: the query's result batches as the query produces them.
@@ -17,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterator
+from datetime import datetime
 from typing import Any
 
 import pyarrow as pa
@@ -108,13 +111,41 @@ def to_wire(
 
 def batches(read_chunk: Callable[[], Any]) -> Iterator[pa.RecordBatch]:
     """The record batches of a Flight stream, read with ``read_chunk`` until it ends."""
+    for batch, _ in chunks(read_chunk):
+        yield batch
+
+
+def chunks(read_chunk: Callable[[], Any]) -> Iterator[tuple[pa.RecordBatch, Any]]:
+    """The (batch, app_metadata) chunks of a Flight stream, until it ends."""
     while True:
         try:
             chunk = read_chunk()
         except StopIteration:
             return
         if chunk.data is not None:
-            yield chunk.data
+            yield chunk.data, chunk.app_metadata
+
+
+def advance_metadata(ts: Any) -> bytes:
+    """A watermark as DoPut ``app_metadata``: an int as is, a datetime in ISO form."""
+    if isinstance(ts, datetime):
+        return json.dumps({"advance": {"iso": ts.isoformat()}}).encode()
+    if isinstance(ts, int) and not isinstance(ts, bool):
+        return json.dumps({"advance": {"int": ts}}).encode()
+    raise TypeError(f"advance() takes an int or a datetime, got {type(ts).__name__}")
+
+
+def advance_value(metadata: Any) -> Any:
+    """The watermark an ``app_metadata`` carries, or None for an ordinary batch."""
+    if metadata is None or metadata.size == 0:
+        return None
+    try:
+        body = json.loads(metadata.to_pybytes())["advance"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"unexpected DoPut app_metadata: {exc}") from None
+    if "iso" in body:
+        return datetime.fromisoformat(body["iso"])
+    return int(body["int"])
 
 
 def check_batch_schema(table: str, expected: pa.Schema, got: pa.Schema) -> None:

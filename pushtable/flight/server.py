@@ -194,10 +194,13 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
             if len(path) != 1:
                 raise ValueError(f"unexpected DoPut path {path!r}")
             producer = self._table(path[0])
-            for count, batch in enumerate(protocol.batches(reader.read_chunk), start=1):
-                self._write(context, producer, batch)
+            for count, (batch, metadata) in enumerate(protocol.chunks(reader.read_chunk), 1):
+                if (watermark := protocol.advance_value(metadata)) is not None:
+                    producer.advance(watermark)
+                else:
+                    self._write(context, producer, batch)
                 writer.send(count)
-        except (PushTableError, ValueError, pa.ArrowException) as exc:
+        except (PushTableError, ValueError, TypeError, pa.ArrowException) as exc:
             raise protocol.server_error(exc) from exc
 
     def _write(self, context: Any, producer: TableSink | Topic, batch: pa.RecordBatch) -> None:
