@@ -58,6 +58,7 @@ def streaming_table(
     order_by: list[str] = ...,
     late: str = "reject",
     arrival_column: str | None = None,
+    max_delay: int | None = None,
 ) -> tuple[Sink, TableProvider]: ...
 def topic(
     name: str,
@@ -67,6 +68,7 @@ def topic(
     order_by: list[str] = ...,
     late: str = "reject",
     arrival_column: str | None = None,
+    max_delay: int | None = None,
 ) -> Sink: ...
 def batch_bytes(batch: Any) -> int: ...
 def interpreter_finalizing() -> None: ...

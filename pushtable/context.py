@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import timedelta
 from importlib.metadata import version
 from typing import Any, Literal
 
@@ -62,6 +63,29 @@ def order_columns(order_by: str | Sequence[str] | None, late: str) -> list[str]:
     return [order_by] if isinstance(order_by, str) else list(order_by or [])
 
 
+def delay_units(schema: pa.Schema, order: list[str], max_delay: Any) -> int | None:
+    """``max_delay`` (a ``timedelta``, or an ``int`` in the column's own units) as an integer
+    in the scale of the order column's values."""
+    if max_delay is None:
+        return None
+    if len(order) != 1:
+        raise ValueError("max_delay needs exactly one order_by column")
+    field = schema.field(order[0])
+    if isinstance(max_delay, timedelta):
+        if pa.types.is_timestamp(field.type):
+            per_second = {"s": 1, "ms": 1_000, "us": 1_000_000, "ns": 1_000_000_000}
+            return int(max_delay.total_seconds() * per_second[field.type.unit])
+        if pa.types.is_date32(field.type):
+            return max_delay.days
+        raise ValueError(
+            f"max_delay as a timedelta needs a timestamp or date order column; "
+            f"'{field.name}' is {field.type}: give an int in its units"
+        )
+    if isinstance(max_delay, bool) or not isinstance(max_delay, int) or max_delay < 0:
+        raise ValueError(f"max_delay must be a timedelta or an int >= 0, got {max_delay!r}")
+    return max_delay
+
+
 def register_streaming_table(
     ctx: datafusion.SessionContext,
     name: str,
@@ -73,6 +97,7 @@ def register_streaming_table(
     order_by: str | Sequence[str] | None = None,
     late: Literal["reject", "drop"] = "reject",
     arrival_column: str | None = None,
+    max_delay: timedelta | int | None = None,
 ) -> TableSink:
     """Register a single-scan table named ``name`` in ``ctx`` and return its :class:`TableSink`.
 
@@ -93,6 +118,11 @@ def register_streaming_table(
     the clock (a few milliseconds after each boundary, with no new rows). Producers write the
     schema without it.
 
+    ``max_delay`` (with one ``order_by`` column) accepts rows up to that far behind the newest
+    seen, in any order: the sink holds them (``stats.held_rows``/``held_bytes``) and releases
+    them in order once the watermark — newest minus ``max_delay``, or ``advance(ts)`` — passes
+    them; rows behind it are late (``late=``). ``close()`` releases the rest.
+
     Example:
         >>> import datafusion, pyarrow as pa
         >>> from pushtable import register_streaming_table
@@ -107,8 +137,9 @@ def register_streaming_table(
     if not isinstance(schema, pa.Schema):
         schema = pa.schema(schema)
     order = order_columns(order_by, late)
+    delay = delay_units(schema, order, max_delay)
     native, provider = _native.streaming_table(
-        name, schema, capacity, max_bytes, unbounded, order, late, arrival_column
+        name, schema, capacity, max_bytes, unbounded, order, late, arrival_column, delay
     )
     ctx.register_table(name, provider)
     # `provider` handed its only reference to the session: from now on the session owns the
@@ -196,6 +227,7 @@ class SessionContext(datafusion.SessionContext):
         order_by: str | Sequence[str] | None = None,
         late: Literal["reject", "drop"] = "reject",
         arrival_column: str | None = None,
+        max_delay: timedelta | int | None = None,
     ) -> TableSink:
         """Register a single-scan streaming table; see :func:`register_streaming_table`."""
         return register_streaming_table(
@@ -208,6 +240,7 @@ class SessionContext(datafusion.SessionContext):
             order_by=order_by,
             late=late,
             arrival_column=arrival_column,
+            max_delay=max_delay,
         )
 
     def sql(self, query: str, *args: Any, **kwargs: Any) -> DataFrame:

@@ -83,7 +83,9 @@ class SinkStats:
     own slice of its buffers); ``queued_*`` is what waits for the reader now;
     ``waiting_writers`` is how many writes are blocked for room right now, served in arrival
     order; ``late_rows`` counts rows an ordered table with ``late="drop"`` dropped for arriving
-    behind the newest value; ``blocked_seconds`` is the total time producers spent waiting.
+    behind the newest value (or the watermark); ``held_rows``/``held_bytes`` is what a
+    ``max_delay`` table holds in its reorder buffer until the watermark passes it;
+    ``blocked_seconds`` is the total time producers spent waiting.
     """
 
     rows: int
@@ -93,6 +95,8 @@ class SinkStats:
     queued_bytes: int
     waiting_writers: int
     late_rows: int
+    held_rows: int
+    held_bytes: int
     blocked_seconds: float
     closed: bool
     failed: bool

@@ -11,13 +11,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Literal
 
 import datafusion
 import pyarrow as pa
 
 from pushtable import _native
-from pushtable.context import check_new_table, order_columns
+from pushtable.context import check_new_table, delay_units, order_columns
 from pushtable.sink import SinkStats, _Producer
 
 __all__ = ["Subscription", "SubscriptionStats", "Topic", "TopicStats"]
@@ -108,6 +109,7 @@ class Topic(_Producer):
         order_by: str | Sequence[str] | None = None,
         late: Literal["reject", "drop"] = "reject",
         arrival_column: str | None = None,
+        max_delay: timedelta | int | None = None,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string, got {name!r}")
@@ -119,7 +121,10 @@ class Topic(_Producer):
         if not isinstance(schema, pa.Schema):
             schema = pa.schema(schema)
         order = order_columns(order_by, late)
-        native = _native.topic(name, schema, retain, retain_bytes, order, late, arrival_column)
+        delay = delay_units(schema, order, max_delay)
+        native = _native.topic(
+            name, schema, retain, retain_bytes, order, late, arrival_column, delay
+        )
         super().__init__(native, name, schema)
         self.retain = retain
         self.retain_bytes = retain_bytes

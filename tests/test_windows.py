@@ -375,3 +375,44 @@ def test_a_remote_watermark_travels_in_order_with_the_batches() -> None:
             assert rows_seen.get(timeout=WAIT) == {"w": at(1), "n": 1, "s": 4}
     finally:
         server.stop()
+
+
+# --- bounded disorder -----------------------------------------------------------------------
+
+
+def test_rows_within_max_delay_are_reordered_and_windows_stay_exact() -> None:
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table(
+        "t", SCHEMA, order_by="ts", max_delay=timedelta(seconds=1), unbounded=True
+    )
+    live = LiveRows(ctx, WINDOW_SQL)
+    sink.write(rows((0.5, "a", 1), (0.2, "a", 2)))  # out of order within the batch
+    sink.write(rows((0.9, "a", 3), (0.1, "a", 4)))  # and across batches
+    assert sink.stats.held_rows == 4  # nothing passed the watermark (0.9 - 1 s) yet
+    sink.write(rows((1.2, "a", 5), (2.4, "a", 6)))  # watermark 1.4: window 0 is complete
+    assert live.take(1) == [{"w": at(0), "n": 4, "s": 10}]
+    assert sink.stats.held_rows == 1  # 2.4 waits; 1.2 went out
+    assert sink.stats.held_bytes > 0
+    with pytest.raises(OrderViolationError, match="late"):
+        sink.write(rows((1.3, "late", 100)))  # behind the watermark 1.4
+    sink.write(rows((1.9, "a", 7)))  # within max_delay of 2.4: accepted
+    sink.advance(at(2))  # releases 1.9; window 1 ends at the watermark
+    assert live.take(1) == [{"w": at(1), "n": 2, "s": 12}]
+    sink.close()  # releases 2.4
+    assert live.finish() == [{"w": at(2), "n": 1, "s": 6}]
+
+
+def test_late_rows_beyond_max_delay_are_dropped_and_counted_with_late_drop() -> None:
+    ctx = SessionContext()
+    schema = pa.schema([("ts", pa.int64()), ("v", pa.int64())])
+    sink = ctx.register_streaming_table("t", schema, 8, order_by="ts", max_delay=10, late="drop")
+    sink.write(pa.table({"ts": [100, 95, 120], "v": [1, 1, 1]}))  # watermark 110
+    sink.write(pa.table({"ts": [105, 111, 130], "v": [1, 1, 1]}))  # 105 is late: dropped
+    assert sink.stats.late_rows == 1
+    sink.close()
+    got = ctx.sql("SELECT ts FROM t").to_arrow_table()["ts"].to_pylist()
+    assert got == [95, 100, 111, 120, 130]
+    with pytest.raises(ValueError, match="exactly one order_by"):
+        ctx.register_streaming_table("u", schema, max_delay=10)
+    with pytest.raises(ValueError, match="timestamp or date"):
+        ctx.register_streaming_table("w", schema, order_by="ts", max_delay=timedelta(seconds=1))

@@ -35,6 +35,7 @@ use datafusion_execution::RecordBatchStream;
 use futures::Stream;
 
 use crate::order::{Newest, OrderGate};
+use crate::reorder::{Held, Reorder};
 use crate::schema;
 
 /// How often a blocked *interruptible* producer (Python's main thread) checks for Ctrl-C.
@@ -118,6 +119,9 @@ pub struct Stats {
     pub queued_bytes: usize,
     pub waiting_writers: usize,
     pub late_rows: u64,
+    /// Rows (and bytes) a bounded-disorder table holds until the watermark passes them.
+    pub held_rows: usize,
+    pub held_bytes: usize,
     pub blocked: Duration,
     pub closed: bool,
     pub failed: bool,
@@ -186,6 +190,8 @@ struct State {
     watermark: Option<(i64, u64)>,
     /// Arrival time (µs) never goes back: every stamp and clock watermark is at least this.
     clock: i64,
+    /// Rows of a bounded-disorder table waiting for the watermark.
+    held: Held,
     stats: Stats,
 }
 
@@ -373,6 +379,8 @@ pub struct Channel {
     /// What producers write (without the arrival column).
     pub input_schema: SchemaRef,
     order: Option<OrderGate>,
+    /// Bounded disorder: rows up to `max_delay` behind are held and released in order.
+    reorder: Option<Reorder>,
     /// The arrival column's index in `schema`: each batch is stamped at admission.
     arrival: Option<usize>,
     kind: Kind,
@@ -388,6 +396,7 @@ impl Channel {
         input_schema: SchemaRef,
         arrival: Option<String>,
         order: Option<OrderGate>,
+        reorder: Option<Reorder>,
         kind: Kind,
     ) -> Arc<Self> {
         let (schema, arrival) = match arrival {
@@ -411,6 +420,7 @@ impl Channel {
             schema,
             input_schema,
             order,
+            reorder,
             arrival,
             kind,
             state: Mutex::new(State {
@@ -426,6 +436,7 @@ impl Channel {
                 newest: None,
                 watermark: None,
                 clock: i64::MIN,
+                held: Held::default(),
                 stats: Stats::default(),
             }),
         })
@@ -440,8 +451,9 @@ impl Channel {
         capacity: usize,
         max_bytes: Option<usize>,
         order: Option<OrderGate>,
+        reorder: Option<Reorder>,
     ) -> (Arc<Self>, Reader) {
-        let channel = Self::with_kind(name, schema, arrival, order, Kind::Table);
+        let channel = Self::with_kind(name, schema, arrival, order, reorder, Kind::Table);
         let limits = Limits {
             capacity,
             max_bytes,
@@ -457,9 +469,17 @@ impl Channel {
         schema: SchemaRef,
         arrival: Option<String>,
         order: Option<OrderGate>,
+        reorder: Option<Reorder>,
         retention: Retention,
     ) -> Arc<Self> {
-        Self::with_kind(name, schema, arrival, order, Kind::Topic(retention))
+        Self::with_kind(
+            name,
+            schema,
+            arrival,
+            order,
+            reorder,
+            Kind::Topic(retention),
+        )
     }
 
     /// Whether batches are stamped with their arrival time.
@@ -589,9 +609,9 @@ impl Channel {
     ) -> Result<(), PushError<E>> {
         // The ordering is checked within the batch before the lock, and against the newest
         // value written when the batch is admitted, under it.
-        let (mut unordered, mut checked) = match &self.order {
-            Some(gate) => (None, Some(gate.check(batch).map_err(PushError::Order)?)),
-            None => (Some(batch), None),
+        let (mut unordered, mut checked) = match (&self.order, &self.reorder) {
+            (Some(gate), None) => (None, Some(gate.check(batch).map_err(PushError::Order)?)),
+            _ => (Some(batch), None),
         };
         let mut bytes = match (&unordered, &checked) {
             (Some(b), _) => batch_bytes(b),
@@ -647,6 +667,26 @@ impl Channel {
                                 }
                             }
                             _ => unreachable!("a batch is either unordered or checked"),
+                        };
+                        let batch = match &self.reorder {
+                            None => batch,
+                            Some(r) => {
+                                let floor = st.watermark.map(|(w, _)| w);
+                                match r.admit(&mut st.held, batch, floor) {
+                                    Ok(a) => {
+                                        st.stats.late_rows += a.late as u64;
+                                        match a.ready {
+                                            Some(ready) => {
+                                                bytes = batch_bytes(&ready);
+                                                ready
+                                            }
+                                            // Held (or all late): nothing to enqueue yet.
+                                            None => break Ok(Vec::new()),
+                                        }
+                                    }
+                                    Err(msg) => break Err(PushError::Order(msg)),
+                                }
+                            }
                         };
                         let batch = match self.arrival {
                             None => batch,
@@ -743,6 +783,26 @@ impl Channel {
             .collect()
     }
 
+    /// Enqueue `batch` regardless of room (what close() and advance() release from the
+    /// reorder buffer: they never block).
+    fn append(&self, st: &mut State, batch: RecordBatch) {
+        let batch = match self.arrival {
+            None => batch,
+            Some(_) => {
+                let stamp = st.tick_clock();
+                stamp_arrival(&self.schema, batch, stamp)
+            }
+        };
+        let bytes = batch_bytes(&batch);
+        st.stats.rows += batch.num_rows() as u64;
+        st.stats.batches += 1;
+        st.stats.bytes += bytes as u64;
+        let before = st.admitted;
+        st.admitted += bytes as u64;
+        st.log.push_back(Entry { batch, before });
+        st.trim(&self.retention());
+    }
+
     /// The type a watermark of this channel is expressed in (its first order column), or why
     /// it cannot have one.
     pub fn watermark_type(&self) -> Result<DataType, String> {
@@ -777,6 +837,14 @@ impl Channel {
         if st.watermark.is_some_and(|(w, _)| value <= w) {
             return Ok(());
         }
+        if let Some(r) = &self.reorder {
+            // Rows the watermark passes leave the buffer first, in order, before it.
+            match r.release(&mut st.held, Some(value)) {
+                Ok(Some(ready)) => self.append(&mut st, ready),
+                Ok(None) => {}
+                Err(msg) => return Err(PushError::Order(msg)),
+            }
+        }
         st.watermark = Some((value, st.end()));
         let wakers = Self::take_all_wakers(&mut st);
         drop(st);
@@ -787,6 +855,12 @@ impl Channel {
     /// End of stream: queued batches stay readable, blocked and later writes fail.
     pub fn close(&self) {
         let mut st = self.lock();
+        if let Some(r) = &self.reorder {
+            // End of stream: what the buffer holds goes out, in order.
+            if let Ok(Some(rest)) = r.release(&mut st.held, None) {
+                self.append(&mut st, rest);
+            }
+        }
         st.closed = true;
         let wakers = Self::take_all_wakers(&mut st);
         st.wake_all_waiters();
@@ -824,6 +898,8 @@ impl Channel {
             queued_batches: st.log.len(),
             queued_bytes,
             waiting_writers: st.waiters.len(),
+            held_rows: st.held.rows,
+            held_bytes: st.held.bytes,
             closed: st.closed,
             failed: st.failure.is_some(),
             reader_gone: st.gone.is_some(),

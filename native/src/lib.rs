@@ -14,6 +14,7 @@ mod clock;
 mod engine;
 mod order;
 mod provider;
+mod reorder;
 mod schema;
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -462,6 +463,8 @@ impl Sink {
         d.set_item("queued_bytes", s.queued_bytes)?;
         d.set_item("waiting_writers", s.waiting_writers)?;
         d.set_item("late_rows", s.late_rows)?;
+        d.set_item("held_rows", s.held_rows)?;
+        d.set_item("held_bytes", s.held_bytes)?;
         d.set_item("blocked_seconds", s.blocked.as_secs_f64())?;
         d.set_item("closed", s.closed)?;
         d.set_item("failed", s.failed)?;
@@ -490,7 +493,7 @@ fn interpreter_finalizing() {
 /// Create a streaming table: returns `(sink, provider)`; register the provider with a
 /// datafusion-python `SessionContext` and keep the sink for the producers.
 #[pyfunction]
-#[pyo3(signature = (name, schema, capacity, max_bytes=None, unbounded=false, order_by=vec![], late="reject", arrival_column=None))]
+#[pyo3(signature = (name, schema, capacity, max_bytes=None, unbounded=false, order_by=vec![], late="reject", arrival_column=None, max_delay=None))]
 #[allow(clippy::too_many_arguments)]
 fn streaming_table(
     name: String,
@@ -501,15 +504,50 @@ fn streaming_table(
     order_by: Vec<String>,
     late: &str,
     arrival_column: Option<String>,
+    max_delay: Option<i64>,
 ) -> PyResult<(Sink, PyTableProvider)> {
     check_limits(capacity, max_bytes)?;
     let schema = Arc::new(Schema::from_pyarrow_bound(&schema)?);
     check_arrival(&schema, arrival_column.as_deref())?;
     let gate = order_gate(&schema, &order_by, late)?;
+    let reorder = reorder_for(&schema, &order_by, late, max_delay)?;
     let order_by = declared_order(order_by, arrival_column.as_deref());
-    let (channel, reader) = Channel::table(name, schema, arrival_column, capacity, max_bytes, gate);
+    let (channel, reader) = Channel::table(
+        name,
+        schema,
+        arrival_column,
+        capacity,
+        max_bytes,
+        gate,
+        reorder,
+    );
     let table = provider::live_table(reader, unbounded, &order_by);
     Ok((Sink { channel, order_by }, PyTableProvider::new(table)))
+}
+
+/// The reorder buffer of a bounded-disorder table (`max_delay`), which needs one order column.
+fn reorder_for(
+    schema: &SchemaRef,
+    order_by: &[String],
+    late: &str,
+    max_delay: Option<i64>,
+) -> PyResult<Option<reorder::Reorder>> {
+    let Some(delay) = max_delay else {
+        return Ok(None);
+    };
+    let [column] = order_by else {
+        return Err(PyValueError::new_err(
+            "max_delay needs exactly one order_by column (the one rows may arrive late on)",
+        ));
+    };
+    let late = if late == "drop" {
+        Late::Drop
+    } else {
+        Late::Reject
+    };
+    reorder::Reorder::new(schema, column, delay, late)
+        .map(Some)
+        .map_err(PyValueError::new_err)
 }
 
 /// An arrival column must be a new column name.
@@ -536,7 +574,8 @@ fn declared_order(order_by: Vec<String>, arrival: Option<&str>) -> Vec<String> {
 /// Create a topic: a sink whose `subscribe` adds readers at any time. `retain_batches` /
 /// `retain_bytes` keep recent batches for subscribers starting at the earliest.
 #[pyfunction]
-#[pyo3(signature = (name, schema, retain_batches=None, retain_bytes=None, order_by=vec![], late="reject", arrival_column=None))]
+#[pyo3(signature = (name, schema, retain_batches=None, retain_bytes=None, order_by=vec![], late="reject", arrival_column=None, max_delay=None))]
+#[allow(clippy::too_many_arguments)]
 fn topic(
     name: String,
     schema: Bound<'_, PyAny>,
@@ -545,17 +584,19 @@ fn topic(
     order_by: Vec<String>,
     late: &str,
     arrival_column: Option<String>,
+    max_delay: Option<i64>,
 ) -> PyResult<Sink> {
     let schema = Arc::new(Schema::from_pyarrow_bound(&schema)?);
     check_arrival(&schema, arrival_column.as_deref())?;
     let gate = order_gate(&schema, &order_by, late)?;
+    let reorder = reorder_for(&schema, &order_by, late, max_delay)?;
     let order_by = declared_order(order_by, arrival_column.as_deref());
     let retention = Retention {
         batches: retain_batches,
         bytes: retain_bytes,
     };
     Ok(Sink {
-        channel: Channel::topic(name, schema, arrival_column, gate, retention),
+        channel: Channel::topic(name, schema, arrival_column, gate, reorder, retention),
         order_by,
     })
 }
