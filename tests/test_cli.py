@@ -113,6 +113,7 @@ def test_demo_over_spark_connect(tmp_path: Path) -> None:
 
 
 @pytest.mark.spark
+@pytest.mark.timeout(330)  # the command's own bound (300 s) applies, not the suite's 120 s default
 def test_quick_bench_writes_json_with_every_suite(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     done = _pushtable(
@@ -133,6 +134,8 @@ def test_quick_bench_writes_json_with_every_suite(tmp_path: Path) -> None:
     assert {r["engine"] for r in data["core"]["results"]} == {"pushtable", "duckdb", "python"}
     assert {"to_arrow_alone", "driver_path", "executor_path", "dedupe"} <= set(data["spark"])
     assert {"capacity_bound", "max_bytes_bound"} == set(data["memory"])
+    assert data["windows"]["throughput"]["verified"]
+    assert [c["batch_rows"] for c in data["windows"]["close_latency"]] == [1, 100, 8192]
     assert data["bandwidth"]["copy_gb_per_s_median"] > 0
     assert set(data["fanout"]) == {"1", "4", "16"}
     assert all(r["rows_per_s_total"] > 0 for r in data["fanout"].values())
