@@ -416,3 +416,24 @@ def test_late_rows_beyond_max_delay_are_dropped_and_counted_with_late_drop() -> 
         ctx.register_streaming_table("u", schema, max_delay=10)
     with pytest.raises(ValueError, match="timestamp or date"):
         ctx.register_streaming_table("w", schema, order_by="ts", max_delay=timedelta(seconds=1))
+
+
+def test_remote_tables_take_arrival_time_and_bounded_disorder() -> None:
+    from pushtable.flight import Server, connect
+
+    server = Server()
+    try:
+        with connect(server.location) as client:
+            client.create_table("d", SCHEMA, 8, order_by="ts", max_delay=timedelta(seconds=1))
+            client.create_table("a", pa.schema([("k", pa.int64())]), 8, arrival_column="at")
+            with client.sink("d") as sink:
+                sink.write(rows((0.5, "a", 1), (0.2, "b", 2), (0.9, "c", 3)))
+            with client.sink("a") as sink:
+                sink.write(pa.table({"k": [1, 2]}))
+            ordered = pa.Table.from_batches(list(client.sql("SELECT k FROM d")))
+            assert ordered["k"].to_pylist() == ["b", "a", "c"]
+            stamped = pa.Table.from_batches(list(client.sql("SELECT k, at FROM a")))
+            assert stamped.schema.field("at").type == pa.timestamp("us", tz="UTC")
+            assert stamped["k"].to_pylist() == [1, 2]
+    finally:
+        server.stop()

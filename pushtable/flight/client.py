@@ -16,6 +16,7 @@ import time
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -118,9 +119,12 @@ class Client:
         unbounded: bool = False,
         order_by: str | list[str] | None = None,
         late: str = "reject",
+        arrival_column: str | None = None,
+        max_delay: timedelta | int | None = None,
         if_not_exists: bool = False,
     ) -> None:
-        """Declare a single-scan streaming table on the server (as ``register_streaming_table``)."""
+        """Declare a single-scan streaming table on the server (as ``register_streaming_table``;
+        ``max_delay`` as a ``timedelta`` crosses in microseconds)."""
         self._action(
             "create_table",
             {
@@ -131,6 +135,8 @@ class Client:
                 "unbounded": unbounded,
                 "order_by": order_by,
                 "late": late,
+                "arrival_column": arrival_column,
+                **protocol.delay_option(max_delay),
                 "if_not_exists": if_not_exists,
             },
         )

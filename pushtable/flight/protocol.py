@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable, Iterator
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import pyarrow as pa
@@ -124,6 +124,15 @@ def chunks(read_chunk: Callable[[], Any]) -> Iterator[tuple[pa.RecordBatch, Any]
             return
         if chunk.data is not None:
             yield chunk.data, chunk.app_metadata
+
+
+def delay_option(max_delay: Any) -> dict[str, Any]:
+    """``max_delay`` for a ``create_table`` action body (JSON has no timedelta)."""
+    if max_delay is None:
+        return {}
+    if isinstance(max_delay, timedelta):
+        return {"max_delay_us": round(max_delay / timedelta(microseconds=1))}
+    return {"max_delay": max_delay}
 
 
 def advance_metadata(ts: Any) -> bytes:

@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -339,6 +340,8 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
     def _act(self, kind: str, body: dict[str, Any]) -> Any:
         if kind == "create_table":
             schema = protocol.schema_from(body.pop("schema"))
+            if (us := body.pop("max_delay_us", None)) is not None:
+                body["max_delay"] = timedelta(microseconds=int(us))
             self.create_table(body.pop("name"), schema, **body)
             return {}
         if kind == "subscribe":
