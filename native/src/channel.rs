@@ -613,12 +613,12 @@ impl Channel {
             (Some(gate), None) => (None, Some(gate.check(batch).map_err(PushError::Order)?)),
             _ => (Some(batch), None),
         };
-        let mut bytes = match (&unordered, &checked) {
+        // What the room check charges (the enqueued batch is charged again by `append`).
+        let bytes = match (&unordered, &checked) {
             (Some(b), _) => batch_bytes(b),
             (None, Some(c)) => batch_bytes(c.batch()),
             (None, None) => 0,
         };
-        let retention = self.retention();
         let mut blocked_since: Option<Instant> = None;
         let mut me: Option<Arc<Waiter>> = None;
         let mut next_tick = Instant::now() + TICK;
@@ -655,9 +655,6 @@ impl Channel {
                                 match gate.admit(c, &mut st.newest, floor) {
                                     Ok((admitted, late)) => {
                                         st.stats.late_rows += (late_in_batch + late) as u64;
-                                        if late > 0 {
-                                            bytes = batch_bytes(&admitted);
-                                        }
                                         if admitted.num_rows() == 0 && offered > 0 {
                                             break Ok(Vec::new()); // every row was late: nothing to enqueue
                                         }
@@ -676,10 +673,7 @@ impl Channel {
                                     Ok(a) => {
                                         st.stats.late_rows += a.late as u64;
                                         match a.ready {
-                                            Some(ready) => {
-                                                bytes = batch_bytes(&ready);
-                                                ready
-                                            }
+                                            Some(ready) => ready,
                                             // Held (or all late): nothing to enqueue yet.
                                             None => break Ok(Vec::new()),
                                         }
@@ -688,22 +682,7 @@ impl Channel {
                                 }
                             }
                         };
-                        let batch = match self.arrival {
-                            None => batch,
-                            Some(_) => {
-                                let stamp = st.tick_clock();
-                                let stamped = stamp_arrival(&self.schema, batch, stamp);
-                                bytes = batch_bytes(&stamped);
-                                stamped
-                            }
-                        };
-                        st.stats.rows += batch.num_rows() as u64;
-                        st.stats.batches += 1;
-                        st.stats.bytes += bytes as u64;
-                        let before = st.admitted;
-                        st.admitted += bytes as u64;
-                        st.log.push_back(Entry { batch, before });
-                        st.trim(&retention);
+                        self.append(&mut st, batch);
                         if let Some(t) = token {
                             t.written.fetch_add(1, Ordering::SeqCst);
                         }
@@ -783,8 +762,8 @@ impl Channel {
             .collect()
     }
 
-    /// Enqueue `batch` regardless of room (what close() and advance() release from the
-    /// reorder buffer: they never block).
+    /// Enqueue `batch` (stamping its arrival time, if the table has one). The caller checked
+    /// for room, or is close()/advance() releasing the reorder buffer (they never block).
     fn append(&self, st: &mut State, batch: RecordBatch) {
         let batch = match self.arrival {
             None => batch,
