@@ -107,3 +107,12 @@ def client(server: Server) -> Iterator[Client]:
     """A client of :func:`server`."""
     with connect(server.location) as c:
         yield c
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any) -> None:
+    """Print the random order's seed even with ``-q`` (pytest-randomly puts it in the header)."""
+    seed = getattr(config.option, "randomly_seed", None)
+    if config.pluginmanager.hasplugin("randomly") and isinstance(seed, int):
+        terminalreporter.write_line(
+            f"random order seed: {seed} (rerun this order: -p randomly --randomly-seed={seed})"
+        )
