@@ -3,10 +3,8 @@ Ctrl-C while woken, interpreter exit with blocked producers, errors raised insid
 
 from __future__ import annotations
 
-import _thread
 import functools
 import math
-import signal
 import subprocess
 import sys
 import textwrap
@@ -27,6 +25,7 @@ from pushtable import (
     _native,
 )
 from tests.conftest import SCHEMA, WAIT, Background, batch, query, wait_until
+from tests.ctrl_c import CtrlC
 
 
 def _waiting(sink: TableSink, n: int) -> bool:
@@ -167,34 +166,20 @@ def test_type_names_in_errors_are_pyarrow_names(ctx: SessionContext) -> None:
 
 
 def test_ctrl_c_reaches_a_main_thread_writer_that_keeps_being_woken(ctx: SessionContext) -> None:
-    # Python's own SIGINT handler for the duration: a handler an earlier test (Spark's, an
-    # asyncio runner's) left installed must not decide what this test measures.
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        _ctrl_c_reaches_a_woken_writer(ctx)
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def _ctrl_c_reaches_a_woken_writer(ctx: SessionContext) -> None:
     sink = ctx.register_streaming_table("t", SCHEMA, capacity=1)
     sink.write(batch(1))
     stop = threading.Event()
 
     def wake_the_line() -> None:  # every cancellation wakes every waiting writer
-        wait_until(lambda: sink.stats.waiting_writers == 1, "the main thread to block")
-        interrupted_at = time.monotonic() + 0.2
         while not stop.is_set():
             sink._native.token().cancel()
-            if interrupted_at and time.monotonic() > interrupted_at:
-                _thread.interrupt_main()
-                interrupted_at = 0.0
             time.sleep(0.002)
 
     waker = threading.Thread(target=wake_the_line, daemon=True)
     waker.start()
     try:
-        with pytest.raises(KeyboardInterrupt):
+        # Ctrl-C 0.2 s into the wait, while the writer keeps being woken.
+        with CtrlC(ready=lambda: _waiting(sink, 1), after=0.2):
             sink.write(batch(1), timeout=WAIT)  # on the main thread
     finally:
         stop.set()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import _thread
 import functools
 import gc
 import threading
@@ -26,6 +25,7 @@ from pushtable import (
     register_streaming_table,
 )
 from tests.conftest import SCHEMA, WAIT, Background, batch, query, write_many
+from tests.ctrl_c import CtrlC
 
 # --- 1. backpressure ----------------------------------------------------------------------
 
@@ -162,14 +162,11 @@ def test_gil_is_released_while_a_write_is_blocked(ctx: SessionContext) -> None:
 def test_ctrl_c_interrupts_a_blocked_write(ctx: SessionContext) -> None:
     sink = ctx.register_streaming_table("t", SCHEMA, capacity=1)
     sink.write(batch(1))
-    timer = threading.Timer(0.2, _thread.interrupt_main)
-    timer.start()
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            sink.write(batch(1), timeout=WAIT)  # runs on the main thread
-    finally:
-        timer.cancel()
+    # A real SIGINT, sent once the main thread is blocked in the write (not after a delay).
+    with CtrlC(ready=lambda: sink.stats.waiting_writers == 1):
+        sink.write(batch(1), timeout=WAIT)  # runs on the main thread
     assert sink.stats.batches == 1
+    assert sink.stats.waiting_writers == 0
 
 
 # --- 3. end of stream ---------------------------------------------------------------------
