@@ -11,6 +11,33 @@ from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 
+CONFIG_EXAMPLE = """\
+a --config file (JSON): who may do what, what remote clients may use, what is declared
+
+  {
+    "tokens": [
+      {"name": "ops", "secret_env": "PUSHTABLE_ADMIN_TOKEN", "role": "admin"},
+      {"name": "spark-ingest", "secret_env": "INGEST_TOKEN", "role": "write",
+       "tables": ["events*"]},
+      {"name": "dashboard", "secret": "s3cret-read-only", "role": "read",
+       "tables": ["events*", "alerts"]}
+    ],
+    "limits": {"query_memory": 2147483648, "max_queries": 4,
+               "max_streams_per_client": 8, "max_staged_bytes": 1073741824,
+               "max_staged_bytes_per_query": 268435456, "max_tables": 64,
+               "max_capacity": 256, "max_table_bytes": 536870912, "idle_timeout": 120},
+    "tables": [{"name": "events", "schema": {"ts": "int64", "v": "double"},
+                "capacity": 64}],
+    "topics": [{"name": "alerts", "schema": {"msg": "string"}}]
+  }
+
+roles: read = remote SQL (queries only), tables, stats; write = push, close, advance;
+admin = all of that plus create_table, subscribe, fail and Spark's stage/publish.
+A token's "tables" are names or fnmatch patterns (default: every table). Secrets are
+compared in constant time and never logged; each call is logged, with the token's name,
+on the "pushtable.audit" logger.
+"""
+
 
 def _positive_int(text: str) -> int:
     try:
@@ -102,19 +129,25 @@ def parser() -> argparse.ArgumentParser:
         description="Serve streaming tables and topics over Arrow Flight: remote producers push "
         "with backpressure, remote clients run live SQL. Stops cleanly on Ctrl-C / SIGTERM. "
         "See docs/network.md.",
+        epilog=CONFIG_EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8815, help="port (default 8815; 0: any free)")
     serve.add_argument(
         "--token",
         default=None,
-        help="require 'authorization: Bearer TOKEN' on every call "
-        "(default: $PUSHTABLE_TOKEN if set, else no auth)",
+        help="a token with every role: require 'authorization: Bearer TOKEN' on every call "
+        "(default: $PUSHTABLE_TOKEN if set; with neither this nor config tokens: no auth)",
     )
     serve.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate (enables TLS)")
     serve.add_argument("--tls-key", type=Path, default=None, help="PEM private key for --tls-cert")
     serve.add_argument(
-        "--config", type=Path, default=None, help="JSON file declaring tables and topics"
+        "--config",
+        type=Path,
+        default=None,
+        help="JSON file: scoped tokens (read / write / admin, limited to table patterns), "
+        "resource limits, tables and topics (example below; docs/network.md, 'Security')",
     )
     return top
 

@@ -91,6 +91,21 @@ class UnauthenticatedError(PushTableError, PermissionError):
     """The server refused the call: a missing or wrong bearer token."""
 
 
+class PermissionDeniedError(PushTableError, PermissionError):
+    """The server knows the token, but its role (or table scope) does not allow the call;
+    the message names the role that is missing, or the table that is out of scope."""
+
+
+class StatementRefusedError(PushTableError, PermissionError):
+    """Remote SQL runs queries only: DDL, DML, COPY and SET are refused before anything runs;
+    the message names the statement kind."""
+
+
+class ResourceLimitError(PushTableError):
+    """A server limit was reached (memory, concurrent queries, streams, staged bytes, table
+    count or size); the message names the limit, its value and the option that sets it."""
+
+
 class ServerUnavailableError(PushTableError, ConnectionError):
     """The ``pushtable serve`` server cannot be reached (not running, stopped, wrong address)."""
 

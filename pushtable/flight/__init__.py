@@ -10,16 +10,21 @@ See docs/network.md.
 from __future__ import annotations
 
 from pushtable.errors import ServerStoppedError
+from pushtable.flight.auth import Grant, Tokens
 from pushtable.flight.client import Client, RemoteResult, RemoteSink, RemoteSinkStats, connect
+from pushtable.flight.limits import Limits
 from pushtable.flight.server import Server, serve
 
 __all__ = [
     "Client",
+    "Grant",
+    "Limits",
     "RemoteResult",
     "RemoteSink",
     "RemoteSinkStats",
     "Server",
     "ServerStoppedError",
+    "Tokens",
     "connect",
     "serve",
 ]

@@ -9,30 +9,37 @@ produces them. Wire conventions: :mod:`pushtable.flight.protocol`.
 from __future__ import annotations
 
 import contextlib
-import hmac
 import json
 import logging
 import queue
+import re
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import datafusion
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from pushtable import errors
+from pushtable import _native, errors
 from pushtable.context import SessionContext
 from pushtable.errors import (
+    PermissionDeniedError,
     PushTableError,
+    ResourceLimitError,
     ServerStoppedError,
+    StatementRefusedError,
     UnknownTableError,
     WriteTimeoutError,
 )
 from pushtable.flight import protocol, sql
+from pushtable.flight.audit import AuditRecord, audited
+from pushtable.flight.auth import ADMIN, READ, WRITE, BearerAuth, Grant, Tokens, caller
+from pushtable.flight.limits import Limits, Usage
 from pushtable.sink import TableSink
 from pushtable.topic import Topic
 
@@ -42,24 +49,6 @@ log = logging.getLogger(__name__)
 
 #: How often a blocked handler looks whether its client went away or the server is stopping.
 POLL_S = 0.25
-
-
-class _BearerAuth(flight.ServerMiddlewareFactory):  # type: ignore[misc]
-    """Refuses every call without ``authorization: Bearer <token>``."""
-
-    def __init__(self, token: str) -> None:
-        super().__init__()
-        self._expected = f"Bearer {token}".encode()
-
-    def start_call(self, info: Any, headers: dict[str, list[Any]]) -> None:
-        for key, values in headers.items():
-            if key.lower() != protocol.AUTH_HEADER:
-                continue
-            for value in values:
-                raw = value if isinstance(value, bytes) else str(value).encode()
-                if hmac.compare_digest(raw, self._expected):
-                    return None
-        raise flight.FlightUnauthenticatedError("pushtable: missing or invalid bearer token")
 
 
 def _tls_pairs(tls: tuple[str | Path, str | Path] | None) -> list[Any] | None:
@@ -95,19 +84,26 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
         location: str = "grpc://127.0.0.1:0",
         *,
         token: str | None = None,
+        tokens: Mapping[str, Grant] | Tokens | None = None,
         tls: tuple[str | Path, str | Path] | None = None,
         ctx: SessionContext | None = None,
+        limits: Limits | None = None,
     ) -> None:
         if tls is not None and location.startswith("grpc://"):
             location = "grpc+tls://" + location.removeprefix("grpc://")
-        middleware = {"auth": _BearerAuth(token)} if token else {}
+        self.tokens = _tokens(token, tokens)
+        middleware = {"auth": BearerAuth(self.tokens)} if len(self.tokens) else {}
         super().__init__(location, middleware=middleware, tls_certificates=_tls_pairs(tls))
         scheme, _, rest = location.partition("://")
         host = rest.rsplit(":", 1)[0]
         self.location = f"{scheme}://{host}:{self.port}"
-        self.ctx = ctx if ctx is not None else SessionContext()
+        self.limits = limits if limits is not None else Limits()
+        self.usage = Usage(self.limits)
+        #: The operator's session (full power from Python); remote SQL runs queries only, in
+        #: its memory pool when the server made it.
+        self.ctx = ctx if ctx is not None else _remote_session(self.limits)
         self._tables: dict[str, TableSink | Topic] = {}
-        self._staged: dict[tuple[str, str, int], dict[tuple[int, int], list[pa.RecordBatch]]] = {}
+        self._staged: dict[tuple[str, str, int], dict[tuple[int, int], _Share]] = {}
         self._published: dict[tuple[str, str], int] = {}
         #: staged shares never written: task attempts Spark did not keep, replayed epochs
         self.dropped_shares = 0
@@ -118,16 +114,18 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
         self._calls_changed = threading.Condition()
 
     @contextlib.contextmanager
-    def _call(self) -> Iterator[None]:
-        """Count a streaming call, so ``stop()`` can let it deliver its error first."""
-        with self._calls_changed:
-            self._calls += 1
-        try:
-            yield
-        finally:
+    def _call(self, context: Any) -> Iterator[None]:
+        """Count a streaming call (so ``stop()`` can let it deliver its error first), in one
+        of its client's stream slots."""
+        with self.usage.stream(_client(context)):
             with self._calls_changed:
-                self._calls -= 1
-                self._calls_changed.notify_all()
+                self._calls += 1
+            try:
+                yield
+            finally:
+                with self._calls_changed:
+                    self._calls -= 1
+                    self._calls_changed.notify_all()
 
     # -- tables -------------------------------------------------------------------------
 
@@ -154,9 +152,36 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
             self._tables[name] = producer
             return producer
 
+    @classmethod
+    def from_config(
+        cls, path: str | Path, location: str = "grpc://127.0.0.1:0", **kw: Any
+    ) -> Server:
+        """A server set up by a JSON config file: its ``tokens``, ``limits``, ``tables`` and
+        ``topics`` (see docs/network.md, "Security"). ``kw`` goes to the constructor."""
+        config = _read_config(path)
+        tokens = Tokens.from_config(config.get("tokens", []))
+        if kw.get("token"):
+            tokens = _tokens(kw.pop("token"), dict(_grants(tokens)))
+        kw.pop("token", None)
+        limits = Limits.from_config(config.get("limits", {}))
+        server = cls(location, tokens=tokens, limits=limits, **kw)
+        server._declare(config)
+        return server
+
     def load_config(self, path: str | Path) -> None:
-        """Declare the tables of a JSON config file (see docs/network.md)."""
-        config = json.loads(Path(path).read_text())
+        """Declare the tables and topics of a JSON config file (see docs/network.md).
+
+        Tokens and limits take effect when the server is made: :meth:`from_config`.
+        """
+        config = _read_config(path)
+        if "tokens" in config or "limits" in config:
+            raise ValueError(
+                f"{path}: tokens and limits are set when the server is made; use "
+                "Server.from_config(path) or `pushtable serve --config`"
+            )
+        self._declare(config)
+
+    def _declare(self, config: dict[str, Any]) -> None:
         for kind, is_topic in (("tables", False), ("topics", True)):
             for spec in config.get(kind, []):
                 spec = dict(spec)
@@ -179,30 +204,38 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
         with self._lock:
             self._acks.add(acks)
         try:
-            with self._call():
-                self._do_put(context, descriptor, reader, acks)
+            with _wire_errors(), _audit(context, "do_put") as record, self._call(context):
+                self._do_put(context, descriptor, reader, acks, record)
         finally:
             acks.close()  # before the call ends: no stop notice may touch a finished call
             with self._lock:
                 self._acks.discard(acks)
 
-    def _do_put(self, context: Any, descriptor: Any, reader: Any, writer: _Acks) -> None:
-        try:
-            path = [p.decode() for p in descriptor.path]
-            if len(path) == 6 and path[1] == protocol.STAGE:
-                self._stage(context, path, reader, writer)
-                return
-            if len(path) != 1:
-                raise ValueError(f"unexpected DoPut path {path!r}")
-            producer = self._table(path[0])
-            for count, (batch, metadata) in enumerate(protocol.chunks(reader.read_chunk), 1):
-                if (watermark := protocol.advance_value(metadata)) is not None:
-                    producer.advance(watermark)
-                else:
-                    self._write(context, producer, batch)
-                writer.send(count)
-        except (PushTableError, ValueError, TypeError, pa.ArrowException) as exc:
-            raise protocol.server_error(exc) from exc
+    def _do_put(
+        self, context: Any, descriptor: Any, reader: Any, writer: _Acks, record: Any
+    ) -> None:
+        path = [p.decode(errors="replace") for p in descriptor.path]
+        grant = caller(context)
+        if len(path) == 6 and path[1] == protocol.STAGE:
+            record.action, record.table = "stage", path[0]
+            grant.require(ADMIN, "stage Spark shares for", [path[0]])
+            record.rows = self._stage(context, path, reader, writer)
+            return
+        if len(path) != 1:
+            raise ValueError(
+                f"unexpected DoPut path {path!r}: expected [table] or "
+                "[table, 'stage', query, epoch, partition, attempt]"
+            )
+        record.table = path[0]
+        grant.require(WRITE, "push to", path)
+        producer = self._table(path[0])
+        for count, (batch, metadata) in enumerate(protocol.chunks(reader.read_chunk), 1):
+            if (watermark := protocol.advance_value(metadata)) is not None:
+                producer.advance(watermark)
+            else:
+                self._write(context, producer, batch)
+                record.rows += batch.num_rows
+            writer.send(count)
 
     def _write(self, context: Any, producer: TableSink | Topic, batch: pa.RecordBatch) -> None:
         """Write, waiting for room without end, unless the client left or the server stops."""
@@ -214,20 +247,50 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
                 if context.is_cancelled() or self._stopping.is_set():
                     raise
 
-    def _stage(self, context: Any, path: list[str], reader: Any, writer: _Acks) -> None:
-        """Hold one Spark task attempt's batches until its epoch is published."""
-        table, _, query, epoch, partition, attempt = path
+    def _stage(self, context: Any, path: list[str], reader: Any, writer: _Acks) -> int:
+        """Hold one Spark task attempt's batches until its epoch is published; returns rows."""
+        table, _, query, epoch_text, partition_text, attempt_text = path
+        try:
+            epoch, partition, attempt = int(epoch_text), int(partition_text), int(attempt_text)
+        except ValueError:
+            raise ValueError(
+                f"stage path {path!r}: epoch, partition and attempt must be integers"
+            ) from None
         producer = self._table(table)
-        batches: list[pa.RecordBatch] = []
-        for batch in protocol.batches(reader.read_chunk):
-            protocol.check_batch_schema(table, producer.schema, batch.schema)
-            batches.append(batch)
-            writer.send(len(batches))
+        share = _Share((table, query), self.usage)
+        try:
+            for batch in protocol.batches(reader.read_chunk):
+                protocol.check_batch_schema(table, producer.schema, batch.schema)
+                share.add(batch)
+                writer.send(len(share.batches))
+        except BaseException:
+            share.release()
+            raise
         with self._lock:
-            stage = self._staged.setdefault((table, query, int(epoch)), {})
-            stage[(int(partition), int(attempt))] = batches
+            stage = self._staged.setdefault((table, query, epoch), {})
+            replaced = stage.pop((partition, attempt), None)
+            stage[(partition, attempt)] = share
+        if replaced is not None:
+            replaced.release()
+        return share.rows
 
     # -- DoGet: remote SQL --------------------------------------------------------------
+
+    def _plan(self, context: Any, query: str) -> datafusion.DataFrame:
+        """Plan a remote query: queries only (no DDL, DML, COPY or SET: refused before
+        anything runs), reading only tables the caller's token covers."""
+        grant = caller(context)
+        grant.require(READ, "run SQL")
+        tables = _native.table_references(query)
+        grant.require(READ, "read", [t for t in tables if not grant.covers(t)] or ())
+        try:
+            return self.ctx.sql_with_options(query, _READ_ONLY)
+        except Exception as exc:
+            refused = _refusal(exc)
+            if refused is not None:
+                self.usage.refused("statement")
+                raise refused from None
+            raise _query_error(exc) from exc
 
     def get_flight_info(self, context: Any, descriptor: Any) -> Any:
         """Flight SQL statement queries (:mod:`pushtable.flight.sql`): plan, then one ticket."""
@@ -235,55 +298,70 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
             raise NotImplementedError(
                 "pushtable serve answers GetFlightInfo for Flight SQL statement queries only"
             )
-        try:
+        with _wire_errors(), _audit(context, "flight_sql_info"):
             query = sql.statement_query(descriptor.command)
-        except ValueError as exc:
-            raise protocol.server_error(exc) from exc
-        if query is None:
-            kind = sql.command(descriptor.command)[0].rsplit(".", 1)[-1]
-            raise NotImplementedError(
-                f"pushtable serve implements the Flight SQL statement query only; {kind} is "
-                "not implemented (see docs/network.md)"
-            )
-        try:
-            schema = self.ctx.sql(query).schema()
-        except Exception as exc:
-            raise protocol.server_error(_query_error(exc)) from exc
+            if query is None:
+                kind = sql.command(descriptor.command)[0].rsplit(".", 1)[-1]
+                raise NotImplementedError(
+                    f"pushtable serve implements the Flight SQL statement query only; {kind} is "
+                    "not implemented (see docs/network.md)"
+                )
+            schema = self._plan(context, query).schema()
         ticket = flight.Ticket(json.dumps({"sql": query}).encode())
         return flight.FlightInfo(schema, descriptor, [flight.FlightEndpoint(ticket, [])], -1, -1)
 
     def do_get(self, context: Any, ticket: Any) -> Any:
-        try:
-            request = json.loads(ticket.ticket)
-            df = self.ctx.sql(request["sql"])
+        audit = _audit(context, "do_get")
+        held = contextlib.ExitStack()  # audit, query slot, stream slot: until the last batch
+        with _wire_errors(), held:
+            record = held.enter_context(audit)
+            try:
+                query = json.loads(ticket.ticket)["sql"]
+            except (ValueError, KeyError, TypeError):
+                query = None
+            if not isinstance(query, str):
+                raise ValueError('a DoGet ticket is JSON: {"sql": "<query>"}')
+            df = self._plan(context, query)
             schema = df.schema()
+            held.enter_context(self.usage.query())
+            held.enter_context(self._call(context))
             stream = df.execute_stream()
-        except Exception as exc:
-            raise protocol.server_error(_query_error(exc)) from exc
-        return flight.GeneratorStream(schema, self._results(context, stream))
+            results = self._results(context, stream, held.pop_all(), record)
+        return flight.GeneratorStream(schema, results)
 
-    def _results(self, context: Any, stream: Any) -> Iterator[pa.RecordBatch]:
-        """Batches as the query yields them. A worker thread pulls from the query; this
-        generator forwards them and notices a client that left (or a stopping server)."""
-        with self._call():
-            yield from self._forward(context, stream)
+    def _results(
+        self, context: Any, stream: Any, held: contextlib.ExitStack, record: Any
+    ) -> Iterator[pa.RecordBatch]:
+        """Batches as the query yields them; what the call holds is let go at the end."""
+        with _wire_errors(), held:
+            for batch in self._forward(context, stream):
+                record.rows += batch.num_rows
+                yield batch
 
     def _forward(self, context: Any, stream: Any) -> Iterator[pa.RecordBatch]:
+        """A worker thread pulls from the query; this generator forwards the batches and
+        notices a client that left, or one that reads nothing for ``idle_timeout``."""
         handoff: queue.Queue[Any] = queue.Queue(maxsize=1)
         gone = threading.Event()
+        idle = threading.Event()
         done = object()
+        idle_timeout = self.limits.idle_timeout
 
         def pull() -> None:
             nonlocal stream
             try:
                 for batch in stream:
                     item = batch.to_pyarrow()
+                    waited = 0.0
                     while not gone.is_set():
                         try:
                             handoff.put(item, timeout=POLL_S)
                             break
                         except queue.Full:
-                            continue
+                            waited += POLL_S
+                            if waited >= idle_timeout:  # the client reads nothing: let go
+                                idle.set()
+                                return
                     if gone.is_set():
                         return
                 handoff.put(done)
@@ -298,13 +376,19 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
                 try:
                     item = handoff.get(timeout=POLL_S)
                 except queue.Empty:
+                    if idle.is_set():
+                        self.usage.refused("idle_timeout")
+                        raise ResourceLimitError(
+                            f"the query was dropped: its client read nothing for "
+                            f"{idle_timeout:g}s (idle_timeout)"
+                        ) from None
                     if context.is_cancelled():
                         return
                     continue
                 if item is done:
                     return
                 if isinstance(item, BaseException):
-                    raise protocol.server_error(_query_error(item))
+                    raise _query_error(item)
                 yield item
         finally:
             gone.set()
@@ -315,51 +399,70 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
         return [(name, "see pushtable.flight.protocol") for name in protocol.ACTIONS]
 
     def do_action(self, context: Any, action: Any) -> Iterator[bytes]:
-        if action.type in sql.ACTIONS:
-            yield from self._sql_action(action)
-            return
-        try:
-            body = json.loads(action.body.to_pybytes() or b"{}")
-            result = self._act(action.type, body)
-        except (PushTableError, ValueError, TypeError, KeyError, pa.ArrowException) as exc:
-            raise protocol.server_error(exc) from exc
-        yield json.dumps(result).encode()
+        with _wire_errors(), _audit(context, str(action.type)) as record:
+            if action.type in sql.ACTIONS:
+                result = self._sql_action(context, action)
+            else:
+                try:
+                    body = json.loads(action.body.to_pybytes() or b"{}")
+                except ValueError:
+                    raise ValueError(f"the body of action {action.type!r} is not JSON") from None
+                if not isinstance(body, dict):
+                    raise ValueError(f"the body of action {action.type!r} is not a JSON object")
+                record.table = _table_named(body)
+                result = json.dumps(self._act(caller(context), action.type, body)).encode()
+        if result is not None:
+            yield result
 
-    def _sql_action(self, action: Any) -> Iterator[bytes]:
+    def _sql_action(self, context: Any, action: Any) -> bytes | None:
         """Flight SQL prepared statements (stateless: the handle is the query text)."""
+        caller(context).require(READ, "run SQL")
         if action.type == "ClosePreparedStatement":
-            return
-        try:
-            result = sql.prepared(action.body.to_pybytes(), lambda q: self.ctx.sql(q).schema())
-        except ValueError as exc:
-            raise protocol.server_error(exc) from exc
-        except Exception as exc:
-            raise protocol.server_error(_query_error(exc)) from exc
-        yield result
+            return None
+        return sql.prepared(action.body.to_pybytes(), lambda q: self._plan(context, q).schema())
 
-    def _act(self, kind: str, body: dict[str, Any]) -> Any:
+    def _act(self, grant: Grant, kind: str, body: dict[str, Any]) -> Any:
         if kind == "create_table":
+            name = str(body.pop("name"))
+            grant.require(ADMIN, "create", [name])
             schema = protocol.schema_from(body.pop("schema"))
             if (us := body.pop("max_delay_us", None)) is not None:
                 body["max_delay"] = timedelta(microseconds=int(us))
-            self.create_table(body.pop("name"), schema, **body)
+            with self._lock:
+                count = len(self._tables)
+            try:
+                options = self.limits.check_table_options(count, body)
+            except ResourceLimitError:
+                self.usage.refused("table_options")
+                raise
+            self.create_table(name, schema, **options)
             return {}
         if kind == "subscribe":
+            grant.require(ADMIN, "subscribe to", [str(body.get("topic"))])
             topic = self._table(body.pop("topic"))
             if not isinstance(topic, Topic):
                 raise ValueError(f"{topic.name!r} is a streaming table, not a topic")
-            topic.subscribe(self.ctx, body.pop("name"), **body)
+            try:
+                options = self.limits.check_queue_options(body)
+            except ResourceLimitError:
+                self.usage.refused("table_options")
+                raise
+            topic.subscribe(self.ctx, options.pop("name"), **options)
             return {}
         if kind == "close":
+            grant.require(WRITE, "close", [str(body["name"])])
             self._table(body["name"]).close()
             return {}
         if kind == "fail":
+            grant.require(ADMIN, "fail", [str(body["name"])])
             error = errors.RemoteError(str(body["message"]), remote_type=str(body["type"]))
             self._table(body["name"]).fail(error)
             return {}
         if kind == "stats":
+            grant.require(READ, "read the stats of", [str(body["name"])])
             return asdict(self._table(body["name"]).stats)
         if kind == "tables":
+            grant.require(READ, "list tables")
             with self._lock:
                 return [
                     {
@@ -368,10 +471,13 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
                         "schema": protocol.schema_bytes(p.schema),
                     }
                     for n, p in self._tables.items()
+                    if grant.covers(n)
                 ]
         if kind == "publish":
+            grant.require(ADMIN, "publish an epoch to", [str(body["table"])])
             return self._publish(body)
         if kind == "published":
+            grant.require(ADMIN, "read the published epoch of", [str(body["table"])])
             with self._lock:
                 return {"epoch": self._published.get((body["table"], body["query"]), -1)}
         raise ValueError(f"unknown action {kind!r}; expected one of {', '.join(protocol.ACTIONS)}")
@@ -383,32 +489,50 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
         dropped. If the table refuses a batch midway, the table is failed with that error:
         its reader learns the epoch is incomplete instead of silently missing rows.
         """
-        table, query, epoch = body["table"], body["query"], int(body["epoch"])
+        table, query, epoch = str(body["table"]), str(body["query"]), int(body["epoch"])
         producer = self._table(table)
         named = {(int(p[0]), int(p[1])) for p in body["parts"]}
+        released: list[_Share] = []
         with self._lock:
             stage = self._staged.pop((table, query, epoch), {})
+            released.extend(stage.values())
             dropped = [k for k in self._staged if k[:2] == (table, query) and k[2] < epoch]
-            self.dropped_shares += sum(len(self._staged.pop(k)) for k in dropped)
+            for k in dropped:
+                shares = self._staged.pop(k)
+                self.dropped_shares += len(shares)
+                released.extend(shares.values())
             newest = self._published.get((table, query), -1)
             if epoch <= newest:
                 self.dropped_shares += len(stage)
-                return {"published": False, "reason": f"epoch {epoch} was published already"}
-            self._published[(table, query)] = epoch
-            # Shares of attempts Spark did not keep (failed, speculative): never written.
-            self.dropped_shares += len(stage.keys() - named)
-        missing = [p for p in named if p not in stage]
-        written = 0
+                stage = {}
+                reply: dict[str, Any] | None = {
+                    "published": False,
+                    "reason": f"epoch {epoch} was published already",
+                }
+            else:
+                reply = None
+                self._published[(table, query)] = epoch
+                # Shares of attempts Spark did not keep (failed, speculative): never written.
+                self.dropped_shares += len(stage.keys() - named)
         try:
-            for partition, attempt in sorted(named):
-                for batch in stage.get((partition, attempt), []):
-                    producer.write(batch)
-                    written += 1
-        except PushTableError as exc:
-            if not isinstance(exc, (errors.SinkClosedError, errors.ReaderGoneError)):
-                producer.fail(exc)
-            raise
-        return {"published": True, "batches": written, "parts_without_data": len(missing)}
+            if reply is not None:
+                return reply
+            missing = [p for p in named if p not in stage]
+            written = 0
+            try:
+                for part in sorted(named):
+                    share = stage.get(part)
+                    for batch in share.batches if share is not None else []:
+                        producer.write(batch)
+                        written += 1
+            except PushTableError as exc:
+                if not isinstance(exc, (errors.SinkClosedError, errors.ReaderGoneError)):
+                    producer.fail(exc)
+                raise
+            return {"published": True, "batches": written, "parts_without_data": len(missing)}
+        finally:
+            for share in released:
+                share.release()
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -473,6 +597,120 @@ class _Acks:
             self._closed = True
 
 
+_READ_ONLY = (
+    datafusion.SQLOptions().with_allow_ddl(False).with_allow_dml(False).with_allow_statements(False)
+)
+_REFUSED = re.compile(r"(DDL|DML|Statement) not supported: (\w+)")
+
+
+def _refusal(exc: BaseException) -> StatementRefusedError | None:
+    """The refusal a planning error stands for, when DataFusion's SQLOptions refused it."""
+    match = _REFUSED.search(str(exc))
+    if match is None:
+        return None
+    kind = {"DDL": "DDL", "DML": "DML", "Statement": "session"}[match.group(1)]
+    return StatementRefusedError(
+        f"pushtable serve runs queries only: {match.group(2)} is a {kind} statement and is "
+        "refused before anything runs (the server's own Python session, Server.ctx, may)"
+    )
+
+
+def _read_config(path: str | Path) -> dict[str, Any]:
+    config = json.loads(Path(path).read_text())
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: a config file is a JSON object")
+    unknown = sorted(set(config) - {"tokens", "limits", "tables", "topics"})
+    if unknown:
+        raise ValueError(f"{path}: unknown keys {unknown}; known: tokens, limits, tables, topics")
+    return config
+
+
+def _grants(tokens: Tokens) -> dict[str, Grant]:
+    """The secret → grant table of ``tokens`` (the server's own use: never logged)."""
+    return {key.decode().removeprefix("Bearer "): g for key, g in tokens._entries}
+
+
+def _tokens(token: str | None, tokens: Mapping[str, Grant] | Tokens | None) -> Tokens:
+    """``--token`` (every role) and the named, scoped tokens, as one table."""
+    if isinstance(tokens, Tokens):
+        if token:
+            raise ValueError("pass token= or a Tokens table, not both")
+        return tokens
+    grants: dict[str, Grant] = dict(tokens or {})
+    if token:
+        if token in grants:
+            raise ValueError("token= repeats the secret of a named token")
+        grants[token] = Grant("token")
+    return Tokens(grants)
+
+
+def _remote_session(limits: Limits) -> SessionContext:
+    """The server's session: remote queries share a fair memory pool and never spill to disk."""
+    runtime = (
+        datafusion.RuntimeEnvBuilder()
+        .with_disk_manager_disabled()
+        .with_fair_spill_pool(limits.query_memory)
+    )
+    return SessionContext(runtime=runtime)
+
+
+def _client(context: Any) -> str:
+    """Who holds a stream slot: the token's name at the peer's host."""
+    host = str(context.peer()).rsplit(":", 1)[0]
+    return f"{caller(context).name}@{host}"
+
+
+def _audit(context: Any, action: str) -> contextlib.AbstractContextManager[AuditRecord]:
+    return audited(str(context.peer()), caller(context).name, action)
+
+
+def _table_named(body: dict[str, Any]) -> str | None:
+    for key in ("name", "table", "topic"):
+        if isinstance(body.get(key), str):
+            return str(body[key])
+    return None
+
+
+@contextlib.contextmanager
+def _wire_errors() -> Iterator[None]:
+    """Errors of a call as Flight errors that carry their pushtable class to the client."""
+    try:
+        yield
+    except (flight.FlightError, NotImplementedError, GeneratorExit):
+        raise
+    except (PermissionDeniedError, StatementRefusedError) as exc:
+        raise flight.FlightUnauthorizedError(protocol.error_text(exc)) from exc
+    except KeyError as exc:
+        if isinstance(exc, PushTableError):
+            raise protocol.server_error(exc) from exc
+        raise protocol.server_error(ValueError(f"the request lacks the field {exc}")) from exc
+    except (PushTableError, ValueError, TypeError, pa.ArrowException) as exc:
+        raise protocol.server_error(exc) from exc
+
+
+class _Share:
+    """One task attempt's staged batches, counted against the staging limits until released."""
+
+    def __init__(self, key: tuple[str, str], usage: Usage) -> None:
+        self._key = key
+        self._usage = usage
+        self.batches: list[pa.RecordBatch] = []
+        self.rows = 0
+        self._bytes = 0
+
+    def add(self, batch: pa.RecordBatch) -> None:
+        nbytes = batch.get_total_buffer_size()
+        self._usage.stage(self._key, nbytes)  # raises ResourceLimitError over a limit
+        self._bytes += nbytes
+        self.rows += batch.num_rows
+        self.batches.append(batch)
+
+    def release(self) -> None:
+        self._usage.unstage(self._key, self._bytes)
+        self._bytes = 0
+        self.batches = []
+
+
 def _query_error(exc: BaseException) -> BaseException:
     """A query's error as the pushtable class it stands for, when it is one."""
     if isinstance(exc, errors.PushTableError):
@@ -497,10 +735,13 @@ def serve(
     with ``block=False`` it returns the running :class:`Server` (call ``stop()``).
     """
     scheme = "grpc+tls" if tls else "grpc"
-    server = Server(f"{scheme}://{host}:{port}", token=token, tls=tls)
+    location = f"{scheme}://{host}:{port}"
     if config is not None:
-        server.load_config(config)
-    auth = "bearer token required" if token else "no auth"
+        server = Server.from_config(config, location, token=token, tls=tls)
+    else:
+        server = Server(location, token=token, tls=tls)
+    names = [g.name for g in _grants(server.tokens).values()]
+    auth = f"bearer tokens required: {', '.join(names)}" if names else "no auth"
     say(f"pushtable serve: listening on {server.location} ({auth})")
     if not block:
         return server

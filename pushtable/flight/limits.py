@@ -1,0 +1,211 @@
+"""What remote clients of ``pushtable serve`` may consume, and the accounting that enforces it.
+
+The limits bind remote calls only: the operator's own Python API (``Server.ctx``,
+``Server.create_table``) keeps full power. Every refusal is a :class:`ResourceLimitError`
+naming the limit, its value and the option that sets it; the server goes on serving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from typing import Any
+
+from pushtable.errors import ResourceLimitError
+
+__all__ = ["Limits"]
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Caps on what remote clients may use. Defaults suit a 2-core / 24 GiB machine.
+
+    Example:
+        >>> from pushtable.flight import Limits
+        >>> Limits(max_queries=2).max_queries
+        2
+    """
+
+    #: DataFusion memory pool of remote queries (bytes, fair shares, no spilling to disk):
+    #: a query over its share fails with a resource error, the others go on.
+    query_memory: int = 4 * GiB
+    #: remote queries (DoGet / Flight SQL) running at once.
+    max_queries: int = 8
+    #: open DoPut + DoGet streams per client (token name and peer host).
+    max_streams_per_client: int = 16
+    #: Spark shares staged and not yet published, whole server (bytes).
+    max_staged_bytes: int = 2 * GiB
+    #: ... and per streaming query (bytes).
+    max_staged_bytes_per_query: int = 512 * MiB
+    #: tables and topics a server holds (remote ``create_table`` beyond it is refused).
+    max_tables: int = 256
+    #: largest ``capacity`` (batches) a remote ``create_table`` may ask for.
+    max_capacity: int = 1024
+    #: largest ``max_bytes`` a remote ``create_table`` may ask for; also what it gets if it
+    #: names none (a remote table is never unbounded in bytes).
+    max_table_bytes: int = 1 * GiB
+    #: seconds a remote query may wait on a client that reads nothing before it is dropped.
+    idle_timeout: float = 300.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+                raise ValueError(f"Limits.{f.name} must be a positive number, got {value!r}")
+
+    @classmethod
+    def from_config(cls, spec: dict[str, Any]) -> Limits:
+        """Limits from a config file's ``"limits"`` object (unknown keys are an error)."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise ValueError(f"unknown limits {unknown}; known: {', '.join(sorted(known))}")
+        return cls(**spec)
+
+    def check_table_options(self, count: int, options: dict[str, Any]) -> dict[str, Any]:
+        """The options of a remote ``create_table`` (a topic's with ``topic=True``), checked;
+        the byte bound defaults to ``max_table_bytes``: a remote table is never unbounded."""
+        if count >= self.max_tables:
+            raise _refused("tables on the server", count + 1, self.max_tables, "max_tables")
+        batches, nbytes = (
+            ("retain", "retain_bytes")
+            if options.get("topic")
+            else (
+                "capacity",
+                "max_bytes",
+            )
+        )
+        return self.check_queue_options(options, batches, nbytes)
+
+    def check_queue_options(
+        self, options: dict[str, Any], batches: str = "capacity", nbytes: str = "max_bytes"
+    ) -> dict[str, Any]:
+        """A queue's bounds asked for remotely (a table's, a topic's retention, a
+        subscription's), checked against ``max_capacity`` and ``max_table_bytes``."""
+        count = options.get(batches)
+        if isinstance(count, int) and count > self.max_capacity:
+            raise _refused(f"{batches} asked for", count, self.max_capacity, "max_capacity")
+        size = options.get(nbytes)
+        if size is None:  # a topic retaining nothing stays so
+            keeps = batches != "retain" or options.get(batches) is not None
+            return {**options, nbytes: self.max_table_bytes} if keeps else options
+        if isinstance(size, int) and size > self.max_table_bytes:
+            raise _refused(f"{nbytes} asked for", size, self.max_table_bytes, "max_table_bytes")
+        return options
+
+
+def _refused(what: str, value: int, limit: int, option: str) -> ResourceLimitError:
+    return ResourceLimitError(
+        f"refused: {what} would be {value:,}, over the server's limit of {limit:,} ({option})"
+    )
+
+
+class Usage:
+    """Live counts of what remote clients hold, checked against :class:`Limits`."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self._lock = threading.Lock()
+        self.queries = 0
+        self.streams: dict[str, int] = {}
+        self.staged_bytes = 0
+        self.staged_by_query: dict[tuple[str, str], int] = {}
+        self.refusals: dict[str, int] = {}
+
+    def _refuse(self, error: ResourceLimitError, reason: str) -> ResourceLimitError:
+        self.refusals[reason] = self.refusals.get(reason, 0) + 1
+        return error
+
+    @contextlib.contextmanager
+    def stream(self, client: str) -> Iterator[None]:
+        """Hold one of ``client``'s stream slots for the block."""
+        with self._lock:
+            held = self.streams.get(client, 0)
+            if held >= self.limits.max_streams_per_client:
+                raise self._refuse(
+                    _refused(
+                        f"open streams of {client}",
+                        held + 1,
+                        self.limits.max_streams_per_client,
+                        "max_streams_per_client",
+                    ),
+                    "max_streams_per_client",
+                )
+            self.streams[client] = held + 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                left = self.streams[client] - 1
+                if left:
+                    self.streams[client] = left
+                else:
+                    del self.streams[client]
+
+    @contextlib.contextmanager
+    def query(self) -> Iterator[None]:
+        """Hold one of the server's query slots for the block."""
+        with self._lock:
+            if self.queries >= self.limits.max_queries:
+                raise self._refuse(
+                    _refused(
+                        "remote queries running",
+                        self.queries + 1,
+                        self.limits.max_queries,
+                        "max_queries",
+                    ),
+                    "max_queries",
+                )
+            self.queries += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.queries -= 1
+
+    def stage(self, key: tuple[str, str], nbytes: int) -> None:
+        """Count ``nbytes`` more staged for the query ``key``, or refuse them."""
+        with self._lock:
+            held = self.staged_by_query.get(key, 0)
+            if self.staged_bytes + nbytes > self.limits.max_staged_bytes:
+                raise self._refuse(
+                    _refused(
+                        "bytes staged on the server",
+                        self.staged_bytes + nbytes,
+                        self.limits.max_staged_bytes,
+                        "max_staged_bytes",
+                    ),
+                    "max_staged_bytes",
+                )
+            if held + nbytes > self.limits.max_staged_bytes_per_query:
+                raise self._refuse(
+                    _refused(
+                        f"bytes staged for query {key[1]!r} of table {key[0]!r}",
+                        held + nbytes,
+                        self.limits.max_staged_bytes_per_query,
+                        "max_staged_bytes_per_query",
+                    ),
+                    "max_staged_bytes_per_query",
+                )
+            self.staged_bytes += nbytes
+            self.staged_by_query[key] = held + nbytes
+
+    def unstage(self, key: tuple[str, str], nbytes: int) -> None:
+        """Release ``nbytes`` staged for ``key`` (published, dropped or refused)."""
+        with self._lock:
+            self.staged_bytes -= nbytes
+            left = self.staged_by_query.get(key, 0) - nbytes
+            if left > 0:
+                self.staged_by_query[key] = left
+            else:
+                self.staged_by_query.pop(key, None)
+
+    def refused(self, reason: str) -> None:
+        """Count a refusal decided elsewhere (a table option, a statement kind, a role)."""
+        with self._lock:
+            self.refusals[reason] = self.refusals.get(reason, 0) + 1
