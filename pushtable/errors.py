@@ -176,6 +176,9 @@ def remember_failure(table: str, message: str, exc: BaseException) -> None:
             _failures.popitem(last=False)
 
 
+_EXHAUSTED = re.compile(r"Resources exhausted:.*", re.DOTALL)
+
+
 def query_error(exc: BaseException) -> PushTableError | None:
     """The pushtable error a DataFusion query error stands for, or None if it is not ours."""
     text = str(exc)
@@ -183,6 +186,11 @@ def query_error(exc: BaseException) -> PushTableError | None:
         return StreamConsumedError(match.group(1))
     if match := _SLOW.search(text):
         return SlowSubscriberError(match.group(1))
+    if match := _EXHAUSTED.search(text):
+        return ResourceLimitError(
+            f"the query ran out of its share of the server's query memory (query_memory): "
+            f"{match.group(0)}"
+        )
     if match := _FAILED.search(text):
         table, message = match.group("table"), match.group("msg")
         error = StreamFailedError(f"the producer of streaming table '{table}' failed: {message}")

@@ -4,7 +4,8 @@ A token is a credential for pushing data and reading live results, never for the
 files or session. Three roles:
 
 - ``read``: remote SQL (queries only), ``tables``, ``stats``;
-- ``write``: push to (DoPut), ``close`` and advance the tables it covers;
+- ``write``: push to (DoPut), ``close`` and advance the tables it covers (and see their
+  schema and ``stats``, which a producer needs);
 - ``admin``: everything, including ``create_table``, ``subscribe``, ``fail`` and Spark's
   stage / ``publish`` / ``published``.
 
@@ -68,13 +69,16 @@ class Grant:
         """Whether ``table`` matches one of the token's table patterns."""
         return any(fnmatchcase(table, pattern) for pattern in self.tables)
 
-    def require(self, role: str, action: str, tables: Iterable[str] = ()) -> None:
-        """Raise :class:`PermissionDeniedError` unless the token has ``role`` on ``tables``."""
+    def require(self, role: str | tuple[str, ...], action: str, tables: Iterable[str] = ()) -> None:
+        """Raise :class:`PermissionDeniedError` unless the token has ``role`` (one of them,
+        for a tuple) on ``tables``."""
         targets = list(tables)
         what = f"{action} {', '.join(map(repr, targets))}" if targets else action
-        if role not in self.roles:
+        wanted = (role,) if isinstance(role, str) else role
+        if not any(r in self.roles for r in wanted):
+            needed = " or ".join(repr(r) for r in wanted)
             raise PermissionDeniedError(
-                f"token {self.name!r} may not {what}: it lacks the {role!r} role "
+                f"token {self.name!r} may not {what}: it lacks the {needed} role "
                 f"(it has: {', '.join(r for r in ROLES if r in self.roles)})"
             )
         for table in targets:

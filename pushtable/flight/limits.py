@@ -147,9 +147,9 @@ class Usage:
                 else:
                     del self.streams[client]
 
-    @contextlib.contextmanager
-    def query(self) -> Iterator[None]:
-        """Hold one of the server's query slots for the block."""
+    def query(self) -> Slot:
+        """Take one of the server's query slots; :meth:`Slot.release` gives it back (once,
+        from whichever side lets go of the query first)."""
         with self._lock:
             if self.queries >= self.limits.max_queries:
                 raise self._refuse(
@@ -162,11 +162,11 @@ class Usage:
                     "max_queries",
                 )
             self.queries += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self.queries -= 1
+        return Slot(self)
+
+    def _release_query(self) -> None:
+        with self._lock:
+            self.queries -= 1
 
     def stage(self, key: tuple[str, str], nbytes: int) -> None:
         """Count ``nbytes`` more staged for the query ``key``, or refuse them."""
@@ -209,3 +209,24 @@ class Usage:
         """Count a refusal decided elsewhere (a table option, a statement kind, a role)."""
         with self._lock:
             self.refusals[reason] = self.refusals.get(reason, 0) + 1
+
+
+class Slot:
+    """A held query slot. ``release()`` is idempotent and thread-safe."""
+
+    def __init__(self, usage: Usage) -> None:
+        self._usage = usage
+        self._lock = threading.Lock()
+        self._held = True
+
+    def release(self) -> None:
+        with self._lock:
+            held, self._held = self._held, False
+        if held:
+            self._usage._release_query()
+
+    def __enter__(self) -> Slot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

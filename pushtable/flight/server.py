@@ -15,6 +15,7 @@ import queue
 import re
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict
 from datetime import timedelta
@@ -39,7 +40,7 @@ from pushtable.errors import (
 from pushtable.flight import protocol, sql
 from pushtable.flight.audit import AuditRecord, audited
 from pushtable.flight.auth import ADMIN, READ, WRITE, BearerAuth, Grant, Tokens, caller
-from pushtable.flight.limits import Limits, Usage
+from pushtable.flight.limits import Limits, Slot, Usage
 from pushtable.sink import TableSink
 from pushtable.topic import Topic
 
@@ -323,29 +324,41 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
                 raise ValueError('a DoGet ticket is JSON: {"sql": "<query>"}')
             df = self._plan(context, query)
             schema = df.schema()
-            held.enter_context(self.usage.query())
+            slot = held.enter_context(self.usage.query())
             held.enter_context(self._call(context))
-            stream = df.execute_stream()
-            results = self._results(context, stream, held.pop_all(), record)
+            # Only the worker thread keeps the query: when it lets go, the query ends.
+            query_box = [df.execute_stream()]
+            del df
+            results = self._results(context, query_box, slot, held.pop_all(), record)
+        # A generator that never starts never runs its finally: let go when it is collected.
+        weakref.finalize(results, held.close)
         return flight.GeneratorStream(schema, results)
 
     def _results(
-        self, context: Any, stream: Any, held: contextlib.ExitStack, record: Any
+        self,
+        context: Any,
+        query_box: list[Any],
+        slot: Slot,
+        held: contextlib.ExitStack,
+        record: Any,
     ) -> Iterator[pa.RecordBatch]:
         """Batches as the query yields them; what the call holds is let go at the end."""
         with _wire_errors(), held:
-            for batch in self._forward(context, stream):
+            for batch in self._forward(context, query_box, slot):
                 record.rows += batch.num_rows
                 yield batch
 
-    def _forward(self, context: Any, stream: Any) -> Iterator[pa.RecordBatch]:
+    def _forward(self, context: Any, query_box: list[Any], slot: Slot) -> Iterator[pa.RecordBatch]:
         """A worker thread pulls from the query; this generator forwards the batches and
-        notices a client that left, or one that reads nothing for ``idle_timeout``."""
+        notices a client that left, or one that reads nothing for ``idle_timeout`` (then the
+        query is dropped and its slot given back at once)."""
         handoff: queue.Queue[Any] = queue.Queue(maxsize=1)
         gone = threading.Event()
         idle = threading.Event()
         done = object()
         idle_timeout = self.limits.idle_timeout
+
+        stream: Any = query_box.pop()
 
         def pull() -> None:
             nonlocal stream
@@ -360,6 +373,7 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
                         except queue.Full:
                             waited += POLL_S
                             if waited >= idle_timeout:  # the client reads nothing: let go
+                                self.usage.refused("idle_timeout")
                                 idle.set()
                                 return
                     if gone.is_set():
@@ -369,6 +383,8 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
                 handoff.put(exc)
             finally:
                 stream = None  # drop the query: its tables' producers learn the reader left
+                if idle.is_set():
+                    slot.release()
 
         threading.Thread(target=pull, name="pushtable-sql", daemon=True).start()
         try:
@@ -377,7 +393,6 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
                     item = handoff.get(timeout=POLL_S)
                 except queue.Empty:
                     if idle.is_set():
-                        self.usage.refused("idle_timeout")
                         raise ResourceLimitError(
                             f"the query was dropped: its client read nothing for "
                             f"{idle_timeout:g}s (idle_timeout)"
@@ -459,10 +474,10 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
             self._table(body["name"]).fail(error)
             return {}
         if kind == "stats":
-            grant.require(READ, "read the stats of", [str(body["name"])])
+            grant.require((READ, WRITE), "read the stats of", [str(body["name"])])
             return asdict(self._table(body["name"]).stats)
         if kind == "tables":
-            grant.require(READ, "list tables")
+            grant.require((READ, WRITE), "list tables")
             with self._lock:
                 return [
                     {

@@ -104,6 +104,11 @@ def encode_statement_query(query: str) -> bytes:
     return _any("CommandStatementQuery", _field(1, query.encode()))
 
 
+def encode_prepared_request(query: str) -> bytes:
+    """``ActionCreatePreparedStatementRequest(query)``: a prepare action's body (for tests)."""
+    return _field(1, query.encode())
+
+
 def _any(name: str, payload: bytes) -> bytes:
     return _field(1, (_PREFIX + name).encode()) + _field(2, payload)
 

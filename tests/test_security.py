@@ -1,0 +1,348 @@
+"""``pushtable serve`` as a security boundary: read-only remote SQL, scoped tokens, resource
+limits and the audit trail, each against a real server on loopback."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import adbc_driver_flightsql.dbapi as flightsql
+import pyarrow as pa
+import pyarrow.flight as flight
+import pytest
+
+from pushtable import (
+    PermissionDeniedError,
+    ReaderGoneError,
+    ResourceLimitError,
+    StatementRefusedError,
+    UnauthenticatedError,
+    UnknownTableError,
+)
+from pushtable.flight import Client, Grant, Limits, RemoteSink, Server, connect, sql
+from tests.conftest import SCHEMA, WAIT, batch, wait_until
+
+ADMIN, INGEST, DASH = "admin-s3cret", "ingest-s3cret", "dash-s3cret"
+TOKENS = {
+    ADMIN: Grant("ops", roles={"admin"}),
+    INGEST: Grant("ingest", roles={"write"}, tables=("events*",)),
+    DASH: Grant("dashboard", roles={"read"}, tables=("events*",)),
+}
+
+
+@pytest.fixture
+def secured() -> Iterator[Server]:
+    s = Server(tokens=TOKENS)
+    yield s
+    s.stop()
+
+
+def as_(server: Server, token: str) -> Client:
+    return connect(server.location, token=token, timeout=WAIT)
+
+
+def push(client: Client, table: str, b: pa.RecordBatch) -> None:
+    """One batch, acknowledged (a refusal of the stream surfaces here)."""
+    sink = RemoteSink(client, table, b.schema)
+    sink.write(b, timeout=WAIT)
+    sink.flush(timeout=WAIT)
+
+
+# --- 1. read-only remote SQL --------------------------------------------------------------
+
+REFUSED = [
+    ("COPY (SELECT 1 AS x) TO '{path}' STORED AS CSV", "COPY is a DML statement"),
+    (
+        "CREATE EXTERNAL TABLE pw (line VARCHAR) STORED AS CSV LOCATION '/etc/hostname'",
+        "CreateExternalTable is a DDL statement",
+    ),
+    ("SET datafusion.execution.batch_size = 1", "SetVariable is a session statement"),
+    ("RESET datafusion.execution.batch_size", "ResetVariable is a session statement"),
+    ("CREATE TABLE x AS SELECT 1 AS y", "CreateMemoryTable is a DDL statement"),
+    ("CREATE VIEW v AS SELECT 1 AS y", "CreateView is a DDL statement"),
+    ("DROP TABLE known", "DropTable is a DDL statement"),
+    ("INSERT INTO known VALUES (1)", "is a DML statement"),
+    ("PREPARE p AS SELECT 1", "Prepare is a session statement"),
+]
+
+
+@pytest.mark.parametrize(("statement", "named"), REFUSED)
+def test_remote_sql_runs_queries_only(
+    secured: Server, tmp_path: Path, statement: str, named: str
+) -> None:
+    secured.ctx.sql("CREATE TABLE known (y BIGINT)")  # the operator's own session may
+    before = secured.ctx.sql("SHOW datafusion.execution.batch_size").to_pydict()
+    target = tmp_path / "x.csv"
+    query = statement.format(path=target)
+    with as_(secured, ADMIN) as client, pytest.raises(StatementRefusedError, match=named):
+        client.sql(query).read_all()
+    # Refused before anything ran: no file, no table, no setting changed.
+    assert not target.exists()
+    assert not secured.ctx.table_exist("x")
+    assert not secured.ctx.table_exist("pw")
+    assert secured.ctx.table_exist("known")
+    assert secured.ctx.sql("SHOW datafusion.execution.batch_size").to_pydict() == before
+    assert secured.usage.refusals["statement"] == 1
+
+
+def test_flight_sql_statements_and_prepared_statements_are_read_only(
+    secured: Server, tmp_path: Path
+) -> None:
+    target = tmp_path / "y.csv"
+    copy = f"COPY (SELECT 1 AS x) TO '{target}' STORED AS CSV"
+    auth = {"adbc.flight.sql.authorization_header": f"Bearer {DASH}"}
+    with flightsql.connect(secured.location, db_kwargs=auth, autocommit=True) as conn:
+        with conn.cursor() as cur, pytest.raises(flightsql.Error, match="COPY is a DML"):
+            cur.execute(copy)
+        with conn.cursor() as cur, pytest.raises(flightsql.Error, match="SetVariable"):
+            cur.execute("SET datafusion.execution.batch_size = 1")
+        with conn.cursor() as cur:  # a query still runs on the same connection
+            cur.execute("SELECT 41 + 1 AS x")
+            assert cur.fetch_arrow_table().to_pydict() == {"x": [42]}
+    # The prepared-statement action plans the same way.
+    raw = flight.FlightClient(secured.location)
+    options = flight.FlightCallOptions(headers=[(b"authorization", f"Bearer {DASH}".encode())])
+    body = sql.encode_prepared_request(copy)
+    with pytest.raises(flight.FlightUnauthorizedError, match="COPY is a DML"):
+        list(raw.do_action(flight.Action("CreatePreparedStatement", body), options))
+    raw.close()
+    assert not target.exists()
+
+
+def test_files_of_the_server_are_not_tables(secured: Server) -> None:
+    with as_(secured, ADMIN) as client:
+        for query in (
+            "SELECT * FROM '/etc/hostname'",
+            "SELECT * FROM read_csv('/etc/hostname')",
+            "SELECT * FROM parquet_metadata('/etc/hostname')",
+        ):
+            with pytest.raises(Exception, match="not found") as info:
+                client.sql(query).read_all()
+            assert "localhost" not in str(info.value)
+
+
+# --- 2. scoped tokens ---------------------------------------------------------------------
+
+
+def test_each_role_does_what_it_may_and_is_refused_the_rest(secured: Server) -> None:
+    with as_(secured, ADMIN) as ops:
+        ops.create_table("events", SCHEMA, capacity=64)
+        ops.create_table("payroll", SCHEMA, capacity=64)
+    with as_(secured, INGEST) as ingest:
+        with ingest.sink("events") as sink:  # write: push to its tables
+            sink.write(batch(3))
+            sink.flush()
+            assert sink.stats.acknowledged_batches == 1
+        with pytest.raises(UnknownTableError, match="payroll"):  # out of scope: not listed
+            ingest.sink("payroll")
+        with pytest.raises(PermissionDeniedError, match="'payroll': the table is outside its"):
+            push(ingest, "payroll", batch(1))
+        with pytest.raises(PermissionDeniedError, match="lacks the 'read' role"):
+            ingest.sql("SELECT count(*) FROM events").read_all()
+        with pytest.raises(PermissionDeniedError, match="lacks the 'admin' role"):
+            ingest.create_table("events2", SCHEMA)
+        assert [t["name"] for t in ingest.tables()] == ["events"]
+    with as_(secured, DASH) as dash:
+        assert [t["name"] for t in dash.tables()] == ["events"]
+        with pytest.raises(PermissionDeniedError, match="'dashboard' may not read 'payroll'"):
+            dash.sql("SELECT * FROM payroll").read_all()
+        with pytest.raises(PermissionDeniedError, match="lacks the 'write' role"):
+            push(dash, "events", batch(1))
+        with pytest.raises(PermissionDeniedError, match="lacks the 'write' role"):
+            dash._action("close", {"name": "events"})
+        with pytest.raises(PermissionDeniedError, match="lacks the 'admin' role"):
+            dash._action("fail", {"name": "events", "message": "x", "type": "RuntimeError"})
+        with pytest.raises(PermissionDeniedError, match="lacks the 'admin' role"):
+            dash.stage("events", "q", 0, 0, 0, [batch(1)], SCHEMA)
+        # A read token reads its tables live.
+        result = dash.sql("SELECT count(*) AS n FROM events")
+        with as_(secured, ADMIN) as ops:
+            ops._action("close", {"name": "events"})
+        assert result.read_all().to_pydict() == {"n": [3]}
+    assert not secured.ctx.table_exist("events2")
+
+
+def test_wrong_and_missing_tokens_are_unauthenticated(secured: Server) -> None:
+    for token in ("nope", None, ADMIN + "x", ADMIN[:-1]):
+        with (
+            connect(secured.location, token=token, timeout=WAIT) as c,
+            pytest.raises(UnauthenticatedError),
+        ):
+            c.tables()
+
+
+def test_the_audit_log_names_the_token_never_its_secret(
+    secured: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="pushtable.audit")
+    with as_(secured, ADMIN) as ops:
+        ops.create_table("events", SCHEMA)
+    with as_(secured, INGEST) as ingest, ingest.sink("events") as sink:
+        sink.write(batch(5))
+    with as_(secured, DASH) as dash, pytest.raises(PermissionDeniedError):
+        push(dash, "events", batch(1))
+    lines = [r for r in caplog.records if r.name == "pushtable.audit"]
+    records = [r.audit for r in lines]  # type: ignore[attr-defined]
+    assert [json.loads(r.getMessage()) for r in lines] == records  # one JSON line per call
+    put = [r for r in records if r["action"] == "do_put" and r["outcome"] == "ok"]
+    assert put
+    assert put[0]["token"] == "ingest"
+    assert put[0]["table"] == "events"
+    assert put[0]["rows"] == 5
+    assert put[0]["peer"].startswith("ipv4:127.0.0.1:")
+    assert put[0]["duration_s"] >= 0
+    created = [r for r in records if r["action"] == "create_table"]
+    assert created == [created[0]]
+    assert created[0]["token"] == "ops"
+    assert created[0]["table"] == "events"
+    denied = [r for r in records if r["outcome"] == "PermissionDeniedError"]
+    assert denied
+    assert denied[0]["token"] == "dashboard"
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert all(secret not in text for secret in TOKENS)
+
+
+def test_a_config_file_declares_tokens_limits_and_tables(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("OPS_TOKEN", "from-the-env")
+    path = tmp_path / "serve.json"
+    path.write_text(
+        json.dumps(
+            {
+                "tokens": [
+                    {"name": "ops", "secret_env": "OPS_TOKEN", "role": "admin"},
+                    {"name": "dash", "secret": "r", "roles": ["read"], "tables": ["ev*"]},
+                ],
+                "limits": {"max_queries": 3, "max_capacity": 32},
+                "tables": [{"name": "events", "schema": {"k": "int32", "v": "double"}}],
+            }
+        )
+    )
+    server = Server.from_config(path)
+    try:
+        assert server.limits.max_queries == 3
+        with (
+            as_(server, "from-the-env") as ops,
+            pytest.raises(ResourceLimitError, match=r"capacity asked for would be 64.*32"),
+        ):
+            ops.create_table("big", SCHEMA, capacity=64)
+        with as_(server, "r") as dash:
+            assert [t["name"] for t in dash.tables()] == ["events"]
+    finally:
+        server.stop()
+    path.write_text(json.dumps({"tokens": [{"name": "x", "role": "read"}]}))
+    with pytest.raises(ValueError, match="'x' needs a 'secret' or a 'secret_env'"):
+        Server.from_config(path)
+    path.write_text(json.dumps({"tokens": [{"name": "x", "secret": "y", "role": "root"}]}))
+    with pytest.raises(ValueError, match="roles must be among read, write, admin; got root"):
+        Server.from_config(path)
+
+
+# --- 3. resource limits -------------------------------------------------------------------
+
+
+def test_a_query_over_its_memory_share_fails_and_others_go_on() -> None:
+    server = Server(limits=Limits(query_memory=8 << 20))
+    try:
+        rows = 400_000
+        server.ctx.from_arrow(
+            pa.table({"k": pa.array(range(rows), pa.int64()), "s": [f"v{i}" for i in range(rows)]}),
+            name="big",
+        )
+        with connect(server.location, timeout=WAIT) as client:
+            with pytest.raises(ResourceLimitError, match=r"(?i)resources exhausted"):
+                client.sql("SELECT s, count(*) FROM big GROUP BY s ORDER BY s").read_all()
+            got = client.sql("SELECT count(*) AS n FROM big").read_all().to_pydict()
+            assert got == {"n": [rows]}
+    finally:
+        server.stop()
+
+
+def test_concurrent_queries_and_streams_per_client_are_capped() -> None:
+    server = Server(limits=Limits(max_queries=2, max_streams_per_client=3))
+    try:
+        for name in ("a", "b", "c"):
+            server.create_table(name, SCHEMA)
+        with connect(server.location, timeout=WAIT) as client:
+            first = client.sql("SELECT * FROM a")
+            second = client.sql("SELECT * FROM b")
+            wait_until(lambda: server.usage.queries == 2, "two queries running")
+            with pytest.raises(ResourceLimitError, match=r"max_queries"):
+                client.sql("SELECT * FROM c").read_all()
+            sink = client.sink("c")
+            sink.write(batch(1))  # a third stream of this client: allowed
+            with pytest.raises(ResourceLimitError, match=r"max_streams_per_client"):
+                push(client, "a", batch(1))
+            sink.close()
+            first.cancel()
+            wait_until(lambda: server.usage.queries == 1, "the cancelled query to let go")
+            server._tables["b"].close()
+            assert second.read_all().num_rows == 0
+            assert client.sql("SELECT count(*) AS n FROM c").read_all().to_pydict() == {"n": [1]}
+        assert server.usage.refusals == {"max_queries": 1, "max_streams_per_client": 1}
+    finally:
+        server.stop()
+
+
+def test_staging_is_capped_per_query_and_per_server() -> None:
+    one = batch(1000)
+    size = one.get_total_buffer_size()
+    server = Server(limits=Limits(max_staged_bytes=5 * size, max_staged_bytes_per_query=3 * size))
+    try:
+        server.create_table("t", SCHEMA)
+        with connect(server.location, timeout=WAIT) as client:
+            client.stage("t", "q1", 0, 0, 0, [one, one], SCHEMA)
+            with pytest.raises(ResourceLimitError, match="max_staged_bytes_per_query"):
+                client.stage("t", "q1", 0, 1, 0, [one, one], SCHEMA)
+            client.stage("t", "q2", 0, 0, 0, [one, one, one], SCHEMA)
+            with pytest.raises(ResourceLimitError, match=r"max_staged_bytes\)"):
+                client.stage("t", "q3", 0, 0, 0, [one], SCHEMA)
+            assert server.usage.staged_bytes == 5 * size  # the refused shares hold nothing
+            reading = client.sql("SELECT count(*) AS n FROM t")
+            assert client.publish("t", "q1", 0, [(0, 0)], timeout=WAIT)
+            assert server.usage.staged_bytes == 3 * size  # published: released
+            client.stage("t", "q3", 0, 0, 0, [one], SCHEMA)  # room again
+            client._action("close", {"name": "t"})
+            assert reading.read_all().to_pydict() == {"n": [2000]}
+    finally:
+        server.stop()
+
+
+def test_remote_tables_are_capped_in_count_and_size() -> None:
+    server = Server(limits=Limits(max_tables=2, max_capacity=8, max_table_bytes=1 << 20))
+    try:
+        with connect(server.location, timeout=WAIT) as client:
+            with pytest.raises(ResourceLimitError, match=r"capacity .* 9.* 8 \(max_capacity\)"):
+                client.create_table("t", SCHEMA, capacity=9)
+            with pytest.raises(ResourceLimitError, match="max_table_bytes"):
+                client.create_table("t", SCHEMA, capacity=8, max_bytes=2 << 20)
+            client.create_table("t", SCHEMA, capacity=8)
+            client.create_topic("ticks", SCHEMA, retain=4)
+            with pytest.raises(ResourceLimitError, match=r"tables on the server .* 3.*max_tables"):
+                client.create_table("u", SCHEMA, capacity=8)
+        # A remote table without max_bytes got the server's bound.
+        assert server._tables["t"].max_bytes == 1 << 20  # type: ignore[union-attr]
+    finally:
+        server.stop()
+
+
+def test_a_query_whose_client_reads_nothing_is_dropped_after_the_idle_timeout() -> None:
+    server = Server(limits=Limits(idle_timeout=0.5))
+    try:
+        sink = server.create_table("t", SCHEMA, capacity=2)
+        with connect(server.location, timeout=WAIT) as client:
+            result = client.sql("SELECT * FROM t")  # never read
+            wait_until(lambda: server.usage.queries == 1, "the query to start")
+            # The producer keeps writing; the unread query is dropped and lets the table go.
+            big = batch(10_000)  # enough to fill gRPC's flow-control window soon
+            with pytest.raises(ReaderGoneError):
+                for _ in range(2_000):
+                    sink.write(big, timeout=WAIT)
+            wait_until(lambda: server.usage.queries == 0, "the idle query to be dropped")
+            assert server.usage.refusals.get("idle_timeout") == 1
+            result.cancel()
+    finally:
+        server.stop()
