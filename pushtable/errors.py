@@ -106,6 +106,11 @@ class ResourceLimitError(PushTableError):
     count or size); the message names the limit, its value and the option that sets it."""
 
 
+class UnsupportedCallError(PushTableError, NotImplementedError):
+    """The server does not implement that call (a Flight SQL command other than a statement
+    query, GetFlightInfo for a path); the message names it."""
+
+
 class ServerUnavailableError(PushTableError, ConnectionError):
     """The ``pushtable serve`` server cannot be reached (not running, stopped, wrong address)."""
 

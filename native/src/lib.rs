@@ -199,6 +199,18 @@ impl Sink {
         token: Option<&CancelToken>,
     ) -> PyResult<()> {
         let name = &self.channel.name;
+        // Check what the C Data Interface can carry a lie about: null counts, UTF-8, dictionary
+        // keys, offsets within the values. (It carries no buffer sizes: a batch whose lengths
+        // outrun its buffers must be checked before export, as the server does for the wire.)
+        for (field, column) in batch.schema().fields().iter().zip(batch.columns()) {
+            column.to_data().validate_full().map_err(|e| {
+                InputError::new_err(format!(
+                    "streaming table '{name}': column '{}' of the batch is not valid Arrow \
+                     data ({e}); nothing was queued",
+                    field.name()
+                ))
+            })?;
+        }
         let batch = schema::conform(&self.channel.input_schema, batch)
             .map_err(|i| schema_error(py, name, &i))?;
         let channel = &self.channel;

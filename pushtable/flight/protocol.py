@@ -48,6 +48,18 @@ def error_text(exc: BaseException) -> str:
     return f"[pushtable:{type(exc).__name__}] {exc} [/pushtable]"
 
 
+def checked(table: str, number: int, batch: pa.RecordBatch) -> pa.RecordBatch:
+    """A batch from the wire, fully validated: a message may lie about its lengths (longer
+    than its buffers) or offsets, and nothing unchecked may reach a query."""
+    try:
+        batch.validate(full=True)
+    except pa.ArrowInvalid as exc:
+        raise errors.InvalidBatchError(
+            f"batch {number} for table {table!r} is not valid Arrow data ({exc}); it was refused"
+        ) from None
+    return batch
+
+
 def server_error(exc: BaseException) -> flight.FlightServerError:
     """A Flight error that carries ``exc``'s class and message to the client."""
     return flight.FlightServerError(error_text(exc))

@@ -35,6 +35,7 @@ from pushtable.errors import (
     ServerStoppedError,
     StatementRefusedError,
     UnknownTableError,
+    UnsupportedCallError,
     WriteTimeoutError,
 )
 from pushtable.flight import protocol, sql
@@ -234,7 +235,7 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
             if (watermark := protocol.advance_value(metadata)) is not None:
                 producer.advance(watermark)
             else:
-                self._write(context, producer, batch)
+                self._write(context, producer, protocol.checked(path[0], count, batch))
                 record.rows += batch.num_rows
             writer.send(count)
 
@@ -262,7 +263,7 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
         try:
             for batch in protocol.batches(reader.read_chunk):
                 protocol.check_batch_schema(table, producer.schema, batch.schema)
-                share.add(batch)
+                share.add(protocol.checked(table, len(share.batches) + 1, batch))
                 writer.send(len(share.batches))
         except BaseException:
             share.release()
@@ -295,15 +296,15 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
 
     def get_flight_info(self, context: Any, descriptor: Any) -> Any:
         """Flight SQL statement queries (:mod:`pushtable.flight.sql`): plan, then one ticket."""
-        if descriptor.descriptor_type != flight.DescriptorType.CMD:
-            raise NotImplementedError(
-                "pushtable serve answers GetFlightInfo for Flight SQL statement queries only"
-            )
         with _wire_errors(), _audit(context, "flight_sql_info"):
+            if descriptor.descriptor_type != flight.DescriptorType.CMD:
+                raise UnsupportedCallError(
+                    "pushtable serve answers GetFlightInfo for Flight SQL statement queries only"
+                )
             query = sql.statement_query(descriptor.command)
             if query is None:
                 kind = sql.command(descriptor.command)[0].rsplit(".", 1)[-1]
-                raise NotImplementedError(
+                raise UnsupportedCallError(
                     f"pushtable serve implements the Flight SQL statement query only; {kind} is "
                     "not implemented (see docs/network.md)"
                 )
@@ -691,7 +692,7 @@ def _wire_errors() -> Iterator[None]:
     """Errors of a call as Flight errors that carry their pushtable class to the client."""
     try:
         yield
-    except (flight.FlightError, NotImplementedError, GeneratorExit):
+    except (flight.FlightError, GeneratorExit):
         raise
     except (PermissionDeniedError, StatementRefusedError) as exc:
         raise flight.FlightUnauthorizedError(protocol.error_text(exc)) from exc
@@ -699,8 +700,17 @@ def _wire_errors() -> Iterator[None]:
         if isinstance(exc, PushTableError):
             raise protocol.server_error(exc) from exc
         raise protocol.server_error(ValueError(f"the request lacks the field {exc}")) from exc
-    except (PushTableError, ValueError, TypeError, pa.ArrowException) as exc:
+    except (PushTableError, ValueError, TypeError, pa.ArrowInvalid) as exc:
         raise protocol.server_error(exc) from exc
+    except OSError as exc:  # pyarrow's IPC reader: the client sent malformed Arrow data
+        raise protocol.server_error(
+            errors.InvalidBatchError(f"malformed Arrow IPC data: {exc}")
+        ) from exc
+    except Exception as exc:  # a bug of ours: logged here, named (never a traceback) there
+        log.exception("pushtable serve: unexpected error in a call")
+        raise protocol.server_error(
+            errors.RemoteError(f"internal server error: {type(exc).__name__}: {exc}")
+        ) from exc
 
 
 class _Share:

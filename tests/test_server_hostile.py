@@ -1,0 +1,250 @@
+"""Hostile input to a live ``pushtable serve`` process: random descriptors, tickets, action
+bodies and Flight SQL commands, and raw IPC streams that change schema mid-stream or lie about
+their lengths. Every call ends (bounded) with a result or a clear error; the server never
+crashes or hangs, and serves a normal query afterwards."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.flight as flight
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from pushtable.flight import connect, protocol, sql
+from tests.conftest import WAIT, Background
+from tests.flight_raw import do_put, flight_data, ipc_messages, lie_about_length, path_descriptor
+
+TOKEN = "hostile-test-token"
+SCHEMA = pa.schema([("k", pa.int64()), ("s", pa.string())])
+CALL_S = 10.0  # every hostile call must end within this (a hang fails the test)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """``pushtable serve`` in a child process, with one table; yields (process, location)."""
+    config = tmp_path_factory.mktemp("serve") / "serve.json"
+    config.write_text(
+        json.dumps(
+            {
+                "tokens": [{"name": "fuzz", "secret": TOKEN, "role": "admin"}],
+                "limits": {"max_staged_bytes": 64 << 20, "max_table_bytes": 64 << 20},
+                "tables": [{"name": "t", "schema": {"k": "int64", "s": "string"}}],
+            }
+        )
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pushtable", "serve", "--port", "0", "--config", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("pushtable serve: listening on grpc://127.0.0.1:"), line
+        location = line.split("listening on ")[1].split()[0]
+        with connect(location, token=TOKEN, timeout=WAIT) as client:
+            # A query drains "t" all along, so honest writes never wait for room.
+            result = client.sql("SELECT count(*) AS n, sum(length(s)) AS chars FROM t")
+            reading = Background(result.read_all)
+            yield proc, location
+            client._action("close", {"name": "t"})
+            got = reading.join().to_pydict()
+        # Every honest batch arrived whole: no lying length got into the table.
+        assert got["n"][0] is not None
+        assert got["n"][0] > 0
+        still_serving(proc, location)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(WAIT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def options(timeout: float = CALL_S) -> flight.FlightCallOptions:
+    return flight.FlightCallOptions(
+        timeout=timeout, headers=[(b"authorization", f"Bearer {TOKEN}".encode())]
+    )
+
+
+def still_serving(proc: subprocess.Popen[str], location: str) -> None:
+    assert proc.poll() is None, f"the server process died (exit status {proc.returncode})"
+    with connect(location, token=TOKEN, timeout=CALL_S) as client:
+        assert client.sql("SELECT 41 + 1 AS x").read_all().to_pydict() == {"x": [42]}
+
+
+def expect_clear_error(exc: BaseException) -> None:
+    """A refusal names its problem; it never carries a server-side Python traceback."""
+    text = str(exc)
+    assert text.strip(), f"an error without a message: {exc!r}"
+    assert "Traceback (most recent call last)" not in text, text
+
+
+texts = st.text(max_size=40)
+blobs = st.binary(max_size=200)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | texts,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(texts, inner, max_size=4),
+    max_leaves=10,
+)
+bodies = st.one_of(
+    blobs,
+    st.dictionaries(
+        st.sampled_from(
+            [
+                "name",
+                "table",
+                "topic",
+                "query",
+                "epoch",
+                "parts",
+                "schema",
+                "type",
+                "message",
+                "capacity",
+                "max_bytes",
+                "retain",
+                "start",
+                "x",
+            ]
+        )
+        | texts,
+        json_values,
+        max_size=6,
+    ).map(lambda d: json.dumps(d).encode()),
+)
+action_types = st.sampled_from([*protocol.ACTIONS, *sql.ACTIONS]) | texts
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(kind=action_types, body=bodies)
+def test_random_actions_end_with_a_result_or_a_clear_error(
+    served: tuple[subprocess.Popen[str], str], kind: str, body: bytes
+) -> None:
+    assume(b'"t"' not in body)  # the table the other examples write to stays open
+    proc, location = served
+    client = flight.FlightClient(location)
+    try:
+        list(client.do_action(flight.Action(kind, body), options()))
+    except flight.FlightTimedOutError:
+        pytest.fail(f"action {kind!r} hung")
+    except (flight.FlightError, pa.ArrowException) as exc:
+        expect_clear_error(exc)
+    finally:
+        client.close()
+    assert proc.poll() is None
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    ticket=st.one_of(
+        blobs,
+        json_values.map(lambda v: json.dumps(v).encode()),
+        texts.map(lambda q: json.dumps({"sql": q}).encode()),
+    ),
+    command=blobs | texts.map(sql.encode_statement_query),
+    path=st.lists(texts, max_size=7),
+)
+def test_random_tickets_commands_and_descriptors(
+    served: tuple[subprocess.Popen[str], str], ticket: bytes, command: bytes, path: list[str]
+) -> None:
+    proc, location = served
+    client = flight.FlightClient(location)
+    calls: list[Any] = [
+        lambda: client.do_get(flight.Ticket(ticket), options()).read_all(),
+        lambda: client.get_flight_info(flight.FlightDescriptor.for_command(command), options()),
+        lambda: client.get_flight_info(flight.FlightDescriptor.for_path(*path), options()),
+    ]
+    try:
+        for call in calls:
+            try:
+                call()
+            except flight.FlightTimedOutError:
+                pytest.fail("a call hung")
+            except (flight.FlightError, pa.ArrowException) as exc:
+                expect_clear_error(exc)
+        # A DoPut to a random path: refused, or written if it names the table.
+        writer, reader = client.do_put(flight.FlightDescriptor.for_path(*path), SCHEMA, options())
+        try:
+            writer.write_batch(pa.record_batch([[1], ["a"]], schema=SCHEMA))
+            writer.done_writing()
+            reader.read()
+            writer.close()
+        except flight.FlightTimedOutError:
+            pytest.fail("a DoPut hung")
+        except (flight.FlightError, pa.ArrowException) as exc:
+            expect_clear_error(exc)
+    finally:
+        client.close()
+    assert proc.poll() is None
+
+
+def _stream(rows: int) -> list[tuple[bytes, bytes]]:
+    batch = pa.record_batch(
+        [pa.array(range(rows), pa.int64()), pa.array([f"v{i}" for i in range(rows)])],
+        schema=SCHEMA,
+    )
+    return ipc_messages(SCHEMA, [batch])
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    rows=st.integers(1, 3000),
+    mutation=st.sampled_from(
+        ["honest", "lie", "schema_change", "garbage_header", "short_body", "no_schema", "junk"]
+    ),
+    junk=blobs,
+    stage=st.booleans(),
+)
+def test_raw_ipc_streams_that_lie_are_refused(
+    served: tuple[subprocess.Popen[str], str],
+    rows: int,
+    mutation: str,
+    junk: bytes,
+    stage: bool,
+) -> None:
+    proc, location = served
+    (schema_header, _), (header, body) = _stream(rows)
+    path = [b"t", b"stage", b"q", b"0", b"0", b"0"] if stage else [b"t"]
+    first = flight_data(schema_header, descriptor=path_descriptor(path))
+    other = pa.schema([("k", pa.string())])
+    (other_schema, _), (other_header, other_body) = ipc_messages(
+        other, [pa.record_batch([pa.array(["x"])], schema=other)]
+    )
+    messages = {
+        "honest": [first, flight_data(header, body)],
+        "lie": [first, flight_data(lie_about_length(header, rows, rows * 1000 + 7), body)],
+        "schema_change": [
+            first,
+            flight_data(header, body),
+            flight_data(other_schema),
+            flight_data(other_header, other_body),
+        ],
+        "garbage_header": [first, flight_data(b"\x00" + junk, body)],
+        "short_body": [first, flight_data(header, body[: len(body) // 3])],
+        "no_schema": [flight_data(header, body, descriptor=path_descriptor(path))],
+        "junk": [first, junk],
+    }[mutation]
+    auth = [("authorization", f"Bearer {TOKEN}")]
+    code, details = do_put(location.removeprefix("grpc://"), iter(messages), CALL_S, auth)
+    assert code != "DEADLINE_EXCEEDED", f"{mutation}: the server hung"
+    if mutation == "honest":
+        assert code == "OK", details
+    elif mutation != "junk":  # junk bytes may happen to be an empty, valid message
+        assert code != "OK", f"{mutation} was accepted"
+    if code != "OK":
+        assert details.strip()
+        assert "Traceback (most recent call last)" not in details, details
+    if mutation == "lie":
+        assert "is not valid Arrow data" in details, details
+    still_serving(proc, location)
