@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -107,6 +113,31 @@ def client(server: Server) -> Iterator[Client]:
     """A client of :func:`server`."""
     with connect(server.location) as c:
         yield c
+
+
+@contextlib.contextmanager
+def serve_process(config: dict[str, Any], directory: Path) -> Iterator[tuple[Any, str]]:
+    """``pushtable serve --config`` in a child process; yields (process, location)."""
+    path = directory / "serve.json"
+    path.write_text(json.dumps(config))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pushtable", "serve", "--port", "0", "--config", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert line.startswith("pushtable serve: listening on grpc://127.0.0.1:"), line
+        yield proc, line.split("listening on ")[1].split()[0]
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(WAIT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any) -> None:

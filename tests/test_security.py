@@ -3,8 +3,10 @@ limits and the audit trail, each against a real server on loopback."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,7 +24,7 @@ from pushtable import (
     UnknownTableError,
 )
 from pushtable.flight import Client, Grant, Limits, RemoteSink, Server, connect, sql
-from tests.conftest import SCHEMA, WAIT, batch, wait_until
+from tests.conftest import SCHEMA, WAIT, Background, batch, serve_process, wait_until
 
 ADMIN, INGEST, DASH = "admin-s3cret", "ingest-s3cret", "dash-s3cret"
 TOKENS = {
@@ -346,3 +348,70 @@ def test_a_query_whose_client_reads_nothing_is_dropped_after_the_idle_timeout() 
             result.cancel()
     finally:
         server.stop()
+
+
+def test_fifty_clients_staging_and_querying_stay_under_the_limits(tmp_path: Path) -> None:
+    """50 clients at once each try to stage 36 MiB (1.8 GiB in all) and run a query; the
+    server (a child process) refuses what is over ``max_staged_bytes`` and its RSS stays
+    bounded by the limit plus what gRPC holds in flight."""
+    import psutil
+
+    staged_limit = 64 << 20
+    config = {
+        "limits": {
+            "max_staged_bytes": staged_limit,
+            "max_staged_bytes_per_query": 40 << 20,
+            "max_queries": 8,
+            "query_memory": 256 << 20,
+        },
+        "tables": [{"name": "t", "schema": {"k": "int32", "v": "double"}}],
+    }
+    piece = batch(1 << 15)  # 384 KiB: each client tries 96 of them (36 MiB) in one share
+    with serve_process(config, tmp_path) as (proc, location):
+        server = psutil.Process(proc.pid)
+        baseline = server.memory_info().rss
+        peak = baseline
+        outcomes: dict[str, int] = {}
+        lock = threading.Lock()
+
+        def one(i: int) -> None:
+            with connect(location, timeout=WAIT) as client:
+                results = []
+                try:
+                    client.stage("t", f"q{i}", 0, 0, 0, [piece] * 96, SCHEMA)
+                    results.append("staged")
+                except ResourceLimitError:
+                    results.append("refused")
+                try:
+                    got = client.sql("SELECT count(*) AS n FROM (VALUES (1), (2)) AS v(x)")
+                    assert got.read_all().to_pydict() == {"n": [2]}
+                    results.append("queried")
+                except ResourceLimitError:
+                    results.append("query refused")
+                with lock:
+                    for r in results:
+                        outcomes[r] = outcomes.get(r, 0) + 1
+
+        workers = [Background(functools.partial(one, i)) for i in range(50)]
+        while not all(w.done.is_set() for w in workers):
+            peak = max(peak, server.memory_info().rss)
+            workers[0].done.wait(0.01)
+        for w in workers:
+            w.join()
+        still = server.memory_info().rss
+    staged = outcomes.get("staged", 0)
+    assert staged + outcomes.get("refused", 0) == 50
+    assert staged * 96 * piece.get_total_buffer_size() <= staged_limit  # accepted ones fit
+    assert outcomes.get("refused", 0) >= 48
+    assert outcomes.get("queried", 0) + outcomes.get("query refused", 0) == 50
+    growth = peak - baseline
+    # Staged data under its limit, plus what is in flight per open stream (the batch being
+    # read and gRPC's flow-control window: 8 MiB measured), plus 128 MiB for threads and
+    # the allocator: far below the 1.8 GiB the clients tried to stage.
+    in_flight = 50 * (8 << 20)
+    bound = staged_limit + in_flight + (128 << 20)
+    assert growth < bound, f"server RSS grew {growth / 2**20:.0f} MiB (bound {bound / 2**20:.0f})"
+    print(
+        f"\n50 clients: {staged} staged, {outcomes.get('refused', 0)} refused; server RSS "
+        f"{baseline / 2**20:.0f} MiB -> peak {peak / 2**20:.0f} MiB (after {still / 2**20:.0f})"
+    )

@@ -6,9 +6,7 @@ crashes or hangs, and serves a normal query afterwards."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +17,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from pushtable.flight import connect, protocol, sql
-from tests.conftest import WAIT, Background
+from tests.conftest import WAIT, Background, serve_process
 from tests.flight_raw import do_put, flight_data, ipc_messages, lie_about_length, path_descriptor
 
 TOKEN = "hostile-test-token"
@@ -30,28 +28,12 @@ CALL_S = 10.0  # every hostile call must end within this (a hang fails the test)
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """``pushtable serve`` in a child process, with one table; yields (process, location)."""
-    config = tmp_path_factory.mktemp("serve") / "serve.json"
-    config.write_text(
-        json.dumps(
-            {
-                "tokens": [{"name": "fuzz", "secret": TOKEN, "role": "admin"}],
-                "limits": {"max_staged_bytes": 64 << 20, "max_table_bytes": 64 << 20},
-                "tables": [{"name": "t", "schema": {"k": "int64", "s": "string"}}],
-            }
-        )
-    )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pushtable", "serve", "--port", "0", "--config", str(config)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.startswith("pushtable serve: listening on grpc://127.0.0.1:"), line
-        location = line.split("listening on ")[1].split()[0]
+    config = {
+        "tokens": [{"name": "fuzz", "secret": TOKEN, "role": "admin"}],
+        "limits": {"max_staged_bytes": 64 << 20, "max_table_bytes": 64 << 20},
+        "tables": [{"name": "t", "schema": {"k": "int64", "s": "string"}}],
+    }
+    with serve_process(config, tmp_path_factory.mktemp("serve")) as (proc, location):
         with connect(location, token=TOKEN, timeout=WAIT) as client:
             # A query drains "t" all along, so honest writes never wait for room.
             result = client.sql("SELECT count(*) AS n, sum(length(s)) AS chars FROM t")
@@ -63,12 +45,6 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subproces
         assert got["n"][0] is not None
         assert got["n"][0] > 0
         still_serving(proc, location)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(WAIT)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def options(timeout: float = CALL_S) -> flight.FlightCallOptions:
