@@ -415,3 +415,22 @@ def test_fifty_clients_staging_and_querying_stay_under_the_limits(tmp_path: Path
         f"\n50 clients: {staged} staged, {outcomes.get('refused', 0)} refused; server RSS "
         f"{baseline / 2**20:.0f} MiB -> peak {peak / 2**20:.0f} MiB (after {still / 2**20:.0f})"
     )
+
+
+def test_an_idle_producer_stream_is_ended_and_the_next_write_reopens_one() -> None:
+    server = Server(limits=Limits(idle_timeout=0.3))
+    try:
+        server.create_table("t", SCHEMA, capacity=8)
+        with connect(server.location, timeout=WAIT) as client:
+            reading = client.sql("SELECT count(*) AS n FROM t")
+            sink = client.sink("t")
+            sink.write(batch(2))
+            sink.flush(timeout=WAIT)
+            wait_until(lambda: len(server._acks) == 0, "the idle DoPut stream to end")
+            assert server.usage.refusals == {"idle_timeout": 1}
+            sink.write(batch(3))  # a new stream
+            sink.close()
+            assert reading.read_all().to_pydict() == {"n": [5]}
+            assert sink.stats.acknowledged_batches == 2
+    finally:
+        server.stop()

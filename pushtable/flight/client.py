@@ -334,6 +334,7 @@ class _Put:
         self.acked = 0
         self.error: BaseException | None = None
         self.finished = False
+        self.idle = False  # the server ended the stream for idleness: the next write reopens
         self.changed = threading.Condition()
         self.io = threading.Lock()  # one call on the writer at a time
         threading.Thread(target=self._read_acks, name="pushtable-acks", daemon=True).start()
@@ -357,6 +358,13 @@ class _Put:
                     # The server is stopping: end our side, so it need not wait for a write.
                     with self.changed:
                         self.error = ServerStoppedError("the pushtable server stopped")
+                    with self.io, contextlib.suppress(flight.FlightError, pa.ArrowException):
+                        self.writer.done_writing()
+                    continue
+                if buf.equals(protocol.IDLE):
+                    # Idle too long: end our side cleanly; the next write opens a new stream.
+                    with self.changed:
+                        self.idle = True
                     with self.io, contextlib.suppress(flight.FlightError, pa.ArrowException):
                         self.writer.done_writing()
                     continue
@@ -500,6 +508,8 @@ class RemoteSink(ProducerScope):
             )
 
     def _stream(self) -> _Put:
+        if self._put is not None and self._put.idle:  # the server ended it: start anew
+            self._end_stream_locked()
         if self._put is None:
             descriptor = flight.FlightDescriptor.for_path(self.name)
             self._put = _Put(self._client, descriptor, self._wire_schema)
@@ -516,12 +526,15 @@ class RemoteSink(ProducerScope):
     def _end_stream(self) -> None:
         """End the open stream, if any (the client is closing); the table stays open."""
         with self._lock:
-            put, self._put = self._put, None
-            if put is not None:
-                with contextlib.suppress(PushTableError):
-                    put.finish(timeout=5.0)
-                self._sent += put.sent
-                self._acked += put.acked
+            self._end_stream_locked()
+
+    def _end_stream_locked(self) -> None:
+        put, self._put = self._put, None
+        if put is not None:
+            with contextlib.suppress(PushTableError):
+                put.finish(timeout=5.0)
+            self._sent += put.sent
+            self._acked += put.acked
 
     def write(self, data: Any, timeout: float | None = None) -> None:
         """Send a batch (or every batch of a table / stream), waiting while ``window`` batches

@@ -84,6 +84,9 @@ def client_error(exc: BaseException) -> BaseException:
 
 #: The metadata a stopping server sends on every open DoPut stream: end it (no count is this big).
 STOPPING = pa.py_buffer(b"\xff" * 8)
+#: The metadata a server sends on a DoPut stream idle for ``idle_timeout``: end it; the
+#: client's next write opens a new one.
+IDLE = pa.py_buffer(b"\xfe" * 8)
 
 
 def ack(count: int) -> pa.Buffer:

@@ -114,6 +114,7 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
         self._acks: set[_Acks] = set()  # the open DoPut streams
         self._calls = 0  # DoPut and DoGet calls under way
         self._calls_changed = threading.Condition()
+        threading.Thread(target=self._end_idle_streams, name="pushtable-idle", daemon=True).start()
 
     @contextlib.contextmanager
     def _call(self, context: Any) -> Iterator[None]:
@@ -201,6 +202,22 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
 
     # -- DoPut: remote producers --------------------------------------------------------
 
+    def _end_idle_streams(self) -> None:
+        """Tell each DoPut stream idle for ``idle_timeout`` to end (pushtable's clients do,
+        and reopen on their next write); the server's thread for it is then free."""
+        timeout = self.limits.idle_timeout
+        while not self._stopping.wait(min(1.0, timeout / 4)):
+            now = time.monotonic()
+            with self._lock:
+                idle = [
+                    a
+                    for a in self._acks
+                    if not (a.told_idle or a.writing) and now - a.last_active > timeout
+                ]
+            for acks in idle:
+                self.usage.refused("idle_timeout")
+                acks.idle()
+
     def do_put(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
         acks = _Acks(writer)
         with self._lock:
@@ -232,11 +249,12 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
         grant.require(WRITE, "push to", path)
         producer = self._table(path[0])
         for count, (batch, metadata) in enumerate(protocol.chunks(reader.read_chunk), 1):
-            if (watermark := protocol.advance_value(metadata)) is not None:
-                producer.advance(watermark)
-            else:
-                self._write(context, producer, protocol.checked(path[0], count, batch))
-                record.rows += batch.num_rows
+            with writer.busy():
+                if (watermark := protocol.advance_value(metadata)) is not None:
+                    producer.advance(watermark)
+                else:
+                    self._write(context, producer, protocol.checked(path[0], count, batch))
+                    record.rows += batch.num_rows
             writer.send(count)
 
     def _write(self, context: Any, producer: TableSink | Topic, batch: pa.RecordBatch) -> None:
@@ -591,22 +609,43 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
 
 
 class _Acks:
-    """A DoPut stream's metadata side: acknowledgements, and the stop notice sent to it
-    from another thread (one writer at a time, as gRPC requires)."""
+    """A DoPut stream's metadata side: acknowledgements, and the stop / idle notices sent to
+    it from another thread (one writer at a time, as gRPC requires)."""
 
     def __init__(self, writer: Any) -> None:
         self._writer = writer
         self._lock = threading.Lock()
         self._closed = False
+        self.last_active = time.monotonic()
+        self.told_idle = False
+        self.writing = False  # a batch is being written (maybe waiting for room): not idle
+
+    @contextlib.contextmanager
+    def busy(self) -> Iterator[None]:
+        """Mark the stream active while the block handles a chunk it received."""
+        self.writing = True
+        try:
+            yield
+        finally:
+            self.writing = False
+            self.last_active = time.monotonic()
 
     def send(self, count: int) -> None:
         with self._lock:
+            self.last_active = time.monotonic()
             self._writer.write(protocol.ack(count))
 
     def stopping(self) -> None:
+        self._notice(protocol.STOPPING)
+
+    def idle(self) -> None:
+        self.told_idle = True
+        self._notice(protocol.IDLE)
+
+    def _notice(self, notice: pa.Buffer) -> None:
         with self._lock, contextlib.suppress(flight.FlightError, pa.ArrowException, OSError):
             if not self._closed:  # the handler has not returned: the call is alive
-                self._writer.write(protocol.STOPPING)
+                self._writer.write(notice)
 
     def close(self) -> None:
         with self._lock:
