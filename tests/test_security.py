@@ -264,7 +264,7 @@ def test_a_query_over_its_memory_share_fails_and_others_go_on() -> None:
 
 
 def test_concurrent_queries_and_streams_per_client_are_capped() -> None:
-    server = Server(limits=Limits(max_queries=2, max_streams_per_client=3))
+    server = Server(limits=Limits(max_queries=2, max_streams_per_client=3, max_streams=4))
     try:
         for name in ("a", "b", "c"):
             server.create_table(name, SCHEMA)
@@ -278,13 +278,24 @@ def test_concurrent_queries_and_streams_per_client_are_capped() -> None:
             sink.write(batch(1))  # a third stream of this client: allowed
             with pytest.raises(ResourceLimitError, match=r"max_streams_per_client"):
                 push(client, "a", batch(1))
+            with connect(server.location, timeout=WAIT) as other:  # another connection
+                other_sink = other.sink("a")
+                other_sink.write(batch(1))  # the server's fourth stream
+                other_sink.flush(timeout=WAIT)
+                with pytest.raises(ResourceLimitError, match=r"on the server .* 5.*max_streams\)"):
+                    push(other, "b", batch(1))
+                other_sink.close()
             sink.close()
             first.cancel()
             wait_until(lambda: server.usage.queries == 1, "the cancelled query to let go")
             server._tables["b"].close()
             assert second.read_all().num_rows == 0
             assert client.sql("SELECT count(*) AS n FROM c").read_all().to_pydict() == {"n": [1]}
-        assert server.usage.refusals == {"max_queries": 1, "max_streams_per_client": 1}
+        assert server.usage.refusals == {
+            "max_queries": 1,
+            "max_streams_per_client": 1,
+            "max_streams": 1,
+        }
     finally:
         server.stop()
 

@@ -36,8 +36,10 @@ class Limits:
     query_memory: int = 4 * GiB
     #: remote queries (DoGet / Flight SQL) running at once.
     max_queries: int = 8
-    #: open DoPut + DoGet streams per client (token name and peer host).
+    #: open DoPut + DoGet streams per client (one connection: token name and peer address).
     max_streams_per_client: int = 16
+    #: open DoPut + DoGet streams on the whole server (every client together).
+    max_streams: int = 256
     #: Spark shares staged and not yet published, whole server (bytes).
     max_staged_bytes: int = 2 * GiB
     #: ... and per streaming query (bytes).
@@ -126,6 +128,17 @@ class Usage:
         """Hold one of ``client``'s stream slots for the block."""
         with self._lock:
             held = self.streams.get(client, 0)
+            total = sum(self.streams.values())
+            if total >= self.limits.max_streams:
+                raise self._refuse(
+                    _refused(
+                        "open streams on the server",
+                        total + 1,
+                        self.limits.max_streams,
+                        "max_streams",
+                    ),
+                    "max_streams",
+                )
             if held >= self.limits.max_streams_per_client:
                 raise self._refuse(
                     _refused(

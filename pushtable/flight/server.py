@@ -710,9 +710,8 @@ def _remote_session(limits: Limits) -> SessionContext:
 
 
 def _client(context: Any) -> str:
-    """Who holds a stream slot: the token's name at the peer's host."""
-    host = str(context.peer()).rsplit(":", 1)[0]
-    return f"{caller(context).name}@{host}"
+    """Who holds a stream slot: the token's name on one connection (the peer's address)."""
+    return f"{caller(context).name}@{context.peer()}"
 
 
 def _audit(context: Any, action: str) -> contextlib.AbstractContextManager[AuditRecord]:
