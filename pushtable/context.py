@@ -170,9 +170,21 @@ class SessionContext(datafusion.SessionContext):
         {'total': [3]}
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, memory_limit: int | None = None, **kwargs: Any) -> None:
+        """``memory_limit`` (bytes) gives the session a fair memory pool with no spilling to
+        disk, for datafusion-python's queries and the live engine's alike: a query over its
+        share fails with "Resources exhausted" (the others go on). Otherwise the arguments
+        are datafusion's (``config``, ``runtime``)."""
+        if memory_limit is not None:
+            if "runtime" in kwargs or len(args) > 1:
+                raise ValueError("pass memory_limit or a runtime, not both")
+            kwargs["runtime"] = (
+                datafusion.RuntimeEnvBuilder()
+                .with_disk_manager_disabled()
+                .with_fair_spill_pool(memory_limit)
+            )
         super().__init__(*args, **kwargs)
-        self._sources = TableSources()
+        self._sources = TableSources(memory_limit=memory_limit)
 
     # --- what the live engine needs to know about the tables -----------------------------
 

@@ -32,6 +32,8 @@ class TableSources:
     providers: dict[str, Any] = field(default_factory=dict)
     memory: set[str] = field(default_factory=set)
     other: dict[str, str] = field(default_factory=dict)
+    #: the session's memory pool (bytes), which the engine's sessions get too
+    memory_limit: int | None = None
 
     def forget(self, name: str) -> None:
         self.live.pop(name, None)
@@ -84,7 +86,7 @@ def plan_live(
     live = [n for n in names if n in sources.live]
     if not live:
         return None
-    engine = _native.Engine()
+    engine = _native.Engine(memory_limit=sources.memory_limit)
     unsupported: dict[str, str] = {}
     for name in names:
         try:

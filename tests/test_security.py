@@ -445,3 +445,26 @@ def test_an_idle_producer_stream_is_ended_and_the_next_write_reopens_one() -> No
             assert sink.stats.acknowledged_batches == 2
     finally:
         server.stop()
+
+
+def test_the_live_engine_plans_in_the_same_memory_pool() -> None:
+    """A query the live engine runs (it reads an ordered table) is held to the session's
+    memory limit too: an aggregate of a large bounded table inside it runs out of its share."""
+    from pushtable import SessionContext
+
+    ctx = SessionContext(memory_limit=4 << 20)
+    rows = 300_000
+    ctx.from_arrow(
+        pa.table({"k": pa.array(range(rows), pa.int64()), "s": [f"v{i}" for i in range(rows)]}),
+        name="big",
+    )
+    live = pa.schema([("ts", pa.int64()), ("k", pa.int64())])
+    sink = ctx.register_streaming_table("events", live, order_by="ts")
+    query = (
+        "SELECT e.ts, b.s FROM events e JOIN (SELECT s, count(*) AS n FROM big GROUP BY s) b "
+        "ON e.k = b.n"
+    )
+    assert ctx.explain_live(query).engine == "pushtable"
+    sink.close()
+    with pytest.raises(Exception, match=r"(?i)resources exhausted"):
+        ctx.sql(query).to_arrow_table()

@@ -700,13 +700,9 @@ def _tokens(token: str | None, tokens: Mapping[str, Grant] | Tokens | None) -> T
 
 
 def _remote_session(limits: Limits) -> SessionContext:
-    """The server's session: remote queries share a fair memory pool and never spill to disk."""
-    runtime = (
-        datafusion.RuntimeEnvBuilder()
-        .with_disk_manager_disabled()
-        .with_fair_spill_pool(limits.query_memory)
-    )
-    return SessionContext(runtime=runtime)
+    """The server's session: remote queries share a fair memory pool and never spill to disk
+    (the live engine's queries included)."""
+    return SessionContext(memory_limit=limits.query_memory)
 
 
 def _client(context: Any) -> str:

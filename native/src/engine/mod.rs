@@ -28,6 +28,9 @@ use arrow_pyarrow::FromPyArrow;
 use async_trait::async_trait;
 use datafusion::catalog::{MemTable, Session, TableProvider};
 use datafusion::common::Result as DFResult;
+use datafusion::execution::disk_manager::{DiskManagerBuilder, DiskManagerMode};
+use datafusion::execution::memory_pool::FairSpillPool;
+use datafusion::execution::runtime_env::RuntimeEnvBuilder;
 use datafusion::execution::{SessionStateBuilder, TaskContext, TaskContextProvider};
 use datafusion::logical_expr::{Expr, TableProviderFilterPushDown, TableType};
 use datafusion::physical_optimizer::optimizer::PhysicalOptimizer;
@@ -92,7 +95,7 @@ impl TableProvider for EngineTable {
     }
 }
 
-fn session(batch_size: usize) -> SessionContext {
+fn session(batch_size: usize, memory_limit: Option<usize>) -> SessionContext {
     let config = SessionConfig::new()
         .with_target_partitions(1)
         .with_batch_size(batch_size)
@@ -104,7 +107,22 @@ fn session(batch_size: usize) -> SessionContext {
         .position(|r| r.name() == "EnforceSorting")
         .unwrap_or(rules.len() - 1);
     rules.insert(at, Arc::new(rule::EmitOnWindowClose));
-    let state = SessionStateBuilder::new()
+    let mut builder = SessionStateBuilder::new();
+    if let Some(limit) = memory_limit {
+        // The session's memory pool, as in the caller's datafusion-python session: fair
+        // shares, and no spilling to disk (an operator over its share fails instead).
+        let runtime = RuntimeEnvBuilder::new()
+            .with_memory_pool(Arc::new(FairSpillPool::new(limit)))
+            .with_disk_manager_builder(
+                DiskManagerBuilder::default().with_mode(DiskManagerMode::Disabled),
+            )
+            .build_arc();
+        match runtime {
+            Ok(runtime) => builder = builder.with_runtime_env(runtime),
+            Err(e) => panic!("cannot build the engine's runtime: {e}"),
+        }
+    }
+    let state = builder
         .with_config(config)
         .with_default_features()
         .with_physical_optimizer_rules(rules)
@@ -174,10 +192,10 @@ fn py_err(e: impl fmt::Display) -> PyErr {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (batch_size=8192))]
-    fn new(batch_size: usize) -> Self {
+    #[pyo3(signature = (batch_size=8192, memory_limit=None))]
+    fn new(batch_size: usize, memory_limit: Option<usize>) -> Self {
         Self {
-            ctx: Arc::new(session(batch_size.max(1))),
+            ctx: Arc::new(session(batch_size.max(1), memory_limit)),
         }
     }
 
