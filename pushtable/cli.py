@@ -55,7 +55,7 @@ def _say(line: str) -> None:
 
 def parser() -> argparse.ArgumentParser:
     """The argument parser (``pushtable --help``)."""
-    from pushtable.bench import SUITES
+    from pushtable.bench import EXTRA_SUITES, SUITES
     from pushtable.demo import DEFAULT_SQL
 
     top = argparse.ArgumentParser(
@@ -112,9 +112,11 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--suite",
         action="append",
-        choices=SUITES,
+        choices=SUITES + EXTRA_SUITES,
         dest="suites",
-        help="a suite to run (repeatable; default: all of " + ", ".join(SUITES) + ")",
+        help="a suite to run (repeatable; default: all of "
+        + ", ".join(SUITES)
+        + "; opt-in: peers = LaminarDB side by side, from a venv of its own)",
     )
     bench.add_argument(
         "--quick", action="store_true", help="small inputs: the whole run in under a minute"

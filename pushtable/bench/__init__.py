@@ -26,6 +26,8 @@ SUITES: tuple[str, ...] = (
     "memory",
     "bandwidth",
 )
+#: opt-in suites (``--suite peers``): LaminarDB side by side, from a venv of its own
+EXTRA_SUITES: tuple[str, ...] = ("peers",)
 
 
 def run(
@@ -70,6 +72,11 @@ def run(
     if "windows" in suites:
         out["windows"] = windows.run(quick)
         say(windows.table(out["windows"]))
+    if "peers" in suites:
+        from pushtable.bench import peers
+
+        out["peers"] = peers.run(quick)
+        say(peers.table(out["peers"]))
     if "core" in suites:
         out["core"] = core.run(quick)
         say(core.table(out["core"]))

@@ -12,15 +12,17 @@ The workload of docs/benchmarks.md's "windows" section: rows ``(ts, k, v)`` with
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
 from pushtable import SessionContext
+from pushtable.bench.peer_workload import percentiles
 
 SCHEMA = pa.schema([("ts", pa.timestamp("ms", tz="UTC")), ("k", pa.int64()), ("v", pa.int64())])
 SQL = "SELECT date_bin(INTERVAL '1 second', ts) AS w, count(*) AS n, sum(v) AS s FROM t GROUP BY 1"
@@ -40,20 +42,50 @@ def _batch(first_ms: int, rows: int, span_ms: int) -> pa.RecordBatch:
     )
 
 
-def throughput(
-    rows: int = 2_000_000, batch_rows: int = 8192, per_window: int = 100_000
-) -> dict[str, Any]:
-    """Rows per second through a 1-second tumbling window, flat out; results verified."""
-    ctx = SessionContext()
-    sink = ctx.register_streaming_table("t", SCHEMA, capacity=64, order_by="ts", unbounded=True)
+@dataclass(frozen=True)
+class Workload:
+    """What a run writes and asks: the table's schema, the query, the batches."""
+
+    schema: pa.Schema
+    sql: str
+    #: (rows, batch_rows) -> the throughput run's batches
+    batches: Callable[[int, int], list[pa.RecordBatch]]
+    #: (i, rows) -> batch i of the latency run (writing it closes window i - 1)
+    latency_batch: Callable[[int, int], pa.RecordBatch]
+    #: a result's window column -> the window's number
+    window_of: Callable[[pa.Array], list[int]]
+
+
+def _throughput_batches(rows: int, batch_rows: int, per_window: int = 100_000) -> list[Any]:
     batches = []
     for first in range(0, rows, batch_rows):
         n = min(batch_rows, rows - first)
         # per_window rows per second of event time
         ts0 = (first * 1000) // per_window
         batches.append(_batch(ts0, n, (n * 1000) // per_window))
+    return batches
+
+
+TIMESTAMPS = Workload(
+    schema=SCHEMA,
+    sql=SQL,
+    batches=_throughput_batches,
+    latency_batch=lambda i, rows: _batch(i * 1000, rows, 500),
+    window_of=lambda w: [v // 1_000_000_000 for v in w.cast(pa.int64()).to_pylist()],  # ns
+)
+
+
+def throughput(
+    rows: int = 2_000_000, batch_rows: int = 8192, workload: Workload = TIMESTAMPS
+) -> dict[str, Any]:
+    """Rows per second through a 1-second tumbling window, flat out; results verified."""
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table(
+        "t", workload.schema, capacity=64, order_by="ts", unbounded=True
+    )
+    batches = workload.batches(rows, batch_rows)
     got: list[pa.RecordBatch] = []
-    stream = ctx.sql(SQL).execute_stream()
+    stream = ctx.sql(workload.sql).execute_stream()
 
     def produce() -> None:
         with sink:
@@ -79,18 +111,22 @@ def throughput(
     }
 
 
-def close_latency(batch_rows: int, samples: int = 200, interval: float = 0.02) -> dict[str, Any]:
+def close_latency(
+    batch_rows: int, samples: int = 200, interval: float = 0.02, workload: Workload = TIMESTAMPS
+) -> dict[str, Any]:
     """Write -> window row: each batch opens a new second, closing the one before."""
     ctx = SessionContext()
-    sink = ctx.register_streaming_table("t", SCHEMA, capacity=16, order_by="ts", unbounded=True)
+    sink = ctx.register_streaming_table(
+        "t", workload.schema, capacity=16, order_by="ts", unbounded=True
+    )
     arrived: dict[int, float] = {}
-    stream = ctx.sql(SQL).execute_stream()
+    stream = ctx.sql(workload.sql).execute_stream()
 
     def read() -> None:
         for b in stream:
             now = time.perf_counter()
-            for w in b.to_pyarrow().column("w").cast(pa.int64()).to_pylist():
-                arrived.setdefault(w // 1_000_000_000, now)  # ns -> the window's second
+            for w in workload.window_of(b.to_pyarrow().column("w")):
+                arrived.setdefault(w, now)
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
@@ -98,7 +134,7 @@ def close_latency(batch_rows: int, samples: int = 200, interval: float = 0.02) -
     start = time.perf_counter()
     for i in range(samples + 1):
         time.sleep(max(0.0, start + i * interval - time.perf_counter()))
-        b = _batch(i * 1000, batch_rows, 500)
+        b = workload.latency_batch(i, batch_rows)
         written.append(time.perf_counter())
         sink.write(b, timeout=30)
     time.sleep(interval)
@@ -106,13 +142,7 @@ def close_latency(batch_rows: int, samples: int = 200, interval: float = 0.02) -
     reader.join(60)
     # Window i closes when batch i + 1 is written.
     ms = sorted((arrived[i] - written[i + 1]) * 1e3 for i in range(samples) if i in arrived)
-    return {
-        "batch_rows": batch_rows,
-        "samples": len(ms),
-        "p50_ms": statistics.median(ms),
-        "p99_ms": ms[min(len(ms) - 1, int(len(ms) * 0.99))],
-        "max_ms": ms[-1],
-    }
+    return percentiles(batch_rows, ms)
 
 
 def run(quick: bool) -> dict[str, Any]:

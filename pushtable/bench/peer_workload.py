@@ -1,0 +1,57 @@
+"""The ``peers`` workload, shared by pushtable and the peer engines' child processes (this file
+imports only numpy and pyarrow, so it runs under the peers venv's older pyarrow too).
+
+Rows ``(ts, k, v)`` with ``ts`` in milliseconds (int64), ``v = 1``, a 1-second tumbling
+``count(*)``/``sum(v)``. Batches never span more than ``DELAY_MS`` of event time, so an engine
+whose watermark trails the newest row by ``DELAY_MS`` sees no late row.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+SCHEMA = pa.schema([("ts", pa.int64()), ("k", pa.int64()), ("v", pa.int64())])
+DELAY_MS = 100
+#: rows per second of event time in the throughput run
+PER_WINDOW = 100_000
+
+
+def batch(first_ms: int, rows: int, span_ms: int, schema: pa.Schema = SCHEMA) -> pa.RecordBatch:
+    """``rows`` rows from ``first_ms`` spread over ``span_ms`` milliseconds, v = 1."""
+    ts = first_ms + (np.arange(rows, dtype=np.int64) * span_ms) // max(rows, 1)
+    arrays = [pa.array(ts), pa.array(np.arange(rows)), pa.array(np.ones(rows, np.int64))]
+    return pa.record_batch(arrays, schema=schema)
+
+
+def throughput_batches(
+    rows: int, batch_rows: int, schema: pa.Schema = SCHEMA
+) -> list[pa.RecordBatch]:
+    """``rows`` rows at ``PER_WINDOW`` rows per event-time second, in ``batch_rows`` batches."""
+    out = []
+    for first in range(0, rows, batch_rows):
+        n = min(batch_rows, rows - first)
+        out.append(batch((first * 1000) // PER_WINDOW, n, (n * 1000) // PER_WINDOW, schema))
+    return out
+
+
+def latency_batch(i: int, rows: int, schema: pa.Schema = SCHEMA) -> pa.RecordBatch:
+    """Batch ``i`` of the latency run: second ``i``, from 100 ms in, spanning 100 ms; writing
+    it closes window ``i - 1`` in both engines."""
+    return batch(i * 1000 + DELAY_MS, rows, DELAY_MS, schema)
+
+
+def percentiles(batch_rows: int, ms: list[float]) -> dict[str, Any]:
+    """p50 / p99 / max of sorted write-to-row latencies (ms)."""
+    if not ms:
+        return {"batch_rows": batch_rows, "samples": 0}
+    return {
+        "batch_rows": batch_rows,
+        "samples": len(ms),
+        "p50_ms": statistics.median(ms),
+        "p99_ms": ms[min(len(ms) - 1, int(len(ms) * 0.99))],
+        "max_ms": ms[-1],
+    }

@@ -1,0 +1,119 @@
+"""pushtable's live engine beside LaminarDB, in one run: the same rows, the same 1-second
+tumbling ``count(*)``/``sum(v)``, the same closing rule (a window closes with the first batch
+of a later second), throughput and write→window-row latency.
+
+LaminarDB pins an older pyarrow than pushtable, so it runs from a venv of its own
+(``PUSHTABLE_PEERS_PYTHON``, or one made on first use under ``~/.cache/pushtable``) in a child
+process; ``peer_laminardb.py`` and ``peer_workload.py`` are the files it runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from pushtable.bench import peer_workload as workload
+from pushtable.bench.windows import Workload, close_latency, throughput
+
+LAMINARDB = "laminardb==0.17.*"
+HERE = Path(__file__).parent
+
+INTS = Workload(
+    schema=workload.SCHEMA,
+    sql="SELECT ts / 1000 AS w, count(*) AS n, sum(v) AS s FROM t GROUP BY ts / 1000",
+    batches=workload.throughput_batches,
+    latency_batch=workload.latency_batch,
+    window_of=lambda w: [int(v) for v in w.cast(pa.int64()).to_pylist()],
+)
+
+
+def peers_python() -> Path:
+    """The interpreter of the peers venv, made (with pip, from the package index) if missing."""
+    given = os.environ.get("PUSHTABLE_PEERS_PYTHON")
+    if given:
+        return Path(given)
+    venv = Path.home() / ".cache" / "pushtable" / "peers-venv"
+    python = venv / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    probe = subprocess.run([str(python), "-c", "import laminardb"], capture_output=True)
+    if probe.returncode != 0:
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "--quiet", LAMINARDB], check=True, timeout=900
+        )
+    return python
+
+
+def _laminardb(params: dict[str, Any]) -> dict[str, Any]:
+    try:
+        python = peers_python()
+    except (OSError, subprocess.SubprocessError) as exc:
+        return {"skipped": f"no peers venv with {LAMINARDB}: {exc}"}
+    done = subprocess.run(
+        [str(python), str(HERE / "peer_laminardb.py"), json.dumps(params)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=HERE,
+    )
+    if done.returncode != 0:
+        return {"skipped": f"LaminarDB run failed: {done.stderr.strip()[-500:]}"}
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def run(quick: bool) -> dict[str, Any]:
+    """The ``peers`` suite: pushtable, then LaminarDB, on the same workload."""
+    params: dict[str, Any] = {
+        "rows": 200_000 if quick else 2_000_000,
+        "batch_rows": 8192,
+        "runs": 1 if quick else 3,
+        "samples": 20 if quick else 200,
+        "latency_batch_rows": [1, 100, 8192],
+    }
+    ours = {
+        "engine": "pushtable",
+        "throughput": [
+            throughput(params["rows"], params["batch_rows"], INTS) for _ in range(params["runs"])
+        ],
+        "close_latency": [
+            close_latency(r, params["samples"], workload=INTS) for r in params["latency_batch_rows"]
+        ],
+    }
+    return {"params": params, "pushtable": ours, "laminardb": _laminardb(params)}
+
+
+def _median_throughput(result: dict[str, Any]) -> dict[str, Any]:
+    runs = sorted(result["throughput"], key=lambda r: r["rows_per_s"])
+    return dict(runs[len(runs) // 2])
+
+
+def table(suite: dict[str, Any]) -> str:
+    p = suite["params"]
+    lines = [
+        f"peers: {p['rows']:,} rows in {p['batch_rows']:,}-row batches, 1-second tumbling "
+        f"count/sum (median of {p['runs']}); window-close latency over {p['samples']} windows",
+        f"{'engine':<18s} {'M rows/s':>9s} {'ok':>3s} "
+        + " ".join(f"{f'p50/p99 ms @{n}':>20s}" for n in p["latency_batch_rows"]),
+    ]
+    for name in ("pushtable", "laminardb"):
+        result = suite[name]
+        if "skipped" in result:
+            lines.append(f"{name:<18s} skipped: {result['skipped']}")
+            continue
+        t = _median_throughput(result)
+        cells = [
+            f"{c['p50_ms']:9.2f}/{c['p99_ms']:<9.2f}" if c.get("samples") else f"{'-':>19s}"
+            for c in result["close_latency"]
+        ]
+        lines.append(
+            f"{result['engine']:<18s} {t['rows_per_s'] / 1e6:9.2f} "
+            f"{'yes' if t['verified'] else 'NO':>3s} " + " ".join(f"{c:>20s}" for c in cells)
+        )
+    return "\n".join(lines)
