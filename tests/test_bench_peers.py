@@ -4,13 +4,14 @@ pushtable, and the side-by-side table names a peer that could not run."""
 from __future__ import annotations
 
 from pushtable.bench import peer_workload, peers
+from pushtable.bench.windows import close_latency, throughput
 
 
 def test_the_shared_workload_closes_every_window_in_pushtable() -> None:
-    result = peers.throughput(30_000, 1000, peers.INTS)
+    result = throughput(30_000, 1000, peers.INTS)
     assert result["verified"]
     assert result["windows"] == 1  # 30,000 rows at 100,000 rows per event-time second
-    latency = peers.close_latency(10, samples=5, interval=0.005, workload=peers.INTS)
+    latency = close_latency(10, samples=5, interval=0.005, workload=peers.INTS)
     assert latency["samples"] == 5  # every window arrived, each when the next batch came
 
 
@@ -24,7 +25,7 @@ def test_latency_batches_never_span_more_than_the_peers_watermark_delay() -> Non
 def test_the_table_names_a_skipped_peer() -> None:
     ours = {
         "engine": "pushtable",
-        "throughput": [{"rows_per_s": 2e6, "verified": True}],
+        "throughput": [{"rows": 10, "rows_per_s": 2e6, "verified": True}],
         "close_latency": [{"samples": 3, "p50_ms": 0.4, "p99_ms": 0.9}],
     }
     params = {"rows": 10, "batch_rows": 5, "runs": 1, "samples": 3, "latency_batch_rows": [1]}
@@ -32,5 +33,6 @@ def test_the_table_names_a_skipped_peer() -> None:
         {"params": params, "pushtable": ours, "laminardb": {"skipped": "no peers venv: offline"}}
     )
     assert "pushtable" in text
-    assert "2.00 yes" in text
+    assert "2.000 yes" in text
     assert "laminardb          skipped: no peers venv: offline" in text
+    assert "pathway            skipped: not run" in text

@@ -1,10 +1,12 @@
-"""pushtable's live engine beside LaminarDB, in one run: the same rows, the same 1-second
-tumbling ``count(*)``/``sum(v)``, the same closing rule (a window closes with the first batch
-of a later second), throughput and write→window-row latency.
+"""pushtable's live engine beside LaminarDB and Pathway, in one run: the same rows, the same
+1-second tumbling ``count(*)``/``sum(v)``, the same closing rule (a window closes with the
+first batch of a later second), throughput and write→window-row latency.
 
-LaminarDB pins an older pyarrow than pushtable, so it runs from a venv of its own
-(``PUSHTABLE_PEERS_PYTHON``, or one made on first use under ``~/.cache/pushtable``) in a child
-process; ``peer_laminardb.py`` and ``peer_workload.py`` are the files it runs.
+The peers pin an older pyarrow than pushtable, so they run from a venv of their own
+(``PUSHTABLE_PEERS_PYTHON``, or one made on first use under ``~/.cache/pushtable``) in child
+processes; ``peer_laminardb.py``, ``peer_pathway.py`` and ``peer_workload.py`` are the files
+they run. Pathway's Python connector takes rows one at a time, so its throughput run is capped
+at ``PATHWAY_MAX_ROWS`` rows (the table says how many it ran).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import pyarrow as pa
 from pushtable.bench import peer_workload as workload
 from pushtable.bench.windows import Workload, close_latency, throughput
 
-LAMINARDB = "laminardb==0.17.*"
+PEERS = {"laminardb": "laminardb==0.17.*", "pathway": "pathway==0.33.*"}
+PATHWAY_MAX_ROWS = 500_000
 HERE = Path(__file__).parent
 
 INTS = Workload(
@@ -42,28 +45,30 @@ def peers_python() -> Path:
     python = venv / "bin" / "python"
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    probe = subprocess.run([str(python), "-c", "import laminardb"], capture_output=True)
+    probe = subprocess.run([str(python), "-c", "import laminardb, pathway"], capture_output=True)
     if probe.returncode != 0:
         subprocess.run(
-            [str(python), "-m", "pip", "install", "--quiet", LAMINARDB], check=True, timeout=900
+            [str(python), "-m", "pip", "install", "--quiet", *PEERS.values()],
+            check=True,
+            timeout=1800,
         )
     return python
 
 
-def _laminardb(params: dict[str, Any]) -> dict[str, Any]:
+def _peer(name: str, params: dict[str, Any]) -> dict[str, Any]:
     try:
         python = peers_python()
     except (OSError, subprocess.SubprocessError) as exc:
-        return {"skipped": f"no peers venv with {LAMINARDB}: {exc}"}
+        return {"skipped": f"no peers venv with {PEERS[name]}: {exc}"}
     done = subprocess.run(
-        [str(python), str(HERE / "peer_laminardb.py"), json.dumps(params)],
+        [str(python), str(HERE / f"peer_{name}.py"), json.dumps(params)],
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=1800,
         cwd=HERE,
     )
     if done.returncode != 0:
-        return {"skipped": f"LaminarDB run failed: {done.stderr.strip()[-500:]}"}
+        return {"skipped": f"{name} run failed: {done.stderr.strip()[-500:]}"}
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
 
@@ -76,6 +81,7 @@ def run(quick: bool) -> dict[str, Any]:
         "runs": 1 if quick else 3,
         "samples": 20 if quick else 200,
         "latency_batch_rows": [1, 100, 8192],
+        "pathway_max_rows": PATHWAY_MAX_ROWS,
     }
     ours = {
         "engine": "pushtable",
@@ -86,7 +92,10 @@ def run(quick: bool) -> dict[str, Any]:
             close_latency(r, params["samples"], workload=INTS) for r in params["latency_batch_rows"]
         ],
     }
-    return {"params": params, "pushtable": ours, "laminardb": _laminardb(params)}
+    out = {"params": params, "pushtable": ours}
+    for name in PEERS:
+        out[name] = _peer(name, params)
+    return out
 
 
 def _median_throughput(result: dict[str, Any]) -> dict[str, Any]:
@@ -99,11 +108,11 @@ def table(suite: dict[str, Any]) -> str:
     lines = [
         f"peers: {p['rows']:,} rows in {p['batch_rows']:,}-row batches, 1-second tumbling "
         f"count/sum (median of {p['runs']}); window-close latency over {p['samples']} windows",
-        f"{'engine':<18s} {'M rows/s':>9s} {'ok':>3s} "
+        f"{'engine':<18s} {'rows':>9s} {'M rows/s':>9s} {'ok':>3s} "
         + " ".join(f"{f'p50/p99 ms @{n}':>20s}" for n in p["latency_batch_rows"]),
     ]
-    for name in ("pushtable", "laminardb"):
-        result = suite[name]
+    for name in ("pushtable", *PEERS):
+        result = suite.get(name, {"skipped": "not run"})
         if "skipped" in result:
             lines.append(f"{name:<18s} skipped: {result['skipped']}")
             continue
@@ -113,7 +122,7 @@ def table(suite: dict[str, Any]) -> str:
             for c in result["close_latency"]
         ]
         lines.append(
-            f"{result['engine']:<18s} {t['rows_per_s'] / 1e6:9.2f} "
+            f"{result['engine']:<18s} {t['rows']:9,d} {t['rows_per_s'] / 1e6:9.3f} "
             f"{'yes' if t['verified'] else 'NO':>3s} " + " ".join(f"{c:>20s}" for c in cells)
         )
     return "\n".join(lines)

@@ -1,0 +1,138 @@
+"""The ``peers`` workload on Pathway, run by the peers venv's interpreter (it pins an older
+pyarrow than pushtable, so this file imports nothing of pushtable that needs it): prints one
+JSON object.
+
+Pathway's Python connector takes rows one at a time (``ConnectorSubject.next``); the window
+is ``windowby(ts, tumbling(1000 ms), exactly_once_behavior())``, which emits each window once,
+when a row past its end has been seen: the closing rule of pushtable's ordered table.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from typing import Any
+
+import pathway as pw  # type: ignore[import-not-found]
+import pyarrow as pa
+
+try:  # pushtable importable (type checking, tests)
+    from pushtable.bench.peer_workload import (
+        PER_WINDOW,
+        latency_batch,
+        percentiles,
+        throughput_batches,
+    )
+except ImportError:  # the peers venv: the file beside this one
+    from peer_workload import (  # type: ignore[import-not-found,no-redef]
+        PER_WINDOW,
+        latency_batch,
+        percentiles,
+        throughput_batches,
+    )
+
+
+class _Rows(pw.Schema):  # type: ignore[misc]
+    ts: int
+    k: int
+    v: int
+
+
+class _Feed(pw.io.python.ConnectorSubject):  # type: ignore[misc]
+    """Writes the batches' rows; ``paced`` batches one every ``interval`` seconds."""
+
+    def __init__(self, batches: list[pa.RecordBatch], interval: float = 0.0) -> None:
+        super().__init__()
+        self.batches = batches
+        self.interval = interval
+        self.written: list[float] = []
+
+    def run(self) -> None:
+        start = time.perf_counter()
+        for i, b in enumerate(self.batches):
+            if self.interval:
+                time.sleep(max(0.0, start + i * self.interval - time.perf_counter()))
+            self.written.append(time.perf_counter())
+            cols = b.to_pydict()
+            for ts, k, v in zip(cols["ts"], cols["k"], cols["v"], strict=True):
+                self.next(ts=ts, k=k, v=v)
+            self.commit()
+
+
+def _run(batches: list[pa.RecordBatch], interval: float = 0.0) -> tuple[_Feed, list[Any], float]:
+    """Run one Pathway graph over ``batches``; returns the feed, the window rows (with their
+    arrival times) and the seconds from start to the end of the run."""
+    got: list[tuple[float, dict[str, Any]]] = []
+    lock = threading.Lock()
+
+    def on_change(key: Any, row: dict[str, Any], time: Any, is_addition: bool, **_: Any) -> None:
+        if is_addition:
+            with lock:
+                got.append((_now(), row))
+
+    feed = _Feed(batches, interval)
+    table = pw.io.python.read(feed, schema=_Rows, autocommit_duration_ms=1)
+    windows = table.windowby(
+        table.ts,
+        window=pw.temporal.tumbling(duration=1000),
+        behavior=pw.temporal.exactly_once_behavior(),
+    ).reduce(w=pw.this._pw_window_start, n=pw.reducers.count(), s=pw.reducers.sum(pw.this.v))
+    pw.io.subscribe(windows, on_change=on_change)
+    start = _now()
+    pw.run(monitoring_level=pw.MonitoringLevel.NONE)
+    return feed, got, _now() - start
+
+
+_now = time.perf_counter
+
+
+def throughput(rows: int, batch_rows: int) -> dict[str, Any]:
+    batches = throughput_batches(rows, batch_rows)
+    feed, got, seconds = _run(batches)
+    last = max((at for at, _ in got), default=_now())
+    seconds = last - feed.written[0] if feed.written else seconds
+    n = sum(r["n"] for _, r in got)
+    s = sum(r["s"] for _, r in got)
+    return {
+        "rows": rows,
+        "batch_rows": batch_rows,
+        "windows": len(got),
+        "expected_windows": -(-rows // PER_WINDOW),
+        "seconds": seconds,
+        "rows_per_s": rows / seconds,
+        "verified": n == rows and s == rows,
+    }
+
+
+def close_latency(batch_rows: int, samples: int, interval: float = 0.02) -> dict[str, Any]:
+    feed, got, _ = _run([latency_batch(i, batch_rows) for i in range(samples + 1)], interval)
+    arrived: dict[int, float] = {}
+    for at, row in got:
+        arrived.setdefault(int(row["w"]) // 1000, at)
+    ms = sorted(
+        (arrived[i] - feed.written[i + 1]) * 1e3
+        for i in range(samples)
+        if i in arrived and arrived[i] >= feed.written[i + 1]
+    )
+    return percentiles(batch_rows, ms)
+
+
+def main() -> None:
+    params = json.loads(sys.argv[1])
+    rows = min(params["rows"], params.get("pathway_max_rows", params["rows"]))
+    runs = range(params["runs"])
+    result = {
+        "engine": f"pathway {pw.__version__}",
+        "pyarrow": pa.__version__,
+        "throughput": [throughput(rows, params["batch_rows"]) for _ in runs],
+        "close_latency": [
+            close_latency(rows_, params["samples"]) for rows_ in params["latency_batch_rows"]
+        ],
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
