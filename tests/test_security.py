@@ -468,3 +468,22 @@ def test_the_live_engine_plans_in_the_same_memory_pool() -> None:
     sink.close()
     with pytest.raises(Exception, match=r"(?i)resources exhausted"):
         ctx.sql(query).to_arrow_table()
+
+
+def test_a_window_whose_state_outgrows_the_memory_limit_fails_the_query() -> None:
+    """The live engine's own operators count their state too: a windowed count(DISTINCT)
+    over a million distinct keys in one window runs out of a 4 MiB pool."""
+    from pushtable import SessionContext
+
+    ctx = SessionContext(memory_limit=4 << 20)
+    live = pa.schema([("ts", pa.int64()), ("k", pa.int64())])
+    sink = ctx.register_streaming_table("events", live, order_by="ts", unbounded=True)
+    query = "SELECT ts / 1000 AS w, count(DISTINCT k) AS n FROM events GROUP BY ts / 1000"
+    assert ctx.explain_live(query).engine == "pushtable"
+    reading = Background(lambda: ctx.sql(query).to_arrow_table())
+    with pytest.raises(ReaderGoneError):  # the query failed: the producer learns it left
+        for i in range(100):  # one window (ts 0..99), ever more distinct keys
+            keys = pa.array(range(i * 10_000, (i + 1) * 10_000), pa.int64())
+            ts = pa.array([i] * 10_000, pa.int64())
+            sink.write(pa.record_batch([ts, keys], schema=live), timeout=WAIT)
+    assert "resources exhausted" in str(reading.join_error()).lower()

@@ -18,6 +18,7 @@ use arrow::compute::{concat_batches, take};
 use arrow::datatypes::SchemaRef;
 use arrow::row::{RowConverter, SortField};
 use datafusion::common::{JoinType, Result};
+use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_expr::expressions::Column;
 use datafusion::physical_expr::{EquivalenceProperties, PhysicalExprRef, PhysicalSortExpr};
@@ -183,9 +184,12 @@ impl ExecutionPlan for LookupJoinExec {
         context: Arc<TaskContext>,
     ) -> Result<SendableRecordBatchStream> {
         let probe = self.probe.execute(partition, Arc::clone(&context))?;
+        let reservation = MemoryConsumer::new(format!("LookupJoinExec[{partition}]"))
+            .register(context.memory_pool());
         let build_input = self.build.execute(0, context)?;
         let keys: Vec<PhysicalExprRef> = self.on.iter().map(|(l, _)| Arc::clone(l)).collect();
-        let building = async move { BuildTable::collect(build_input, keys).await }.boxed();
+        let building =
+            async move { BuildTable::collect(build_input, keys, reservation).await }.boxed();
         let stream = JoinStream {
             probe,
             state: State::Building(building),
@@ -206,6 +210,8 @@ struct BuildTable {
     batch: RecordBatch,
     converter: RowConverter,
     rows: HashMap<Box<[u8]>, Vec<u32>>,
+    /// The table's memory, counted against the session's pool while the join runs.
+    _reservation: MemoryReservation,
 }
 
 fn has_null(keys: &[ArrayRef], row: usize) -> bool {
@@ -213,10 +219,15 @@ fn has_null(keys: &[ArrayRef], row: usize) -> bool {
 }
 
 impl BuildTable {
-    async fn collect(input: SendableRecordBatchStream, keys: Vec<PhysicalExprRef>) -> Result<Self> {
+    async fn collect(
+        input: SendableRecordBatchStream,
+        keys: Vec<PhysicalExprRef>,
+        mut reservation: MemoryReservation,
+    ) -> Result<Self> {
         let schema = input.schema();
         let batches = collect(input).await?;
         let batch = concat_batches(&schema, &batches)?;
+        reservation.try_grow(batch.get_array_memory_size())?;
         let columns = keys
             .iter()
             .map(|k| k.evaluate(&batch)?.into_array(batch.num_rows()))
@@ -236,10 +247,13 @@ impl BuildTable {
                     .push(i as u32);
             }
         }
+        let index: usize = rows.keys().map(|k| k.len() + 48).sum::<usize>() + 4 * batch.num_rows();
+        reservation.try_grow(converted.size() + index)?;
         Ok(Self {
             batch,
             converter,
             rows,
+            _reservation: reservation,
         })
     }
 }

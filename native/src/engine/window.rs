@@ -22,6 +22,7 @@ use std::task::{Context, Poll};
 use arrow::array::{new_null_array, ArrayRef, AsArray, RecordBatch};
 use arrow::datatypes::{Field, Schema, SchemaRef};
 use datafusion::common::{Result, ScalarValue};
+use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::logical_expr::{EmitTo, GroupsAccumulator};
 use datafusion::physical_expr::aggregate::AggregateFunctionExpr;
@@ -182,6 +183,8 @@ impl ExecutionPlan for WindowAggregateExec {
         partition: usize,
         context: Arc<TaskContext>,
     ) -> Result<SendableRecordBatchStream> {
+        let reservation = MemoryConsumer::new(format!("WindowAggregateExec[{partition}]"))
+            .register(context.memory_pool());
         let input = self.input.execute(partition, context)?;
         let input_schema = self.input.schema();
         let group_schema = self.group_by.group_schema(&input_schema)?;
@@ -213,6 +216,7 @@ impl ExecutionPlan for WindowAggregateExec {
             schema: Arc::clone(&self.schema),
             pending: VecDeque::new(),
             done: false,
+            reservation,
         };
         Ok(Box::pin(RecordBatchStreamAdapter::new(
             Arc::clone(&self.schema),
@@ -298,6 +302,7 @@ struct WindowStream {
     schema: SchemaRef,
     pending: VecDeque<RecordBatch>,
     done: bool,
+    reservation: MemoryReservation,
 }
 
 impl WindowStream {
@@ -400,8 +405,18 @@ impl WindowStream {
         Ok(())
     }
 
+    /// Count the open windows' state against the session's memory pool: a query over its
+    /// share fails with DataFusion's "Resources exhausted" error.
+    fn account(&mut self) -> Result<()> {
+        let size = self.group_values.size()
+            + self.accumulators.iter().map(|a| a.size()).sum::<usize>()
+            + self.pending.iter().map(|b| b.get_array_memory_size()).sum::<usize>();
+        self.reservation.try_resize(size)
+    }
+
     fn on_batch(&mut self, batch: &RecordBatch) -> Result<()> {
         let by_rows = self.aggregate(batch)?;
+        self.account()?;
         let by_watermark = self.watermark_key()?;
         let threshold = match (by_rows, by_watermark) {
             (Some(a), Some(b)) => {
@@ -414,7 +429,8 @@ impl WindowStream {
             (Some(a), None) | (None, Some(a)) => a,
             (None, None) => return Ok(()),
         };
-        self.emit_below(&threshold)
+        self.emit_below(&threshold)?;
+        self.account()
     }
 }
 
