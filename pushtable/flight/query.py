@@ -1,0 +1,194 @@
+"""Remote SQL on ``pushtable serve``: DoGet tickets, Flight SQL statement queries and prepared
+statements. Queries only (DataFusion's ``SQLOptions`` refuse DDL, DML, COPY and SET while
+planning), over the tables the caller's token covers, streamed as the query produces them."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import queue
+import re
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import datafusion
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from pushtable import _native
+from pushtable.context import SessionContext
+from pushtable.errors import ResourceLimitError, StatementRefusedError, UnsupportedCallError
+from pushtable.flight import sql
+from pushtable.flight.auth import READ, caller
+from pushtable.flight.calls import POLL_S, audit, query_error, wire_errors
+from pushtable.flight.limits import Limits, Slot, Usage
+
+
+class Queries:
+    """The server's remote-SQL side (a part of :class:`pushtable.flight.Server`)."""
+
+    ctx: SessionContext
+    limits: Limits
+    usage: Usage
+
+    if TYPE_CHECKING:
+
+        def _call(self, context: Any) -> contextlib.AbstractContextManager[None]: ...
+
+    def _plan(self, context: Any, query: str) -> datafusion.DataFrame:
+        """Plan a remote query: queries only (no DDL, DML, COPY or SET: refused before
+        anything runs), reading only tables the caller's token covers."""
+        grant = caller(context)
+        grant.require(READ, "run SQL")
+        tables = _native.table_references(query)
+        grant.require(READ, "read", [t for t in tables if not grant.covers(t)] or ())
+        try:
+            return self.ctx.sql_with_options(query, _READ_ONLY)
+        except Exception as exc:
+            refused = _refusal(exc)
+            if refused is not None:
+                self.usage.refused("statement")
+                raise refused from None
+            raise query_error(exc) from exc
+
+    def get_flight_info(self, context: Any, descriptor: Any) -> Any:
+        """Flight SQL statement queries (:mod:`pushtable.flight.sql`): plan, then one ticket."""
+        with wire_errors(), audit(context, "flight_sql_info"):
+            if descriptor.descriptor_type != flight.DescriptorType.CMD:
+                raise UnsupportedCallError(
+                    "pushtable serve answers GetFlightInfo for Flight SQL statement queries only"
+                )
+            query = sql.statement_query(descriptor.command)
+            if query is None:
+                kind = sql.command(descriptor.command)[0].rsplit(".", 1)[-1]
+                raise UnsupportedCallError(
+                    f"pushtable serve implements the Flight SQL statement query only; {kind} is "
+                    "not implemented (see docs/network.md)"
+                )
+            schema = self._plan(context, query).schema()
+        ticket = flight.Ticket(json.dumps({"sql": query}).encode())
+        return flight.FlightInfo(schema, descriptor, [flight.FlightEndpoint(ticket, [])], -1, -1)
+
+    def do_get(self, context: Any, ticket: Any) -> Any:
+        call = audit(context, "do_get")
+        held = contextlib.ExitStack()  # audit, query slot, stream slot: until the last batch
+        with wire_errors(), held:
+            record = held.enter_context(call)
+            try:
+                query = json.loads(ticket.ticket)["sql"]
+            except (ValueError, KeyError, TypeError):
+                query = None
+            if not isinstance(query, str):
+                raise ValueError('a DoGet ticket is JSON: {"sql": "<query>"}')
+            df = self._plan(context, query)
+            schema = df.schema()
+            slot = held.enter_context(self.usage.query())
+            held.enter_context(self._call(context))
+            # Only the worker thread keeps the query: when it lets go, the query ends.
+            query_box = [df.execute_stream()]
+            del df
+            results = self._results(context, query_box, slot, held.pop_all(), record)
+        # A generator that never starts never runs its finally: let go when it is collected.
+        weakref.finalize(results, held.close)
+        return flight.GeneratorStream(schema, results)
+
+    def _results(
+        self,
+        context: Any,
+        query_box: list[Any],
+        slot: Slot,
+        held: contextlib.ExitStack,
+        record: Any,
+    ) -> Iterator[pa.RecordBatch]:
+        """Batches as the query yields them; what the call holds is let go at the end."""
+        with wire_errors(), held:
+            for batch in self._forward(context, query_box, slot):
+                record.rows += batch.num_rows
+                yield batch
+
+    def _forward(self, context: Any, query_box: list[Any], slot: Slot) -> Iterator[pa.RecordBatch]:
+        """A worker thread pulls from the query; this generator forwards the batches and
+        notices a client that left, or one that reads nothing for ``idle_timeout`` (then the
+        query is dropped and its slot given back at once)."""
+        handoff: queue.Queue[Any] = queue.Queue(maxsize=1)
+        gone = threading.Event()
+        idle = threading.Event()
+        done = object()
+        idle_timeout = self.limits.idle_timeout
+
+        stream: Any = query_box.pop()
+
+        def pull() -> None:
+            nonlocal stream
+            try:
+                for batch in stream:
+                    item = batch.to_pyarrow()
+                    waited = 0.0
+                    while not gone.is_set():
+                        try:
+                            handoff.put(item, timeout=POLL_S)
+                            break
+                        except queue.Full:
+                            waited += POLL_S
+                            if waited >= idle_timeout:  # the client reads nothing: let go
+                                self.usage.refused("idle_timeout")
+                                idle.set()
+                                return
+                    if gone.is_set():
+                        return
+                handoff.put(done)
+            except Exception as exc:  # noqa: BLE001 - any failure goes to the reader
+                handoff.put(exc)
+            finally:
+                stream = None  # drop the query: its tables' producers learn the reader left
+                if idle.is_set():
+                    slot.release()
+
+        threading.Thread(target=pull, name="pushtable-sql", daemon=True).start()
+        try:
+            while True:
+                try:
+                    item = handoff.get(timeout=POLL_S)
+                except queue.Empty:
+                    if idle.is_set():
+                        raise ResourceLimitError(
+                            f"the query was dropped: its client read nothing for "
+                            f"{idle_timeout:g}s (idle_timeout)"
+                        ) from None
+                    if context.is_cancelled():
+                        return
+                    continue
+                if item is done:
+                    return
+                if isinstance(item, BaseException):
+                    raise query_error(item)
+                yield item
+        finally:
+            gone.set()
+
+    def _sql_action(self, context: Any, action: Any) -> bytes | None:
+        """Flight SQL prepared statements (stateless: the handle is the query text)."""
+        caller(context).require(READ, "run SQL")
+        if action.type == "ClosePreparedStatement":
+            return None
+        return sql.prepared(action.body.to_pybytes(), lambda q: self._plan(context, q).schema())
+
+
+_READ_ONLY = (
+    datafusion.SQLOptions().with_allow_ddl(False).with_allow_dml(False).with_allow_statements(False)
+)
+_REFUSED = re.compile(r"(DDL|DML|Statement) not supported: (\w+)")
+
+
+def _refusal(exc: BaseException) -> StatementRefusedError | None:
+    """The refusal a planning error stands for, when DataFusion's SQLOptions refused it."""
+    match = _REFUSED.search(str(exc))
+    if match is None:
+        return None
+    kind = {"DDL": "DDL", "DML": "DML", "Statement": "session"}[match.group(1)]
+    return StatementRefusedError(
+        f"pushtable serve runs queries only: {match.group(2)} is a {kind} statement and is "
+        "refused before anything runs (the server's own Python session, Server.ctx, may)"
+    )
