@@ -185,6 +185,10 @@ def test_the_audit_log_names_the_token_never_its_secret(
         sink.write(batch(5))
     with as_(secured, DASH) as dash, pytest.raises(PermissionDeniedError):
         push(dash, "events", batch(1))
+    raw = flight.FlightClient(secured.location)
+    auth = flight.FlightCallOptions(headers=[(b"authorization", f"Bearer {DASH}".encode())])
+    assert len(list(raw.list_actions(auth))) > 0
+    raw.close()
     lines = [r for r in caplog.records if r.name == "pushtable.audit"]
     records = [r.audit for r in lines]  # type: ignore[attr-defined]
     assert [json.loads(r.getMessage()) for r in lines] == records  # one JSON line per call
@@ -199,6 +203,7 @@ def test_the_audit_log_names_the_token_never_its_secret(
     assert created == [created[0]]
     assert created[0]["token"] == "ops"
     assert created[0]["table"] == "events"
+    assert [r["token"] for r in records if r["action"] == "list_actions"] == ["dashboard"]
     denied = [r for r in records if r["outcome"] == "PermissionDeniedError"]
     assert denied
     assert denied[0]["token"] == "dashboard"

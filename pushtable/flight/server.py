@@ -196,7 +196,8 @@ class Server(Ingest, Queries, flight.FlightServerBase):  # type: ignore[misc]
     # -- actions ------------------------------------------------------------------------
 
     def list_actions(self, context: Any) -> list[tuple[str, str]]:
-        return [(name, "see pushtable.flight.protocol") for name in protocol.ACTIONS]
+        with wire_errors(), audit(context, "list_actions"):
+            return [(name, "see pushtable.flight.protocol") for name in protocol.ACTIONS]
 
     def do_action(self, context: Any, action: Any) -> Iterator[bytes]:
         with wire_errors(), audit(context, str(action.type)) as record:
