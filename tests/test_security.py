@@ -492,3 +492,28 @@ def test_a_window_whose_state_outgrows_the_memory_limit_fails_the_query() -> Non
             ts = pa.array([i] * 10_000, pa.int64())
             sink.write(pa.record_batch([ts, keys], schema=live), timeout=WAIT)
     assert "resources exhausted" in str(reading.join_error()).lower()
+
+
+def test_a_lookup_join_whose_bounded_side_outgrows_the_memory_limit_fails() -> None:
+    """The live engine's lookup join counts its build side against the pool."""
+    from pushtable import SessionContext
+
+    ctx = SessionContext(memory_limit=4 << 20)
+    rows = 400_000
+    ctx.from_arrow(
+        pa.table({"k": pa.array(range(rows), pa.int64()), "s": [f"v{i}" for i in range(rows)]}),
+        name="dim",
+    )
+    live = pa.schema([("ts", pa.int64()), ("k", pa.int64())])
+    sink = ctx.register_streaming_table("events", live, order_by="ts")
+    query = "SELECT e.ts, d.s FROM events e JOIN dim d ON e.k = d.k"
+    assert ctx.explain_live(query).engine == "pushtable"
+    sink.close()
+    with pytest.raises(Exception, match=r"(?i)resources exhausted.*LookupJoinExec"):
+        ctx.sql(query).to_arrow_table()
+    ample = SessionContext(memory_limit=512 << 20)  # the same join within a larger pool
+    ample.from_arrow(pa.table({"k": pa.array([1], pa.int64()), "s": ["one"]}), name="dim")
+    ample_sink = ample.register_streaming_table("events", live, order_by="ts")
+    ample_sink.write(pa.record_batch([pa.array([5]), pa.array([1])], schema=live))
+    ample_sink.close()
+    assert ample.sql(query).to_pydict() == {"ts": [5], "s": ["one"]}
