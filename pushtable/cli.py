@@ -145,6 +145,12 @@ def parser() -> argparse.ArgumentParser:
     serve.add_argument("--tls-cert", type=Path, default=None, help="PEM certificate (enables TLS)")
     serve.add_argument("--tls-key", type=Path, default=None, help="PEM private key for --tls-cert")
     serve.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on this port (same host as --host; 0: any free)",
+    )
+    serve.add_argument(
         "--config",
         type=Path,
         default=None,
@@ -177,7 +183,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser().error("--tls-cert and --tls-key go together")
         tls = (args.tls_cert, args.tls_key) if args.tls_cert is not None else None
         token = args.token or os.environ.get("PUSHTABLE_TOKEN") or None
-        serve(args.host, args.port, token=token, tls=tls, config=args.config, say=_say)
+        serve(
+            args.host,
+            args.port,
+            token=token,
+            tls=tls,
+            config=args.config,
+            metrics_port=args.metrics_port,
+            say=_say,
+        )
         return 0
     from pushtable import bench
 

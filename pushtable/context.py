@@ -14,7 +14,7 @@ from typing import Any, Literal
 import datafusion
 import pyarrow as pa
 
-from pushtable import _native
+from pushtable import _native, metrics
 from pushtable.dataframe import DataFrame
 from pushtable.engine import TableSources, plan_live
 from pushtable.explain import LiveExplanation, explain_live
@@ -144,7 +144,9 @@ def register_streaming_table(
     ctx.register_table(name, provider)
     # `provider` handed its only reference to the session: from now on the session owns the
     # table, and dropping it unscanned releases blocked producers with ReaderGoneError.
-    return TableSink(native, name, schema, capacity, max_bytes)
+    sink = TableSink(native, name, schema, capacity, max_bytes)
+    metrics.track(sink)
+    return sink
 
 
 class SessionContext(datafusion.SessionContext):

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import datafusion
 import pyarrow as pa
 
-from pushtable import _native
+from pushtable import _native, metrics
 from pushtable.context import check_new_table, delay_units, order_columns
 from pushtable.sink import SinkStats, _Producer
 
@@ -128,6 +128,7 @@ class Topic(_Producer):
         super().__init__(native, name, schema)
         self.retain = retain
         self.retain_bytes = retain_bytes
+        metrics.track(self)
 
     def __repr__(self) -> str:
         s = self.stats
@@ -192,4 +193,6 @@ class Topic(_Producer):
             capacity, max_bytes, start, timeout, history, unbounded
         )
         ctx.register_table(name, provider)
-        return Subscription(native, name, self)
+        subscription = Subscription(native, name, self)
+        metrics.track(subscription)
+        return subscription

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from pushtable import metrics
+
 __all__ = ["AuditRecord", "audit_log", "audited"]
 
 audit_log = logging.getLogger("pushtable.audit")
@@ -52,3 +54,4 @@ def audited(peer: str, token: str, action: str, table: str | None = None) -> Ite
         record.duration_s = round(time.monotonic() - started, 6)
         fields: dict[str, Any] = asdict(record)
         audit_log.info(json.dumps(fields), extra={"audit": fields})
+        metrics.CALLS.labels(action=record.action, outcome=record.outcome).inc()

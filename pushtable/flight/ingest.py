@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from pushtable import errors
+from pushtable import errors, metrics
 from pushtable.errors import PushTableError, WriteTimeoutError
 from pushtable.flight import protocol
 from pushtable.flight.auth import ADMIN, WRITE, caller
@@ -88,6 +88,7 @@ class Ingest:
         grant.require(WRITE, "push to", path)
         producer = self._table(path[0])
         for count, (batch, metadata) in enumerate(protocol.chunks(reader.read_chunk), 1):
+            arrived = time.perf_counter()
             with writer.busy():
                 if (watermark := protocol.advance_value(metadata)) is not None:
                     producer.advance(watermark)
@@ -95,6 +96,7 @@ class Ingest:
                     self._write(context, producer, protocol.checked(path[0], count, batch))
                     record.rows += batch.num_rows
             writer.send(count)
+            metrics.WRITE_ACK.observe(time.perf_counter() - arrived)
 
     def _write(self, context: Any, producer: TableSink | Topic, batch: pa.RecordBatch) -> None:
         """Write, waiting for room without end, unless the client left or the server stops."""

@@ -218,6 +218,11 @@ class Usage:
             else:
                 self.staged_by_query.pop(key, None)
 
+    def snapshot(self) -> tuple[int, int, int, dict[str, int]]:
+        """(queries, open streams, staged bytes, refusals by reason), read together."""
+        with self._lock:
+            return self.queries, sum(self.streams.values()), self.staged_bytes, dict(self.refusals)
+
     def refused(self, reason: str) -> None:
         """Count a refusal decided elsewhere (a table option, a statement kind, a role)."""
         with self._lock:

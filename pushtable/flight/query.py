@@ -9,6 +9,7 @@ import json
 import queue
 import re
 import threading
+import time
 import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -17,7 +18,7 @@ import datafusion
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from pushtable import _native
+from pushtable import _native, metrics
 from pushtable.context import SessionContext
 from pushtable.errors import ResourceLimitError, StatementRefusedError, UnsupportedCallError
 from pushtable.flight import sql
@@ -72,6 +73,7 @@ class Queries:
         return flight.FlightInfo(schema, descriptor, [flight.FlightEndpoint(ticket, [])], -1, -1)
 
     def do_get(self, context: Any, ticket: Any) -> Any:
+        started = time.perf_counter()
         call = audit(context, "do_get")
         held = contextlib.ExitStack()  # audit, query slot, stream slot: until the last batch
         with wire_errors(), held:
@@ -89,7 +91,7 @@ class Queries:
             # Only the worker thread keeps the query: when it lets go, the query ends.
             query_box = [df.execute_stream()]
             del df
-            results = self._results(context, query_box, slot, held.pop_all(), record)
+            results = self._results(context, query_box, slot, held.pop_all(), record, started)
         # A generator that never starts never runs its finally: let go when it is collected.
         weakref.finalize(results, held.close)
         return flight.GeneratorStream(schema, results)
@@ -101,10 +103,15 @@ class Queries:
         slot: Slot,
         held: contextlib.ExitStack,
         record: Any,
+        started: float,
     ) -> Iterator[pa.RecordBatch]:
         """Batches as the query yields them; what the call holds is let go at the end."""
+        first = True
         with wire_errors(), held:
             for batch in self._forward(context, query_box, slot):
+                if first:
+                    metrics.FIRST_RESULT.observe(time.perf_counter() - started)
+                    first = False
                 record.rows += batch.num_rows
                 yield batch
 

@@ -25,7 +25,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from pushtable import errors
+from pushtable import errors, metrics
 from pushtable.context import SessionContext
 from pushtable.errors import (
     ResourceLimitError,
@@ -108,6 +108,9 @@ class Server(Ingest, Queries, flight.FlightServerBase):  # type: ignore[misc]
         self._calls = 0  # DoPut and DoGet calls under way
         self._calls_changed = threading.Condition()
         threading.Thread(target=self._end_idle_streams, name="pushtable-idle", daemon=True).start()
+        metrics.track(self)
+        #: where ``serve(metrics_port=...)`` serves Prometheus metrics (None: not served)
+        self.metrics_url: str | None = None
 
     @contextlib.contextmanager
     def _call(self, context: Any) -> Iterator[None]:
@@ -358,6 +361,7 @@ def serve(
     token: str | None = None,
     tls: tuple[str | Path, str | Path] | None = None,
     config: str | Path | None = None,
+    metrics_port: int | None = None,
     block: bool = True,
     say: Any = print,
 ) -> Server:
@@ -375,6 +379,14 @@ def serve(
     names = [g.name for g in _grants(server.tokens).values()]
     auth = f"bearer tokens required: {', '.join(names)}" if names else "no auth"
     say(f"pushtable serve: listening on {server.location} ({auth})")
+    if metrics_port is not None:
+        import prometheus_client
+
+        http, _ = prometheus_client.start_http_server(
+            metrics_port, addr=host, registry=metrics.REGISTRY
+        )
+        server.metrics_url = f"http://{host}:{http.server_port}/metrics"
+        say(f"pushtable serve: metrics on {server.metrics_url}")
     if not block:
         return server
     import signal

@@ -1,0 +1,159 @@
+"""Prometheus metrics of pushtable: per table and topic, per subscription, per server.
+
+:data:`REGISTRY` is a ``prometheus_client`` registry that every process using pushtable has.
+Table, topic and server figures are read from their ``stats`` when it is scraped (nothing is
+counted twice on the write path); server calls and the two latency histograms are counted as
+they happen. ``pushtable serve --metrics-port`` serves it; an application embedding
+:class:`pushtable.SessionContext` serves it with ``prometheus_client.start_http_server(port,
+registry=pushtable.metrics.REGISTRY)``. Names follow Prometheus conventions: base units,
+``_total`` counters, ``_seconds`` and ``_bytes``.
+
+Example:
+    >>> import pyarrow as pa
+    >>> from prometheus_client import generate_latest
+    >>> from pushtable import SessionContext, metrics
+    >>> ctx = SessionContext()
+    >>> sink = ctx.register_streaming_table("events", pa.schema([("v", pa.int64())]))
+    >>> b'pushtable_rows_written_total{table="events"} 0.0' in generate_latest(metrics.REGISTRY)
+    True
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+__all__ = ["CALLS", "FIRST_RESULT", "REGISTRY", "WRITE_ACK", "track"]
+
+REGISTRY = CollectorRegistry()
+
+CALLS = Counter(
+    "pushtable_server_calls",
+    "Calls to pushtable serve by action (do_put, do_get, an action's name) and outcome "
+    "(ok, or the error class: PermissionDeniedError, ResourceLimitError, ...).",
+    ["action", "outcome"],
+    registry=REGISTRY,
+)
+WRITE_ACK = Histogram(
+    "pushtable_write_ack_seconds",
+    "DoPut: from a batch's arrival to its acknowledgement (queued; includes waiting for room).",
+    buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
+    registry=REGISTRY,
+)
+FIRST_RESULT = Histogram(
+    "pushtable_query_first_result_seconds",
+    "Remote SQL: from the DoGet to the query's first result batch.",
+    buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30, 300),
+    registry=REGISTRY,
+)
+
+_tracked: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def track(obj: Any) -> None:
+    """Report ``obj`` (a ``TableSink``, ``Topic``, ``Subscription`` or a server) while it
+    lives; the context, topics and servers call this for what they create."""
+    _tracked.add(obj)
+
+
+def _family(kind: type, name: str, doc: str, labels: list[str]) -> Any:
+    return kind(name, doc, labels=labels)
+
+
+class _Tracked(Collector):
+    """Reads the tracked objects' ``stats`` at scrape time."""
+
+    def collect(self) -> Iterator[Any]:
+        from pushtable.sink import TableSink
+        from pushtable.topic import Subscription, Topic
+
+        g, c = GaugeMetricFamily, CounterMetricFamily
+        t = ["table"]
+        fams = {
+            "rows": _family(c, "pushtable_rows_written", "Rows written to a table or topic.", t),
+            "batches": _family(c, "pushtable_batches_written", "Batches written.", t),
+            "bytes": _family(c, "pushtable_bytes_written", "Bytes written (buffers).", t),
+            "queued_batches": _family(g, "pushtable_queued_batches", "Batches queued now.", t),
+            "queued_bytes": _family(g, "pushtable_queued_bytes", "Bytes queued now.", t),
+            "bound_batches": _family(
+                g, "pushtable_queue_bound_batches", "The queue's bound (capacity, retain).", t
+            ),
+            "bound_bytes": _family(
+                g, "pushtable_queue_bound_bytes", "The queue's byte bound (max_bytes).", t
+            ),
+            "waiting": _family(
+                g, "pushtable_producers_blocked", "Producers blocked waiting for room.", t
+            ),
+            "blocked": _family(c, "pushtable_blocked_seconds", "Time producers spent blocked.", t),
+            "late": _family(c, "pushtable_late_rows", "Rows late for the order (dropped).", t),
+            "held": _family(g, "pushtable_held_rows", "Rows held in the reorder buffer.", t),
+            "subscribers": _family(g, "pushtable_topic_subscribers", "Live subscriptions.", t),
+            "detached": _family(
+                c, "pushtable_topic_detached", "Subscriptions cut loose for falling behind.", t
+            ),
+        }
+        subs = {
+            "read": _family(
+                c,
+                "pushtable_subscription_batches_read",
+                "Batches a subscription's query has read.",
+                ["topic", "subscription"],
+            ),
+            "queued": _family(
+                g,
+                "pushtable_subscription_queued_batches",
+                "Batches waiting for a subscription's query.",
+                ["topic", "subscription"],
+            ),
+        }
+        server = {
+            "queries": _family(g, "pushtable_server_active_queries", "Remote queries.", []),
+            "streams": _family(g, "pushtable_server_active_streams", "Open streams.", []),
+            "staged": _family(g, "pushtable_server_staged_bytes", "Spark shares staged.", []),
+            "refusals": _family(c, "pushtable_server_refusals", "Refusals by limit.", ["reason"]),
+        }
+        for obj in list(_tracked):
+            if isinstance(obj, TableSink | Topic):
+                s = obj.stats
+                name = [obj.name]
+                fams["rows"].add_metric(name, s.rows)
+                fams["batches"].add_metric(name, s.batches)
+                fams["bytes"].add_metric(name, s.bytes)
+                fams["queued_batches"].add_metric(name, s.queued_batches)
+                fams["queued_bytes"].add_metric(name, s.queued_bytes)
+                bound = obj.capacity if isinstance(obj, TableSink) else obj.retain
+                nbytes = obj.max_bytes if isinstance(obj, TableSink) else obj.retain_bytes
+                if bound is not None:
+                    fams["bound_batches"].add_metric(name, bound)
+                if nbytes is not None:
+                    fams["bound_bytes"].add_metric(name, nbytes)
+                fams["waiting"].add_metric(name, s.waiting_writers)
+                fams["blocked"].add_metric(name, s.blocked_seconds)
+                fams["late"].add_metric(name, s.late_rows)
+                fams["held"].add_metric(name, s.held_rows)
+                if isinstance(obj, Topic):
+                    fams["subscribers"].add_metric(name, s.subscribers)  # type: ignore[attr-defined]
+                    fams["detached"].add_metric(name, s.detached)  # type: ignore[attr-defined]
+            elif isinstance(obj, Subscription):
+                ss = obj.stats
+                labels = [obj.topic.name, obj.name]
+                subs["read"].add_metric(labels, ss.read_batches)
+                subs["queued"].add_metric(labels, ss.queued_batches)
+            elif hasattr(obj, "usage"):  # a pushtable.flight.Server
+                queries, streams, staged, refusals = obj.usage.snapshot()
+                server["queries"].add_metric([], queries)
+                server["streams"].add_metric([], streams)
+                server["staged"].add_metric([], staged)
+                for reason, n in sorted(refusals.items()):
+                    server["refusals"].add_metric([reason], n)
+        yield from fams.values()
+        yield from subs.values()
+        yield from server.values()
+
+
+REGISTRY.register(_Tracked())

@@ -1,0 +1,83 @@
+"""Prometheus metrics: ``pushtable serve --metrics-port`` scraped during a load, checked
+against the tables' own ``stats``; the in-process registry for embedders."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pyarrow as pa
+from prometheus_client.parser import text_string_to_metric_families
+
+from pushtable import SessionContext, metrics
+from pushtable.flight import Limits, Server, connect, serve
+from tests.conftest import SCHEMA, WAIT, Background, batch, wait_until
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(url, timeout=WAIT) as response:
+        text = response.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_metrics_scraped_during_a_load_match_the_tables_stats() -> None:
+    server = serve("127.0.0.1", 0, metrics_port=0, block=False, say=lambda _: None)
+    try:
+        url = server.metrics_url
+        assert url is not None
+        sink = server.create_table("events", SCHEMA, capacity=2)
+        with connect(server.location, timeout=WAIT) as client:
+            result = client.sql("SELECT count(*) AS n FROM events")
+            producer = client.sink("events", window=4)
+            for i in range(20):
+                producer.write(batch(100, start=i * 100), timeout=WAIT)
+            producer.flush(timeout=WAIT)
+            wait_until(lambda: sink.stats.batches == 20, "the 20 batches queued")
+            got = scrape(url)
+            stats = sink.stats
+            table = (("table", "events"),)
+            assert got[("pushtable_rows_written_total", table)] == stats.rows == 2000
+            assert got[("pushtable_batches_written_total", table)] == stats.batches
+            assert got[("pushtable_bytes_written_total", table)] == stats.bytes
+            assert got[("pushtable_queue_bound_batches", table)] == 2
+            assert got[("pushtable_server_active_queries", ())] == 1
+            assert got[("pushtable_server_active_streams", ())] == 2  # the DoGet and the DoPut
+            acks = got[("pushtable_write_ack_seconds_count", ())]
+            assert acks >= 20
+            calls = ("pushtable_server_calls_total", (("action", "do_put"), ("outcome", "ok")))
+            before = got.get(calls, 0.0)
+            producer.close()
+            assert result.read_all().to_pydict() == {"n": [2000]}
+            after = scrape(url)
+            assert after[calls] == before + 1  # the DoPut call ended, counted once
+            first = after[("pushtable_query_first_result_seconds_count", ())]
+            assert first >= 1
+    finally:
+        server.stop()
+
+
+def test_refusals_are_counted_by_reason() -> None:
+    server = Server(limits=Limits(max_capacity=4))
+    try:
+        with connect(server.location, timeout=WAIT) as client:
+            Background(lambda: client.create_table("t", SCHEMA, capacity=5)).join_error()
+        from prometheus_client import generate_latest
+
+        text = generate_latest(metrics.REGISTRY).decode()
+        assert 'pushtable_server_refusals_total{reason="table_options"} 1.0' in text
+    finally:
+        server.stop()
+
+
+def test_embedders_read_the_same_registry() -> None:
+    from prometheus_client import generate_latest
+
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table("embedded_metrics_t", pa.schema([("v", pa.int64())]))
+    sink.write(pa.record_batch([pa.array([1, 2, 3])], names=["v"]))
+    text = generate_latest(metrics.REGISTRY).decode()
+    assert 'pushtable_rows_written_total{table="embedded_metrics_t"} 3.0' in text
+    assert 'pushtable_queued_batches{table="embedded_metrics_t"} 1.0' in text
