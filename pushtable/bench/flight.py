@@ -6,6 +6,9 @@
   another process (``pushtable serve`` on loopback), the query running there.
 - **sql**: ``SELECT k, v`` results streamed back to a remote client while a remote producer
   writes 65,536-row batches: rows/s received.
+- **raw**: the wire alone, side by side: the same batches by bare pyarrow DoPut into a Flight
+  server that drops them, and a bare DoGet of as many batches served from memory
+  (:mod:`pushtable.bench.raw_flight`); ``remote/raw`` is pushtable's share of the wire.
 - **latency**: a remote producer writes one-row batches at 100/s; a remote ``SELECT k`` stamps
   each row as it arrives: write -> result time p50 / p99 / max.
 - **spark**: 1,000,000-row epochs on ``local[2]``: :class:`~pushtable.spark.RemoteBridge`
@@ -16,6 +19,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import statistics
 import subprocess
@@ -28,6 +32,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.flight as flight
 from datafusion import SessionConfig
 
 from pushtable import SessionContext
@@ -38,10 +43,13 @@ BYTES_PER_ROW = 16
 
 
 @contextlib.contextmanager
-def server_process() -> Iterator[str]:
-    """``pushtable serve`` in a child process on a free loopback port; yields its URI."""
+def server_process(module: str = "pushtable", *args: str) -> Iterator[str]:
+    """``pushtable serve`` (or ``module``) in a child process on a free loopback port;
+    yields its URI."""
+    if not args and module == "pushtable":
+        args = ("serve", "--port", "0")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pushtable", "serve", "--port", "0"],
+        [sys.executable, "-m", module, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -117,6 +125,35 @@ def write_remote(client: Client, name: str, rows: int, batches: int, producers: 
     query.join(600)
     elapsed = time.perf_counter() - started
     assert counted["n"] == [rows * batches * producers], counted
+    return elapsed
+
+
+def write_raw(uri: str, rows: int, batches: int, producers: int) -> float:
+    """The wire alone: the same batches by bare pyarrow DoPut into a server that drops them."""
+    data = _batches(rows, batches, 0)
+    client = flight.FlightClient(uri)
+    streams = [
+        client.do_put(flight.FlightDescriptor.for_path("raw"), SCHEMA) for _ in range(producers)
+    ]
+    started = time.perf_counter()
+    _produce(lambda i, b: streams[i][0].write_batch(b), data, producers)
+    for writer, _ in streams:
+        writer.done_writing()
+        writer.close()
+    elapsed = time.perf_counter() - started
+    client.close()
+    return elapsed
+
+
+def get_raw(uri: str, rows: int, batches: int) -> float:
+    """The wire alone: a bare DoGet of the same number of batches, served from memory."""
+    client = flight.FlightClient(uri)
+    ticket = flight.Ticket(json.dumps({"rows": rows, "batches": batches}).encode())
+    started = time.perf_counter()
+    received = sum(chunk.data.num_rows for chunk in client.do_get(ticket))
+    elapsed = time.perf_counter() - started
+    client.close()
+    assert received == rows * batches, received
     return elapsed
 
 
@@ -253,7 +290,11 @@ def run(quick: bool) -> dict[str, Any]:
     repeats = 1 if quick else 3
     total_rows = 2_000_000 if quick else 16_777_216
     out: dict[str, Any] = {"write": [], "sql": {}, "latency": {}, "spark": {}}
-    with server_process() as uri, connect(uri) as client:
+    with (
+        server_process() as uri,
+        server_process("pushtable.bench.raw_flight") as raw_uri,
+        connect(uri) as client,
+    ):
         n = 0
         for rows in (8_192, 65_536):
             for producers in (1, 4):
@@ -263,8 +304,10 @@ def run(quick: bool) -> dict[str, Any]:
                 for _ in range(repeats):
                     n += 1
                     remote.append(write_remote(client, f"w{n}", rows, batches, producers))
+                raw = [write_raw(raw_uri, rows, batches, producers) for _ in range(repeats)]
                 moved = rows * batches * producers
                 lo, re = statistics.median(local), statistics.median(remote)
+                wire = statistics.median(raw)
                 out["write"].append(
                     {
                         "batch_rows": rows,
@@ -273,17 +316,22 @@ def run(quick: bool) -> dict[str, Any]:
                         "remote_rows_per_s": moved / re,
                         "remote_gb_per_s": moved * BYTES_PER_ROW / re / 1e9,
                         "remote_vs_local": lo / re,
+                        "raw_rows_per_s": moved / wire,
+                        "remote_vs_raw": wire / re,
                     }
                 )
         batches = max(1, total_rows // 65_536)
         secs = statistics.median(
             sql_stream(client, f"s{i}", 65_536, batches) for i in range(repeats)
         )
+        raw_secs = statistics.median(get_raw(raw_uri, 65_536, batches) for _ in range(repeats))
         moved = 65_536 * batches
         out["sql"] = {
             "batch_rows": 65_536,
             "rows_per_s": moved / secs,
             "gb_per_s": moved * BYTES_PER_ROW / secs / 1e9,
+            "raw_rows_per_s": moved / raw_secs,
+            "remote_vs_raw": raw_secs / secs,
         }
         out["latency"] = latency(client, "lat", 50 if quick else 300, 100.0)
         out["spark"] = spark_epochs(uri, 1 if quick else 3, 200_000 if quick else 1_000_000)
@@ -291,17 +339,22 @@ def run(quick: bool) -> dict[str, Any]:
 
 
 def table(results: dict[str, Any]) -> str:
-    lines = ["batch rows  producers  local M rows/s  remote M rows/s  remote GB/s  remote/local"]
+    lines = [
+        "batch rows  producers  local M rows/s  remote M rows/s  remote GB/s  remote/local"
+        "  raw DoPut M rows/s  remote/raw"
+    ]
     for r in results["write"]:
         lines.append(
             f"{r['batch_rows']:>10}  {r['producers']:>9}  {r['local_rows_per_s'] / 1e6:14.1f}  "
             f"{r['remote_rows_per_s'] / 1e6:15.1f}  {r['remote_gb_per_s']:11.2f}  "
-            f"{r['remote_vs_local']:12.2f}"
+            f"{r['remote_vs_local']:12.2f}  {r['raw_rows_per_s'] / 1e6:18.1f}  "
+            f"{r['remote_vs_raw']:10.2f}"
         )
     s = results["sql"]
     lines.append(
         f"remote SQL streaming (SELECT k, v): {s['rows_per_s'] / 1e6:.1f} M rows/s "
-        f"({s['gb_per_s']:.2f} GB/s)"
+        f"({s['gb_per_s']:.2f} GB/s); bare DoGet {s['raw_rows_per_s'] / 1e6:.1f} M rows/s "
+        f"(remote/raw {s['remote_vs_raw']:.2f})"
     )
     lat = results["latency"]
     lines.append(
