@@ -9,6 +9,7 @@ import logging
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import adbc_driver_flightsql.dbapi as flightsql
 import pyarrow as pa
@@ -19,6 +20,7 @@ from pushtable import (
     PermissionDeniedError,
     ReaderGoneError,
     ResourceLimitError,
+    SessionContext,
     StatementRefusedError,
     UnauthenticatedError,
     UnknownTableError,
@@ -452,19 +454,24 @@ def test_an_idle_producer_stream_is_ended_and_the_next_write_reopens_one() -> No
         server.stop()
 
 
+LIVE = pa.schema([("ts", pa.int64()), ("k", pa.int64())])
+
+
+def _small_pool_beside(name: str, rows: int) -> tuple[SessionContext, Any]:
+    """A session with a 4 MiB pool, an in-memory table ``name`` of ``rows`` (k, s) rows and an
+    ordered live table ``events`` (ts, k)."""
+    ctx = SessionContext(memory_limit=4 << 20)
+    ctx.from_arrow(
+        pa.table({"k": pa.array(range(rows), pa.int64()), "s": [f"v{i}" for i in range(rows)]}),
+        name=name,
+    )
+    return ctx, ctx.register_streaming_table("events", LIVE, order_by="ts")
+
+
 def test_the_live_engine_plans_in_the_same_memory_pool() -> None:
     """A query the live engine runs (it reads an ordered table) is held to the session's
     memory limit too: an aggregate of a large bounded table inside it runs out of its share."""
-    from pushtable import SessionContext
-
-    ctx = SessionContext(memory_limit=4 << 20)
-    rows = 300_000
-    ctx.from_arrow(
-        pa.table({"k": pa.array(range(rows), pa.int64()), "s": [f"v{i}" for i in range(rows)]}),
-        name="big",
-    )
-    live = pa.schema([("ts", pa.int64()), ("k", pa.int64())])
-    sink = ctx.register_streaming_table("events", live, order_by="ts")
+    ctx, sink = _small_pool_beside("big", 300_000)
     query = (
         "SELECT e.ts, b.s FROM events e JOIN (SELECT s, count(*) AS n FROM big GROUP BY s) b "
         "ON e.k = b.n"
@@ -478,8 +485,6 @@ def test_the_live_engine_plans_in_the_same_memory_pool() -> None:
 def test_a_window_whose_state_outgrows_the_memory_limit_fails_the_query() -> None:
     """The live engine's own operators count their state too: a windowed count(DISTINCT)
     over a million distinct keys in one window runs out of a 4 MiB pool."""
-    from pushtable import SessionContext
-
     ctx = SessionContext(memory_limit=4 << 20)
     live = pa.schema([("ts", pa.int64()), ("k", pa.int64())])
     sink = ctx.register_streaming_table("events", live, order_by="ts", unbounded=True)
@@ -496,16 +501,7 @@ def test_a_window_whose_state_outgrows_the_memory_limit_fails_the_query() -> Non
 
 def test_a_lookup_join_whose_bounded_side_outgrows_the_memory_limit_fails() -> None:
     """The live engine's lookup join counts its build side against the pool."""
-    from pushtable import SessionContext
-
-    ctx = SessionContext(memory_limit=4 << 20)
-    rows = 400_000
-    ctx.from_arrow(
-        pa.table({"k": pa.array(range(rows), pa.int64()), "s": [f"v{i}" for i in range(rows)]}),
-        name="dim",
-    )
-    live = pa.schema([("ts", pa.int64()), ("k", pa.int64())])
-    sink = ctx.register_streaming_table("events", live, order_by="ts")
+    ctx, sink = _small_pool_beside("dim", 400_000)
     query = "SELECT e.ts, d.s FROM events e JOIN dim d ON e.k = d.k"
     assert ctx.explain_live(query).engine == "pushtable"
     sink.close()
@@ -513,7 +509,7 @@ def test_a_lookup_join_whose_bounded_side_outgrows_the_memory_limit_fails() -> N
         ctx.sql(query).to_arrow_table()
     ample = SessionContext(memory_limit=512 << 20)  # the same join within a larger pool
     ample.from_arrow(pa.table({"k": pa.array([1], pa.int64()), "s": ["one"]}), name="dim")
-    ample_sink = ample.register_streaming_table("events", live, order_by="ts")
-    ample_sink.write(pa.record_batch([pa.array([5]), pa.array([1])], schema=live))
+    ample_sink = ample.register_streaming_table("events", LIVE, order_by="ts")
+    ample_sink.write(pa.record_batch([pa.array([5]), pa.array([1])], schema=LIVE))
     ample_sink.close()
     assert ample.sql(query).to_pydict() == {"ts": [5], "s": ["one"]}
