@@ -145,7 +145,7 @@ def register_streaming_table(
     # `provider` handed its only reference to the session: from now on the session owns the
     # table, and dropping it unscanned releases blocked producers with ReaderGoneError.
     sink = TableSink(native, name, schema, capacity, max_bytes)
-    metrics.track(sink)
+    metrics.track(sink, session=ctx.session_id())
     return sink
 
 

@@ -14,7 +14,8 @@ Example:
     >>> from pushtable import SessionContext, metrics
     >>> ctx = SessionContext()
     >>> sink = ctx.register_streaming_table("events", pa.schema([("v", pa.int64())]))
-    >>> b'pushtable_rows_written_total{table="events"} 0.0' in generate_latest(metrics.REGISTRY)
+    >>> line = f'pushtable_rows_written_total{{session="{ctx.session_id()}",table="events"}} 0.0'
+    >>> line in generate_latest(metrics.REGISTRY).decode()
     True
 """
 
@@ -52,13 +53,16 @@ FIRST_RESULT = Histogram(
     registry=REGISTRY,
 )
 
-_tracked: weakref.WeakSet[Any] = weakref.WeakSet()
+#: what is reported, and the session it belongs to (its ``session`` label)
+_tracked: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
-def track(obj: Any) -> None:
+def track(obj: Any, session: str = "") -> None:
     """Report ``obj`` (a ``TableSink``, ``Topic``, ``Subscription`` or a server) while it
-    lives; the context, topics and servers call this for what they create."""
-    _tracked.add(obj)
+    lives; the context, topics and servers call this for what they create. ``session`` (a
+    ``SessionContext``'s ``session_id()``) tells apart tables of the same name in two
+    sessions of one process."""
+    _tracked[obj] = session
 
 
 def _family(kind: type, name: str, doc: str, labels: list[str]) -> Any:
@@ -73,7 +77,7 @@ class _Tracked(Collector):
         from pushtable.topic import Subscription, Topic
 
         g, c = GaugeMetricFamily, CounterMetricFamily
-        t = ["table"]
+        t = ["session", "table"]
         fams = {
             "rows": _family(c, "pushtable_rows_written", "Rows written to a table or topic.", t),
             "batches": _family(c, "pushtable_batches_written", "Batches written.", t),
@@ -102,25 +106,27 @@ class _Tracked(Collector):
                 c,
                 "pushtable_subscription_batches_read",
                 "Batches a subscription's query has read.",
-                ["topic", "subscription"],
+                ["session", "topic", "subscription"],
             ),
             "queued": _family(
                 g,
                 "pushtable_subscription_queued_batches",
                 "Batches waiting for a subscription's query.",
-                ["topic", "subscription"],
+                ["session", "topic", "subscription"],
             ),
         }
         server = {
-            "queries": _family(g, "pushtable_server_active_queries", "Remote queries.", []),
-            "streams": _family(g, "pushtable_server_active_streams", "Open streams.", []),
-            "staged": _family(g, "pushtable_server_staged_bytes", "Spark shares staged.", []),
-            "refusals": _family(c, "pushtable_server_refusals", "Refusals by limit.", ["reason"]),
+            "queries": _family(g, "pushtable_server_active_queries", "Remote queries.", ["server"]),
+            "streams": _family(g, "pushtable_server_active_streams", "Open streams.", ["server"]),
+            "staged": _family(g, "pushtable_server_staged_bytes", "Shares staged.", ["server"]),
+            "refusals": _family(
+                c, "pushtable_server_refusals", "Refusals by limit.", ["server", "reason"]
+            ),
         }
-        for obj in list(_tracked):
+        for obj, session in list(_tracked.items()):
             if isinstance(obj, TableSink | Topic):
                 s = obj.stats
-                name = [obj.name]
+                name = [session, obj.name]
                 fams["rows"].add_metric(name, s.rows)
                 fams["batches"].add_metric(name, s.batches)
                 fams["bytes"].add_metric(name, s.bytes)
@@ -141,16 +147,17 @@ class _Tracked(Collector):
                     fams["detached"].add_metric(name, s.detached)  # type: ignore[attr-defined]
             elif isinstance(obj, Subscription):
                 ss = obj.stats
-                labels = [obj.topic.name, obj.name]
+                labels = [session, obj.topic.name, obj.name]
                 subs["read"].add_metric(labels, ss.read_batches)
                 subs["queued"].add_metric(labels, ss.queued_batches)
             elif hasattr(obj, "usage"):  # a pushtable.flight.Server
                 queries, streams, staged, refusals = obj.usage.snapshot()
-                server["queries"].add_metric([], queries)
-                server["streams"].add_metric([], streams)
-                server["staged"].add_metric([], staged)
+                where = [str(obj.location)]
+                server["queries"].add_metric(where, queries)
+                server["streams"].add_metric(where, streams)
+                server["staged"].add_metric(where, staged)
                 for reason, n in sorted(refusals.items()):
-                    server["refusals"].add_metric([reason], n)
+                    server["refusals"].add_metric([*where, reason], n)
         yield from fams.values()
         yield from subs.values()
         yield from server.values()

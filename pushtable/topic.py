@@ -194,5 +194,5 @@ class Topic(_Producer):
         )
         ctx.register_table(name, provider)
         subscription = Subscription(native, name, self)
-        metrics.track(subscription)
+        metrics.track(subscription, session=ctx.session_id())
         return subscription

@@ -283,6 +283,7 @@ def test_concurrent_queries_and_streams_per_client_are_capped() -> None:
                 client.sql("SELECT * FROM c").read_all()
             sink = client.sink("c")
             sink.write(batch(1))  # a third stream of this client: allowed
+            sink.flush(timeout=WAIT)  # ... and open on the server before the fourth comes
             with pytest.raises(ResourceLimitError, match=r"max_streams_per_client"):
                 push(client, "a", batch(1))
             with connect(server.location, timeout=WAIT) as other:  # another connection
