@@ -102,10 +102,22 @@ class Tokens:
         names = [g.name for g in grants.values()]
         if len(set(names)) != len(names):
             raise ValueError("token names must be unique (logs tell tokens apart by name)")
+        self._grants = dict(grants)
         self._entries = [(f"Bearer {s}".encode(), g) for s, g in grants.items()]
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    @property
+    def names(self) -> list[str]:
+        """The tokens' names (what logs and messages show; never a secret)."""
+        return [g.name for g in self._grants.values()]
+
+    def with_token(self, secret: str, grant: Grant) -> Tokens:
+        """These tokens and one more (``--token`` beside a config file's)."""
+        if secret in self._grants:
+            raise ValueError("token= repeats the secret of a named token")
+        return Tokens({**self._grants, secret: grant})
 
     @classmethod
     def from_config(cls, specs: Iterable[Mapping[str, Any]]) -> Tokens:

@@ -159,9 +159,6 @@ class Server(Ingest, Queries, flight.FlightServerBase):  # type: ignore[misc]
         ``topics`` (see docs/network.md, "Security"). ``kw`` goes to the constructor."""
         config = _read_config(path)
         tokens = Tokens.from_config(config.get("tokens", []))
-        if kw.get("token"):
-            tokens = _tokens(kw.pop("token"), dict(_grants(tokens)))
-        kw.pop("token", None)
         limits = Limits.from_config(config.get("limits", {}))
         server = cls(location, tokens=tokens, limits=limits, **kw)
         server._declare(config)
@@ -329,23 +326,10 @@ def _read_config(path: str | Path) -> dict[str, Any]:
     return config
 
 
-def _grants(tokens: Tokens) -> dict[str, Grant]:
-    """The secret → grant table of ``tokens`` (the server's own use: never logged)."""
-    return {key.decode().removeprefix("Bearer "): g for key, g in tokens._entries}
-
-
 def _tokens(token: str | None, tokens: Mapping[str, Grant] | Tokens | None) -> Tokens:
     """``--token`` (every role) and the named, scoped tokens, as one table."""
-    if isinstance(tokens, Tokens):
-        if token:
-            raise ValueError("pass token= or a Tokens table, not both")
-        return tokens
-    grants: dict[str, Grant] = dict(tokens or {})
-    if token:
-        if token in grants:
-            raise ValueError("token= repeats the secret of a named token")
-        grants[token] = Grant("token")
-    return Tokens(grants)
+    table = tokens if isinstance(tokens, Tokens) else Tokens(dict(tokens or {}))
+    return table.with_token(token, Grant("token")) if token else table
 
 
 def _remote_session(limits: Limits) -> SessionContext:
@@ -376,7 +360,7 @@ def serve(
         server = Server.from_config(config, location, token=token, tls=tls)
     else:
         server = Server(location, token=token, tls=tls)
-    names = [g.name for g in _grants(server.tokens).values()]
+    names = server.tokens.names
     auth = f"bearer tokens required: {', '.join(names)}" if names else "no auth"
     say(f"pushtable serve: listening on {server.location} ({auth})")
     if metrics_port is not None:
