@@ -8,7 +8,8 @@
 //! [`window::WindowAggregateExec`] (emit on window close and on watermarks), and the result
 //! goes back to datafusion-python as a single-scan table ([`export::QueryTable`]).
 //!
-//! - [`window`]: the window aggregate operator;
+//! - [`window`]: the window aggregate operator ([`runs`]: its groups when the window is
+//!   the only key);
 //! - [`join`]: the lookup join of a live table with a bounded one;
 //! - [`rule`]: where they replace DataFusion's operators;
 //! - [`export`]: a running query as a table of the caller's session.
@@ -16,6 +17,7 @@
 mod export;
 mod join;
 mod rule;
+mod runs;
 mod window;
 
 use std::ffi::CString;

@@ -42,6 +42,7 @@ use datafusion::physical_plan::{
 };
 use futures::{Stream, StreamExt};
 
+use super::runs::RunGroupValues;
 use crate::channel::WatermarkCell;
 
 /// A `GROUP BY` over ordered input that emits each window's groups when the window closes.
@@ -198,12 +199,14 @@ impl ExecutionPlan for WindowAggregateExec {
             group_by: self.group_by.clone(),
             arguments: aggregate_expressions(&self.aggr_expr, &AggregateMode::Single, 0)?,
             filters: self.filter_expr.clone(),
-            // The streaming variant interns row by row, so groups are numbered in the order
-            // of their first row (which, for ordered input, is window order).
-            group_values: new_group_values(
-                group_schema,
-                &GroupOrdering::Full(GroupOrderingFull::new()),
-            )?,
+            // Groups must be numbered in the order of their first row (for ordered input,
+            // window order): the window alone needs only its runs; with other keys,
+            // DataFusion's streaming variant interns row by row.
+            group_values: if self.group_by.expr().len() == 1 && self.group_by.is_single() {
+                Box::new(RunGroupValues::new())
+            } else {
+                new_group_values(group_schema, &GroupOrdering::Full(GroupOrderingFull::new()))?
+            },
             accumulators,
             window_key: self.window_key,
             probe: Probe::new(&input_schema, self.order_column),
