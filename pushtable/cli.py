@@ -55,7 +55,7 @@ def _say(line: str) -> None:
 
 def parser() -> argparse.ArgumentParser:
     """The argument parser (``pushtable --help``)."""
-    from pushtable.bench import EXTRA_SUITES, SUITES
+    from pushtable.bench import SUITES
     from pushtable.demo import DEFAULT_SQL
 
     top = argparse.ArgumentParser(
@@ -112,11 +112,16 @@ def parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--suite",
         action="append",
-        choices=SUITES + EXTRA_SUITES,
+        choices=SUITES,
         dest="suites",
-        help="a suite to run (repeatable; default: all of "
-        + ", ".join(SUITES)
-        + "; opt-in: peers = LaminarDB side by side, from a venv of its own)",
+        help="a suite to run (repeatable; default: all of " + ", ".join(SUITES) + ")",
+    )
+    bench.add_argument(
+        "--no-peers",
+        dest="peers",
+        action="store_false",
+        help="windows: leave out LaminarDB and Pathway (they run from a venv of their own: "
+        "$PUSHTABLE_PEERS_PYTHON, or one made from the package index on first use)",
     )
     bench.add_argument(
         "--quick", action="store_true", help="small inputs: the whole run in under a minute"
@@ -195,7 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     from pushtable import bench
 
-    bench.run(args.suites or bench.SUITES, args.quick, args.json, args.plots)
+    bench.run(args.suites or bench.SUITES, args.quick, args.json, args.plots, peers=args.peers)
     return 0
 
 

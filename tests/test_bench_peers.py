@@ -1,9 +1,14 @@
-"""The ``peers`` bench suite's own logic: the shared workload gives verified windows in
-pushtable, and the side-by-side table names a peer that could not run."""
+"""The ``windows`` bench suite's side-by-side part, its own logic: the shared workload gives
+verified windows in pushtable, and the table and plot name a peer that could not run."""
 
 from __future__ import annotations
 
-from pushtable.bench import peer_workload, peers
+import sys
+from pathlib import Path
+
+import pytest
+
+from pushtable.bench import peer_workload, peers, plots
 from pushtable.bench.windows import close_latency, throughput
 
 
@@ -36,3 +41,32 @@ def test_the_table_names_a_skipped_peer() -> None:
     assert "2.000 yes" in text
     assert "laminardb          skipped: no peers venv: offline" in text
     assert "pathway            skipped: not run" in text
+
+
+def test_a_peer_that_cannot_run_is_reported_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the peers venv the suite still runs pushtable and says why each peer did not."""
+    monkeypatch.setenv("PUSHTABLE_PEERS_PYTHON", sys.executable)  # has no laminardb/pathway
+    suite = peers.run(quick=True)
+    assert suite["pushtable"]["throughput"][0]["verified"]
+    for name in ("laminardb", "pathway"):
+        assert "ModuleNotFoundError" in suite[name]["skipped"], suite[name]
+    text = peers.table(suite)
+    assert "laminardb          skipped: laminardb run failed" in text
+
+
+def test_the_windows_plot_draws_the_engines_that_ran(tmp_path: Path) -> None:
+    ours = {
+        "engine": "pushtable",
+        "throughput": [{"rows": 10, "rows_per_s": 8e7, "verified": True}],
+        "close_latency": [{"samples": 3, "p50_ms": 0.4, "p99_ms": 0.9}],
+    }
+    suite = {
+        "peers": {
+            "params": {"latency_batch_rows": [1]},
+            "pushtable": ours,
+            "laminardb": {**ours, "engine": "LaminarDB 0.17.0"},
+            "pathway": {"skipped": "offline"},
+        }
+    }
+    path = plots.windows(suite, tmp_path / "windows.png")
+    assert path.stat().st_size > 0

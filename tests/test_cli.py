@@ -119,6 +119,7 @@ def test_quick_bench_writes_json_with_every_suite(tmp_path: Path) -> None:
     done = _pushtable(
         "bench",
         "--quick",
+        "--no-peers",  # LaminarDB and Pathway need a venv of their own (tests/test_bench_peers.py)
         "--json",
         str(out),
         "--plots",
@@ -136,6 +137,7 @@ def test_quick_bench_writes_json_with_every_suite(tmp_path: Path) -> None:
     assert {"capacity_bound", "max_bytes_bound"} == set(data["memory"])
     assert data["windows"]["throughput"]["verified"]
     assert [c["batch_rows"] for c in data["windows"]["close_latency"]] == [1, 100, 8192]
+    assert "peers" not in data["windows"]
     assert data["bandwidth"]["copy_gb_per_s_median"] > 0
     assert set(data["fanout"]) == {"1", "4", "16"}
     assert all(r["rows_per_s_total"] > 0 for r in data["fanout"].values())

@@ -2,11 +2,11 @@
 
 Suites: ``core`` (live-table throughput vs DuckDB and a Python drain), ``latency`` (write ->
 result time of live queries), ``windows`` (the live engine's window aggregates: throughput
-and window-close latency), ``spark`` (the bridge's per-epoch split vs ``toArrow``),
-``memory`` (RSS stays bounded with a slow reader), ``fanout`` (one producer, 1 / 4 / 16
-live queries over a Topic), ``flight`` (``pushtable serve`` vs one process; Spark executor vs
-driver push) and ``bandwidth`` (the machine's copy rate,
-the physical limit). Needs the ``cli`` extra.
+and window-close latency, beside LaminarDB and Pathway unless ``peers=False``), ``spark``
+(the bridge's per-epoch split vs ``toArrow``), ``memory`` (RSS stays bounded with a slow
+reader), ``fanout`` (one producer, 1 / 4 / 16 live queries over a Topic), ``flight``
+(``pushtable serve`` vs one process; Spark executor vs driver push) and ``bandwidth`` (the
+machine's copy rate, the physical limit). Needs the ``cli`` extra.
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ SUITES: tuple[str, ...] = (
     "memory",
     "bandwidth",
 )
-#: opt-in suites (``--suite peers``): LaminarDB side by side, from a venv of its own
-EXTRA_SUITES: tuple[str, ...] = ("peers",)
 
 
 def run(
@@ -36,11 +34,14 @@ def run(
     json_path: Path | None = None,
     plot_dir: Path | None = None,
     say: Callable[[str], None] = print,
+    peers: bool = True,
 ) -> dict[str, Any]:
     """Run ``suites``, print their tables, write JSON and plots; return the results.
 
     The suites run from the lightest footprint to the heaviest (memory, spark, core), so a
     suite's figures are not skewed by what an earlier one left in the process's heap.
+    ``peers=False`` leaves LaminarDB and Pathway out of ``windows`` (they run from a venv of
+    their own, made from the package index on first use).
     """
     from pushtable.bench import core, fanout, flight, latency, machine, memory, spark, windows
 
@@ -72,11 +73,11 @@ def run(
     if "windows" in suites:
         out["windows"] = windows.run(quick)
         say(windows.table(out["windows"]))
-    if "peers" in suites:
-        from pushtable.bench import peers
+        if peers:
+            from pushtable.bench import peers as side_by_side
 
-        out["peers"] = peers.run(quick)
-        say(peers.table(out["peers"]))
+            out["windows"]["peers"] = side_by_side.run(quick)
+            say(side_by_side.table(out["windows"]["peers"]))
     if "core" in suites:
         out["core"] = core.run(quick)
         say(core.table(out["core"]))

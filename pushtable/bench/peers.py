@@ -1,4 +1,5 @@
-"""pushtable's live engine beside LaminarDB and Pathway, in one run: the same rows, the same
+"""The ``windows`` suite's side-by-side part: pushtable's live engine beside LaminarDB and
+Pathway, in one run: the same rows, the same
 1-second tumbling ``count(*)``/``sum(v)``, the same closing rule (a window closes with the
 first batch of a later second), throughput and write→window-row latency.
 
@@ -74,7 +75,7 @@ def _peer(name: str, params: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(quick: bool) -> dict[str, Any]:
-    """The ``peers`` suite: pushtable, then LaminarDB, on the same workload."""
+    """pushtable, then LaminarDB, then Pathway, on the same workload."""
     params: dict[str, Any] = {
         "rows": 200_000 if quick else 2_000_000,
         "batch_rows": 8192,
@@ -106,8 +107,9 @@ def _median_throughput(result: dict[str, Any]) -> dict[str, Any]:
 def table(suite: dict[str, Any]) -> str:
     p = suite["params"]
     lines = [
-        f"peers: {p['rows']:,} rows in {p['batch_rows']:,}-row batches, 1-second tumbling "
-        f"count/sum (median of {p['runs']}); window-close latency over {p['samples']} windows",
+        f"windows side by side: {p['rows']:,} rows in {p['batch_rows']:,}-row batches, "
+        f"1-second tumbling count/sum (median of {p['runs']}); "
+        f"window-close latency over {p['samples']} windows",
         f"{'engine':<18s} {'rows':>9s} {'M rows/s':>9s} {'ok':>3s} "
         + " ".join(f"{f'p50/p99 ms @{n}':>20s}" for n in p["latency_batch_rows"]),
     ]

@@ -166,6 +166,42 @@ def flight(suite: dict[str, Any], path: Path) -> Path:
     return path
 
 
+def windows(suite: dict[str, Any], path: Path) -> Path:
+    """The window engines side by side: throughput (log) and window-close p50/p99 (log)."""
+    side = suite["peers"]
+    ran = [
+        (name, side[name])
+        for name in ("pushtable", "laminardb", "pathway")
+        if name in side and "skipped" not in side[name]
+    ]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8), width_ratios=[1, 2])
+    rates = [sorted(r["rows_per_s"] for r in res["throughput"]) for _, res in ran]
+    left.bar(range(len(ran)), [r[len(r) // 2] / 1e6 for r in rates], 0.5)
+    left.set_xticks(range(len(ran)), [res["engine"] for _, res in ran], fontsize=8)
+    left.set_yscale("log")
+    left.set_ylabel("M rows/s (median)")
+    left.set_title("1-second tumbling count/sum, flat out")
+    sizes = side["params"]["latency_batch_rows"]
+    width = 0.8 / max(len(ran), 1)
+    for i, (_, res) in enumerate(ran):
+        cells = res["close_latency"]
+        xs = [x + (i - (len(ran) - 1) / 2) * width for x in range(len(sizes))]
+        p99 = [c["p99_ms"] if c.get("samples") else float("nan") for c in cells]
+        p50 = [c["p50_ms"] if c.get("samples") else float("nan") for c in cells]
+        right.bar(xs, p99, width, label=f"{res['engine']} p99")
+        right.scatter(xs, p50, color="black", marker="_", s=120, zorder=3)
+    right.axhline(5, color="grey", linestyle="--", linewidth=1, label="5 ms")
+    right.set_yscale("log")
+    right.set_xticks(range(len(sizes)), [f"{n:,}-row batches" for n in sizes])
+    right.set_ylabel("ms, write -> window row (bar p99, tick p50)")
+    right.set_title("window-close latency, one batch per 20 ms")
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def render(results: dict[str, Any], plot_dir: Path) -> list[Path]:
     """Every plot a ``pushtable bench`` JSON result supports, into ``plot_dir``."""
     plot_dir.mkdir(parents=True, exist_ok=True)
@@ -182,6 +218,8 @@ def render(results: dict[str, Any], plot_dir: Path) -> list[Path]:
         out.append(fanout(results["fanout"], plot_dir / "fanout.png"))
     if "flight" in results:
         out.append(flight(results["flight"], plot_dir / "flight.png"))
+    if "peers" in results.get("windows", {}):
+        out.append(windows(results["windows"], plot_dir / "windows.png"))
     return out
 
 
