@@ -156,6 +156,13 @@ def parser() -> argparse.ArgumentParser:
         help="serve Prometheus metrics on this port (same host as --host; 0: any free)",
     )
     serve.add_argument(
+        "--ui-port",
+        type=int,
+        default=None,
+        help="serve the browser view on this port: tables with live rates and queue fill, a "
+        "live SQL query as a grid and a chart, and /metrics (0: any free; needs pushtable[ui])",
+    )
+    serve.add_argument(
         "--config",
         type=Path,
         default=None,
@@ -195,6 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tls=tls,
             config=args.config,
             metrics_port=args.metrics_port,
+            ui_port=args.ui_port,
             say=_say,
         )
         return 0

@@ -189,11 +189,16 @@ class Client:
         )
 
     def tables(self) -> list[dict[str, Any]]:
-        """The server's tables and topics: ``name``, ``topic`` and ``schema`` each."""
+        """The server's tables and topics: ``name``, ``topic``, ``schema`` and the queue's bound
+        (``bound_batches``, ``bound_bytes``: capacity and max_bytes, a topic's retain) each."""
         out = self._action("tables")
         for t in out:
             t["schema"] = protocol.schema_from(t["schema"])
         return list(out)
+
+    def stats(self, name: str) -> dict[str, Any]:
+        """The live counters of table or topic ``name`` (its ``stats``, as a dict)."""
+        return dict(self._action("stats", {"name": name}))
 
     def schema(self, name: str) -> pa.Schema:
         for t in self.tables():

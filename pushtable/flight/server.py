@@ -16,7 +16,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
@@ -111,6 +111,9 @@ class Server(Ingest, Queries, flight.FlightServerBase):  # type: ignore[misc]
         metrics.track(self)
         #: where ``serve(metrics_port=...)`` serves Prometheus metrics (None: not served)
         self.metrics_url: str | None = None
+        #: where ``serve(ui_port=...)`` serves the browser view (None: not served)
+        self.ui_url: str | None = None
+        self._http_stops: list[Callable[[], None]] = []  # HTTP servers beside this one
 
     @contextlib.contextmanager
     def _call(self, context: Any) -> Iterator[None]:
@@ -263,6 +266,9 @@ class Server(Ingest, Queries, flight.FlightServerBase):  # type: ignore[misc]
                         "name": n,
                         "topic": isinstance(p, Topic),
                         "schema": protocol.schema_bytes(p.schema),
+                        # the queue's bound: capacity / max_bytes (a topic: retain / retain_bytes)
+                        "bound_batches": p.retain if isinstance(p, Topic) else p.capacity,
+                        "bound_bytes": p.retain_bytes if isinstance(p, Topic) else p.max_bytes,
                     }
                     for n, p in self._tables.items()
                     if grant.covers(n)
@@ -289,6 +295,8 @@ class Server(Ingest, Queries, flight.FlightServerBase):  # type: ignore[misc]
         if self._stopping.is_set():
             return 0
         self._stopping.set()
+        for stop_http in self._http_stops:
+            stop_http()
         with self._lock:
             producers = list(self._tables.values())
             streams = list(self._acks)
@@ -346,11 +354,14 @@ def serve(
     tls: tuple[str | Path, str | Path] | None = None,
     config: str | Path | None = None,
     metrics_port: int | None = None,
+    ui_port: int | None = None,
     block: bool = True,
     say: Any = print,
 ) -> Server:
     """Start a server on ``host:port`` (127.0.0.1 by default: not reachable from other machines).
 
+    ``metrics_port`` serves Prometheus metrics; ``ui_port`` serves the browser view (tables,
+    rates, a live query; see :mod:`pushtable.flight.ui`) and ``/metrics`` too.
     With ``block=True`` (the command) it serves until Ctrl-C or SIGTERM, then stops cleanly;
     with ``block=False`` it returns the running :class:`Server` (call ``stop()``).
     """
@@ -370,7 +381,15 @@ def serve(
             metrics_port, addr=host, registry=metrics.REGISTRY
         )
         server.metrics_url = f"http://{host}:{http.server_port}/metrics"
+        server._http_stops.append(http.shutdown)
         say(f"pushtable serve: metrics on {server.metrics_url}")
+    if ui_port is not None:
+        from pushtable.flight.ui import UiApp, UiServer
+
+        ui = UiServer(host, ui_port, UiApp(server.location, tls_root_certs=tls[0] if tls else None))
+        server.ui_url = ui.url
+        server._http_stops.append(ui.stop)
+        say(f"pushtable serve: browser view on {server.ui_url}")
     if not block:
         return server
     import signal

@@ -1,0 +1,159 @@
+// pushtable serve's live view: tables with rates and queue fill (polled every second), and a
+// live SQL query whose rows arrive as newline-delimited JSON over one streaming fetch.
+"use strict";
+const KEEP = 1000;
+const $ = (id) => document.getElementById(id);
+const tokenBox = $("token");
+tokenBox.value = sessionStorage.getItem("pushtable-token") || "";
+tokenBox.addEventListener("change", () => sessionStorage.setItem("pushtable-token", tokenBox.value));
+const headers = () => (tokenBox.value ? { Authorization: "Bearer " + tokenBox.value } : {});
+
+// --- tables ------------------------------------------------------------------------------
+const lastSeen = new Map(); // name -> [time ms, rows]
+function cell(text, cls) {
+  const td = document.createElement("td");
+  td.textContent = text;
+  if (cls) td.className = cls;
+  return td;
+}
+async function refreshTables() {
+  const status = $("tables-status");
+  try {
+    const reply = await fetch("/api/tables", { headers: headers(), cache: "no-store" });
+    const body = await reply.json();
+    if (!reply.ok) throw new Error(body.error || reply.statusText);
+    const tbody = $("tables").querySelector("tbody");
+    tbody.replaceChildren();
+    const now = Date.now();
+    for (const t of body) {
+      const s = t.stats;
+      const rows = s.rows ?? s.rows_written ?? 0;
+      const prev = lastSeen.get(t.name);
+      const rate = prev ? ((rows - prev[1]) * 1000) / Math.max(1, now - prev[0]) : 0;
+      lastSeen.set(t.name, [now, rows]);
+      const queued = s.queued_batches ?? 0;
+      const capacity = t.bound_batches || 0;
+      const byBytes = t.bound_bytes ? (s.queued_bytes ?? 0) / t.bound_bytes : 0;
+      const fill = Math.min(1, Math.max(capacity ? queued / capacity : 0, byBytes));
+      const tr = document.createElement("tr");
+      tr.dataset.table = t.name;
+      tr.append(
+        cell(t.name), cell(t.topic ? "topic" : "table"),
+        cell(rows.toLocaleString(), "num"), cell(Math.round(rate).toLocaleString(), "num"),
+        cell((s.batches ?? 0).toLocaleString(), "num"),
+        cell(capacity ? `${queued} / ${capacity}` : String(queued), "num"),
+      );
+      const bar = document.createElement("td");
+      bar.innerHTML = `<span class="fill"><span style="width:${(fill * 100).toFixed(0)}%"></span></span>`;
+      tr.append(bar, cell(String(s.waiting_writers ?? 0), "num"), cell(t.columns.join(", ")));
+      tbody.append(tr);
+    }
+    status.textContent = `${body.length} table(s) and topic(s), updated ${new Date().toLocaleTimeString()}`;
+    status.classList.remove("error");
+  } catch (err) {
+    status.textContent = "tables: " + err.message;
+    status.classList.add("error");
+  }
+}
+setInterval(refreshTables, 1000);
+refreshTables();
+
+// --- live query --------------------------------------------------------------------------
+let running = null; // AbortController of the query being read
+let columns = [], types = [], kept = [], received = 0;
+const numeric = (t) => /^(u?int|float|double|decimal)/.test(t);
+
+function drawGrid(newRows) {
+  const tbody = $("grid").querySelector("tbody");
+  for (const r of newRows) {
+    const tr = document.createElement("tr");
+    for (const v of r) tr.append(cell(v === null ? "∅" : String(v), typeof v === "number" ? "num" : ""));
+    tbody.append(tr);
+  }
+  while (tbody.rows.length > KEEP) tbody.deleteRow(0);
+  const wrap = $("grid-wrap");
+  wrap.scrollTop = wrap.scrollHeight;
+}
+
+let chartPending = false;
+function drawChart() {
+  if (chartPending) return;
+  chartPending = true;
+  requestAnimationFrame(() => {
+    chartPending = false;
+    const ys = columns.map((c, i) => i).filter((i) => i > 0 && numeric(types[i]));
+    if (!ys.length) {
+      $("chart-note").textContent = "(a line per numeric column against the first column)";
+      return;
+    }
+    $("chart-note").textContent = `(${ys.map((i) => columns[i]).join(", ")} by ${columns[0]})`;
+    const x = kept.map((r) => r[0]);
+    const traces = ys.map((i) => ({ x, y: kept.map((r) => r[i]), name: columns[i], mode: "lines+markers", type: "scatter" }));
+    Plotly.react("chart", traces, { margin: { t: 10, r: 10, b: 70, l: 56 }, legend: { orientation: "h" } }, { displaylogo: false, responsive: true });
+  });
+}
+
+function setStatus(text, isError) {
+  $("status").textContent = text;
+  $("status").classList.toggle("error", !!isError);
+}
+
+async function run() {
+  stop();
+  const controller = new AbortController();
+  running = controller;
+  $("run").disabled = true;
+  $("stop").disabled = false;
+  columns = []; types = []; kept = []; received = 0;
+  $("grid").querySelector("thead").replaceChildren();
+  $("grid").querySelector("tbody").replaceChildren();
+  Plotly.purge("chart");
+  const started = performance.now();
+  let first = null;
+  setStatus("running…");
+  try {
+    const reply = await fetch("/api/query", { method: "POST", headers: headers(), body: $("sql").value, signal: controller.signal });
+    const reader = reply.body.getReader();
+    const decoder = new TextDecoder();
+    let buffer = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buffer += decoder.decode(value, { stream: true });
+      let at;
+      while ((at = buffer.indexOf("\n")) >= 0) {
+        const msg = JSON.parse(buffer.slice(0, at));
+        buffer = buffer.slice(at + 1);
+        if (msg.error) { setStatus(msg.error, true); return; }
+        if (msg.columns) {
+          columns = msg.columns; types = msg.types;
+          const tr = document.createElement("tr");
+          for (const c of columns) { const th = document.createElement("th"); th.textContent = c; tr.append(th); }
+          $("grid").querySelector("thead").replaceChildren(tr);
+        }
+        if (msg.rows) {
+          if (first === null) first = performance.now() - started;
+          received += msg.rows.length;
+          kept = kept.concat(msg.rows).slice(-KEEP);
+          drawGrid(msg.rows);
+          drawChart();
+          setStatus(`${received.toLocaleString()} row(s) so far; first after ${first.toFixed(0)} ms`);
+        }
+        if (msg.end) { setStatus(`${received.toLocaleString()} row(s); the query ended`); }
+      }
+    }
+  } catch (err) {
+    if (err.name !== "AbortError") setStatus(err.message, true);
+  } finally {
+    if (running === controller) { running = null; $("run").disabled = false; $("stop").disabled = true; }
+  }
+}
+
+function stop() {
+  if (running) { running.abort(); running = null; setStatus(`stopped after ${received.toLocaleString()} row(s)`); }
+  $("run").disabled = false;
+  $("stop").disabled = true;
+}
+
+$("run").addEventListener("click", run);
+$("stop").addEventListener("click", stop);

@@ -1,0 +1,190 @@
+"""A live view of a running ``pushtable serve`` in the browser (``serve --ui-port``).
+
+The page lists the server's tables and topics with their live rates and queue fill, and runs
+a live SQL query whose rows appear as they arrive, in a grid and a line chart. The HTTP side
+is a small WSGI app on the standard library's threading server (as ``prometheus_client``
+serves metrics, and ``/metrics`` is served here too); the chart is Plotly's JavaScript, served
+from the installed ``plotly`` package, so the page needs no internet.
+
+The UI holds no authority of its own: every table list, stats read and query is a Flight call
+to the server, made with the token the user typed into the page. So the token's grant (read /
+write / admin, table patterns), the server's read-only SQL planning, its limits and its audit
+log apply exactly as to any other client.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from importlib import resources
+from pathlib import Path
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+import pyarrow as pa
+
+from pushtable import metrics
+from pushtable.errors import PermissionDeniedError, UnauthenticatedError
+from pushtable.flight.client import Client, connect
+
+Start = Callable[[str, list[tuple[str, str]]], Any]
+#: a query's rows are sent at most this many per message, and the page keeps the last 1,000
+ROWS_PER_MESSAGE = 500
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # the server's audit log says who did what; access lines would only be noise
+
+
+def _plotly_js() -> bytes:
+    try:
+        import plotly
+    except ImportError as exc:
+        raise RuntimeError(
+            "the browser UI draws its chart with Plotly's JavaScript: pip install 'pushtable[ui]'"
+        ) from exc
+    return (Path(plotly.__file__).parent / "package_data" / "plotly.min.js").read_bytes()
+
+
+def _static(name: str) -> bytes:
+    return resources.files("pushtable.flight").joinpath("static").joinpath(name).read_bytes()
+
+
+def _json_value(value: Any) -> Any:
+    if isinstance(value, (int, float, str, bool)) or value is None:
+        return value
+    if isinstance(value, bytes):
+        return value.hex()
+    return str(value)  # timestamps, decimals, dates: ISO-like text the chart can parse
+
+
+def _rows(batch: pa.RecordBatch) -> list[list[Any]]:
+    columns = [c.to_pylist() for c in batch.columns]
+    return [[_json_value(c[i]) for c in columns] for i in range(batch.num_rows)]
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return (json.dumps(obj) + "\n").encode()
+
+
+class UiApp:
+    """The WSGI app: the page, its assets, ``/api/*`` (Flight calls with the caller's token)
+    and ``/metrics``."""
+
+    def __init__(self, location: str, tls_root_certs: str | Path | bytes | None = None) -> None:
+        self.location = location
+        self.tls_root_certs = tls_root_certs
+        self._assets = {
+            "/": ("text/html; charset=utf-8", _static("index.html")),
+            "/static/app.js": ("text/javascript; charset=utf-8", _static("app.js")),
+            "/static/plotly.min.js": ("text/javascript; charset=utf-8", _plotly_js()),
+        }
+        import prometheus_client
+
+        self._metrics = prometheus_client.make_wsgi_app(metrics.REGISTRY)
+
+    def _client(self, environ: dict[str, Any]) -> Client:
+        auth = environ.get("HTTP_AUTHORIZATION", "")
+        token = auth[7:] if auth.startswith("Bearer ") else None
+        return connect(self.location, token=token or None, tls_root_certs=self.tls_root_certs)
+
+    def __call__(self, environ: dict[str, Any], start: Start) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO", "/")
+        method = environ.get("REQUEST_METHOD", "GET")
+        if path == "/metrics":
+            return self._metrics(environ, start)  # type: ignore[no-any-return]
+        if path in self._assets and method == "GET":
+            kind, body = self._assets[path]
+            start("200 OK", [("Content-Type", kind), ("Cache-Control", "no-store")])
+            return [body]
+        if path == "/api/tables" and method == "GET":
+            return self._tables(environ, start)
+        if path == "/api/query" and method == "POST":
+            size = int(environ.get("CONTENT_LENGTH") or 0)
+            sql = environ["wsgi.input"].read(min(size, 1 << 20)).decode("utf-8", "replace")
+            return self._query(environ, start, sql)
+        start("404 Not Found", [("Content-Type", "text/plain")])
+        return [b"not found\n"]
+
+    def _tables(self, environ: dict[str, Any], start: Start) -> Iterable[bytes]:
+        try:
+            with self._client(environ) as client:
+                out = []
+                for t in client.tables():
+                    stats = client.stats(t["name"])
+                    out.append(
+                        {
+                            "name": t["name"],
+                            "topic": t["topic"],
+                            "columns": [f"{f.name} {f.type}" for f in t["schema"]],
+                            "bound_batches": t.get("bound_batches"),
+                            "bound_bytes": t.get("bound_bytes"),
+                            "stats": stats,
+                        }
+                    )
+        except UnauthenticatedError as exc:
+            return _error(start, "401 Unauthorized", exc)
+        except PermissionDeniedError as exc:
+            return _error(start, "403 Forbidden", exc)
+        except Exception as exc:  # noqa: BLE001 - reported to the page, which shows it
+            return _error(start, "502 Bad Gateway", exc)
+        start("200 OK", [("Content-Type", "application/json"), ("Cache-Control", "no-store")])
+        return [json.dumps(out, default=_json_value).encode()]
+
+    def _query(self, environ: dict[str, Any], start: Start, sql: str) -> Iterator[bytes]:
+        """Newline-delimited JSON: the columns, then rows as they arrive, then the end (or
+        the error). The browser reads it as a stream; closing it cancels the query."""
+        start(
+            "200 OK",
+            [("Content-Type", "application/x-ndjson"), ("Cache-Control", "no-store")],
+        )
+        client = self._client(environ)
+        result = None
+        try:
+            try:
+                result = client.sql(sql)
+                schema = result.schema
+            except Exception as exc:  # noqa: BLE001 - the page shows the server's message
+                yield _line({"error": str(exc)})
+                return
+            yield _line({"columns": schema.names, "types": [str(f.type) for f in schema]})
+            try:
+                for batch in result:
+                    for at in range(0, batch.num_rows, ROWS_PER_MESSAGE):
+                        yield _line({"rows": _rows(batch.slice(at, ROWS_PER_MESSAGE))})
+            except Exception as exc:  # noqa: BLE001
+                yield _line({"error": str(exc)})
+                return
+            yield _line({"end": True})
+        finally:  # the page went away or asked another query: stop this one on the server
+            if result is not None:
+                result.cancel()
+            client.close()
+
+
+def _error(start: Start, status: str, exc: BaseException) -> list[bytes]:
+    start(status, [("Content-Type", "application/json")])
+    return [json.dumps({"error": str(exc)}).encode()]
+
+
+class UiServer:
+    """The HTTP server of :class:`UiApp`, on a daemon thread."""
+
+    def __init__(self, host: str, port: int, app: UiApp) -> None:
+        self._http = make_server(host, port, app, _Server, handler_class=_QuietHandler)
+        self.url = f"http://{host}:{self._http.server_port}/"
+        self._thread = threading.Thread(
+            target=self._http.serve_forever, name="pushtable-ui", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._http.shutdown()
+        self._http.server_close()

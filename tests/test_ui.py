@@ -1,0 +1,163 @@
+"""The browser view of ``pushtable serve --ui-port``: a real headless Chromium (Debian's
+``chromium`` and ``chromium-driver``, which ``.ci/run`` installs) driven by Selenium sees rows
+written after the page opened; the HTTP API behind it enforces the token like Flight does."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import urllib.error
+import urllib.request
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from pushtable.flight import Server, connect, serve
+from tests.conftest import WAIT
+
+TS = pa.timestamp("ms", tz="UTC")
+SCHEMA = pa.schema([("ts", TS), ("k", pa.int64()), ("v", pa.int64())])
+T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+
+def rows(second: float, ks: list[int]) -> pa.RecordBatch:
+    ts = [T0 + timedelta(seconds=second + i / 1000) for i in range(len(ks))]
+    return pa.record_batch(
+        [pa.array(ts, TS), pa.array(ks, pa.int64()), pa.array([1] * len(ks), pa.int64())],
+        schema=SCHEMA,
+    )
+
+
+def _serve_with_tokens(tmp_path: Path) -> Server:
+    config = tmp_path / "serve.json"
+    tokens = [
+        {"name": "dashboard", "secret": "reader-token", "role": "read"},
+        {"name": "ingest", "secret": "writer-token", "role": "write"},
+    ]
+    config.write_text(json.dumps({"tokens": tokens}))
+    return serve("127.0.0.1", 0, config=config, ui_port=0, block=False, say=lambda _: None)
+
+
+def _post(url: str, body: str, token: str | None) -> list[dict[str, Any]]:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    request = urllib.request.Request(url, data=body.encode(), headers=headers, method="POST")
+    with urllib.request.urlopen(request, timeout=WAIT) as reply:
+        return [json.loads(line) for line in reply.read().splitlines()]
+
+
+def test_the_api_answers_only_what_the_token_allows(tmp_path: Path) -> None:
+    server = _serve_with_tokens(tmp_path)
+    try:
+        assert server.ui_url is not None
+        sink = server.create_table("events", SCHEMA, capacity=4, order_by="ts")
+        sink.write(rows(0, [1, 2]))
+        with pytest.raises(urllib.error.HTTPError) as no_token:
+            urllib.request.urlopen(server.ui_url + "api/tables", timeout=WAIT)
+        assert no_token.value.code == 401
+        request = urllib.request.Request(
+            server.ui_url + "api/tables", headers={"Authorization": "Bearer reader-token"}
+        )
+        with urllib.request.urlopen(request, timeout=WAIT) as reply:
+            [table] = json.loads(reply.read())
+        assert table["name"] == "events"
+        assert table["stats"]["rows"] == 2  # the page's figures are the table's own stats
+        assert table["stats"]["queued_batches"] == 1
+        assert table["bound_batches"] == 4  # the queue fill: 1 of 4
+        # A read token runs read-only SQL only: the server's own planning refuses the rest.
+        refused = _post(server.ui_url + "api/query", "DROP TABLE events", "reader-token")
+        assert "error" in refused[0], refused
+        with connect(server.location, token="reader-token", timeout=WAIT) as client:
+            assert [t["name"] for t in client.tables()] == ["events"]
+        with urllib.request.urlopen(server.ui_url + "metrics", timeout=WAIT) as reply:
+            assert b"pushtable_rows_written_total" in reply.read()
+    finally:
+        server.stop()
+
+
+def _browser() -> Any:
+    webdriver = pytest.importorskip("selenium.webdriver")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    driver = shutil.which("chromedriver")
+    if chromium is None or driver is None:
+        pytest.skip(
+            "no Chromium here (apt-get install chromium chromium-driver; .ci/run installs them)"
+        )
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu"):
+        options.add_argument(arg)
+    options.add_argument("--window-size=1280,1000")
+    service = webdriver.ChromeService(executable_path=driver)
+    return webdriver.Chrome(options=options, service=service)
+
+
+def test_rows_written_after_the_page_opened_appear_on_it(tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    server = _serve_with_tokens(tmp_path)
+    browser = None
+    try:
+        assert server.ui_url is not None
+        server.create_table("events", SCHEMA, order_by="ts")
+        browser = _browser()
+        browser.set_page_load_timeout(WAIT)
+        browser.get(server.ui_url)
+        wait = WebDriverWait(browser, WAIT)
+        token = browser.find_element(By.ID, "token")
+        token.send_keys("reader-token")
+        browser.execute_script("arguments[0].dispatchEvent(new Event('change'))", token)
+        wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#tables tr[data-table=events]"))
+        sql = browser.find_element(By.ID, "sql")
+        sql.clear()
+        sql.send_keys(
+            "SELECT date_bin(INTERVAL '1 second', ts) AS second, count(*) AS n, sum(k) AS total "
+            "FROM events GROUP BY 1"
+        )
+        browser.find_element(By.ID, "run").click()
+        wait.until(
+            lambda b: (
+                "row" in b.find_element(By.ID, "status").text
+                or b.find_elements(By.CSS_SELECTOR, "#grid thead th")
+            )
+        )
+        # Now the page is open and its query runs: write, as a producer elsewhere would.
+        with connect(server.location, token="writer-token", timeout=WAIT) as client:
+            sink = client.sink("events")
+            for second in range(4):  # each second's first row closes the second before it
+                sink.write(rows(second, [4200 + second, 1, 1]), timeout=WAIT)
+            sink.flush(timeout=WAIT)
+            grid = lambda b: b.find_element(By.ID, "grid").text  # noqa: E731
+            # Seconds 0..2 are closed (second s totals 4202 + s): their 3 rows are on the page.
+            wait.until(lambda b: "4204" in grid(b))
+            assert "4202" in grid(browser)
+            assert "4203" in grid(browser)
+            assert "4205" not in grid(browser)  # second 3 is still open
+            sink.write(rows(4, [7]), timeout=WAIT)
+            sink.flush(timeout=WAIT)
+            wait.until(lambda b: "4205" in grid(b))
+            wait.until(
+                lambda b: (
+                    b.execute_script(
+                        "return document.querySelectorAll('#chart .scatterlayer .trace').length"
+                    )
+                    == 2
+                )
+            )
+            wait.until(
+                lambda b: (
+                    b.find_element(By.CSS_SELECTOR, "#tables tr[data-table=events]").text.split()[2]
+                    == "13"
+                )
+            )
+            shot = Path(os.environ.get("PUSHTABLE_UI_SCREENSHOT", tmp_path / "ui.png"))
+            assert browser.save_screenshot(str(shot))
+            sink.close()
+    finally:
+        if browser is not None:
+            browser.quit()
+        server.stop()
