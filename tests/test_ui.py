@@ -131,7 +131,10 @@ def test_rows_written_after_the_page_opened_appear_on_it(tmp_path: Path) -> None
             for second in range(4):  # each second's first row closes the second before it
                 sink.write(rows(second, [4200 + second, 1, 1]), timeout=WAIT)
             sink.flush(timeout=WAIT)
-            grid = lambda b: b.find_element(By.ID, "grid").text  # noqa: E731
+
+            def grid(b: Any) -> str:
+                return str(b.find_element(By.ID, "grid").text)
+
             # Seconds 0..2 are closed (second s totals 4202 + s): their 3 rows are on the page.
             wait.until(lambda b: "4204" in grid(b))
             assert "4202" in grid(browser)
