@@ -42,6 +42,10 @@ def main() -> None:
         assert not producer.is_alive(), "producer still blocked"
     expected = {"name": ["a", "b", "c"], "total": [3.0, 5.0, 7.0]}
     assert got == expected, got
+    from importlib import resources
+
+    page = resources.files("pushtable.flight").joinpath("static").joinpath("index.html")
+    assert page.is_file(), "the browser view's page is not in the wheel"
     print(f"wheel smoke test passed: pushtable {pushtable.__version__} from {where.parent}")
 
 
