@@ -5,9 +5,9 @@
 //! a table (DataFusion's order-preserving group table interns row by row: the window
 //! aggregate's main cost when the key is the window alone).
 
-use arrow::array::{Array, ArrayRef, BooleanArray};
+use arrow::array::{Array, ArrayRef, UInt32Array};
 use arrow::compute::kernels::cmp::distinct;
-use arrow::compute::{concat, filter};
+use arrow::compute::{concat, take};
 use datafusion::common::Result;
 use datafusion::logical_expr::EmitTo;
 use datafusion::physical_plan::aggregates::group_values::GroupValues;
@@ -37,28 +37,34 @@ impl GroupValues for RunGroupValues {
         if n == 0 {
             return Ok(());
         }
-        // starts[i]: row i opens a group (its key differs from the row before it).
-        let mut starts = Vec::with_capacity(n);
-        starts.push(match &self.last {
-            Some(last) => distinct(last, &col.slice(0, 1))?.value(0),
-            None => true,
-        });
+        // The rows that open a group: the first one unless it continues the newest group,
+        // then every row whose key differs from the row before it (few: runs are long).
+        let continues = match &self.last {
+            Some(last) => !distinct(last, &col.slice(0, 1))?.value(0),
+            None => false,
+        };
+        let mut starts: Vec<u32> = Vec::new();
+        if !continues {
+            starts.push(0);
+        }
         if n > 1 {
-            starts.extend(distinct(&col.slice(1, n - 1), &col.slice(0, n - 1))?.values().iter());
+            let changes = distinct(&col.slice(1, n - 1), &col.slice(0, n - 1))?;
+            starts.extend(changes.values().set_indices().map(|i| i as u32 + 1));
         }
-        let starts = BooleanArray::from(starts);
-        let opened = starts.true_count();
-        // The group of the row before the batch: the newest one (none yet: the first row
-        // opens group 0).
+        // Row r belongs to the newest group before the batch, plus the starts at or before r.
         let mut group = self.len.wrapping_sub(1);
+        let mut from = 0;
         groups.reserve(n);
-        for start in starts.values() {
-            group = group.wrapping_add(usize::from(start));
-            groups.push(group);
+        for &start in &starts {
+            let start = start as usize;
+            groups.extend(std::iter::repeat_n(group, start - from));
+            group = group.wrapping_add(1);
+            from = start;
         }
-        if opened > 0 {
-            self.chunks.push(filter(col.as_ref(), &starts)?);
-            self.len += opened;
+        groups.extend(std::iter::repeat_n(group, n - from));
+        if !starts.is_empty() {
+            self.len += starts.len();
+            self.chunks.push(take(col.as_ref(), &UInt32Array::from(starts), None)?);
         }
         self.last = Some(concat(&[&col.slice(n - 1, 1)])?);
         Ok(())
@@ -96,6 +102,9 @@ impl GroupValues for RunGroupValues {
                     self.chunks.push(concat(&[&rest])?);
                 }
                 self.len -= n;
+                if self.len == 0 {
+                    self.last = None; // a later row with the same key opens a group of its own
+                }
                 all.slice(0, n)
             }
         };

@@ -20,6 +20,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use arrow::array::{new_null_array, ArrayRef, AsArray, RecordBatch};
+use arrow::compute::kernels::cmp::distinct;
 use arrow::datatypes::{Field, Schema, SchemaRef};
 use datafusion::common::{Result, ScalarValue};
 use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
@@ -194,6 +195,7 @@ impl ExecutionPlan for WindowAggregateExec {
             .iter()
             .map(group_accumulator)
             .collect::<Result<Vec<_>>>()?;
+        let window_only = self.group_by.expr().len() == 1 && self.group_by.is_single();
         let stream = WindowStream {
             input,
             group_by: self.group_by.clone(),
@@ -202,11 +204,12 @@ impl ExecutionPlan for WindowAggregateExec {
             // Groups must be numbered in the order of their first row (for ordered input,
             // window order): the window alone needs only its runs; with other keys,
             // DataFusion's streaming variant interns row by row.
-            group_values: if self.group_by.expr().len() == 1 && self.group_by.is_single() {
+            group_values: if window_only {
                 Box::new(RunGroupValues::new())
             } else {
                 new_group_values(group_schema, &GroupOrdering::Full(GroupOrderingFull::new()))?
             },
+            window_only,
             accumulators,
             window_key: self.window_key,
             probe: Probe::new(&input_schema, self.order_column),
@@ -306,6 +309,8 @@ struct WindowStream {
     pending: VecDeque<RecordBatch>,
     done: bool,
     reservation: MemoryReservation,
+    /// The window is the only key: see [`WindowStream::uniform_key`].
+    window_only: bool,
 }
 
 impl WindowStream {
@@ -315,8 +320,11 @@ impl WindowStream {
         if n == 0 {
             return Ok(None);
         }
-        let keys = evaluate_group_by(&self.group_by, batch)?;
-        let keys = &keys[0];
+        let keys = match self.uniform_key(batch)? {
+            Some(key) => vec![key],
+            None => evaluate_group_by(&self.group_by, batch)?.swap_remove(0),
+        };
+        let keys = &keys;
         let values = evaluate_many(&self.arguments, batch)?;
         let filters = self
             .filters
@@ -349,6 +357,24 @@ impl WindowStream {
             acc.update_batch(values, &self.group_indices, filter, total)?;
         }
         ScalarValue::try_from_array(window, n - 1).map(Some)
+    }
+
+    /// A window-only key's column for `batch` when its first and last rows fall in one
+    /// window: the key never decreases along the input, so then every row does, and the key
+    /// expression is evaluated on two rows instead of all of them (most batches of a stream
+    /// fall within one window).
+    fn uniform_key(&self, batch: &RecordBatch) -> Result<Option<ArrayRef>> {
+        let n = batch.num_rows();
+        if !self.window_only || n < 16 {
+            return Ok(None);
+        }
+        let expr = &self.group_by.expr()[0].0;
+        let first = expr.evaluate(&batch.slice(0, 1))?.into_array(1)?;
+        let last = expr.evaluate(&batch.slice(n - 1, 1))?.into_array(1)?;
+        if distinct(&first, &last)?.value(0) {
+            return Ok(None);
+        }
+        Ok(Some(ScalarValue::try_from_array(&first, 0)?.to_array_of_size(n)?))
     }
 
     /// The window key a new watermark from below opens, if there is a new one.
