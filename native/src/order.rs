@@ -84,7 +84,15 @@ impl Keys {
     /// The first row that sorts before the row just above it, if any.
     fn first_descent(&self) -> Option<usize> {
         match self {
-            Keys::Int(v) => v.windows(2).position(|w| w[1] < w[0]).map(|i| i + 1),
+            Keys::Int(v) => {
+                // One branch-free pass (vectorised) for the common, sorted case.
+                let sorted = v.iter().zip(v.iter().skip(1)).fold(true, |ok, (a, b)| ok & (a <= b));
+                if sorted {
+                    None
+                } else {
+                    v.windows(2).position(|w| w[1] < w[0]).map(|i| i + 1)
+                }
+            }
             Keys::Rows(_) => (1..self.len()).find(|&i| self.cmp(i, i - 1) == Ordering::Less),
         }
     }

@@ -47,7 +47,8 @@ impl GroupValues for RunGroupValues {
         if !continues {
             starts.push(0);
         }
-        if n > 1 {
+        // The key never decreases: equal ends mean one run, with no row-by-row comparison.
+        if n > 1 && distinct(&col.slice(0, 1), &col.slice(n - 1, 1))?.value(0) {
             let changes = distinct(&col.slice(1, n - 1), &col.slice(0, n - 1))?;
             starts.extend(changes.values().set_indices().map(|i| i as u32 + 1));
         }
