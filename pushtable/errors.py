@@ -25,6 +25,7 @@ __all__ = [
     "StreamConsumedError",
     "StreamFailedError",
     "UnauthenticatedError",
+    "UnboundedQueryError",
     "UnknownTableError",
     "UnsupportedTableError",
     "WriteTimeoutError",
@@ -106,6 +107,24 @@ class ResourceLimitError(PushTableError):
     count or size); the message names the limit, its value and the option that sets it."""
 
 
+class UnboundedQueryError(PushTableError, ValueError):
+    """The query needs all of an unbounded live table's input (a ``GROUP BY`` with no window,
+    a sort, a hash join's build side…), so it would wait forever; the message names the
+    operator and the shapes that do answer while data arrives."""
+
+    #: the DataFusion operator that needs the whole input (``SortExec``, ``AggregateExec``…)
+    operator: str = ""
+
+
+#: what runs over an unbounded table, said by ``explain_live`` and :class:`UnboundedQueryError`
+UNBOUNDED_HINT = (
+    "on an unbounded table use row-wise queries (filters, projections, LIMIT) or windows "
+    "(declare order_by and GROUP BY a window of it, e.g. date_bin(INTERVAL '1 second', ts): "
+    "each window is emitted as it closes), or register the table bounded and close() it to "
+    "get whole-input aggregates"
+)
+
+
 class UnsupportedCallError(PushTableError, NotImplementedError):
     """The server does not implement that call (a Flight SQL command other than a statement
     query, GetFlightInfo for a path); the message names it."""
@@ -182,6 +201,7 @@ def remember_failure(table: str, message: str, exc: BaseException) -> None:
 
 
 _EXHAUSTED = re.compile(r"Resources exhausted:.*", re.DOTALL)
+_PIPELINE_BREAKER = re.compile(r"Cannot execute pipeline breaking queries, operator: (\w+)")
 
 
 def query_error(exc: BaseException) -> PushTableError | None:
@@ -191,6 +211,14 @@ def query_error(exc: BaseException) -> PushTableError | None:
         return StreamConsumedError(match.group(1))
     if match := _SLOW.search(text):
         return SlowSubscriberError(match.group(1))
+    if match := _PIPELINE_BREAKER.search(text):
+        unbounded = UnboundedQueryError(
+            f"the query cannot answer over an unbounded live table: {match.group(1)} needs all "
+            f"of its input, so it would wait forever; {UNBOUNDED_HINT} "
+            "(explain_live(sql) says how a query runs)"
+        )
+        unbounded.operator = match.group(1)
+        return unbounded
     if match := _EXHAUSTED.search(text):
         return ResourceLimitError(
             f"the query ran out of its share of the server's query memory (query_memory): "

@@ -21,6 +21,8 @@ from typing import Literal
 
 import datafusion
 
+from pushtable.errors import UNBOUNDED_HINT, UnboundedQueryError, query_error
+
 __all__ = ["LiveExplanation", "explain_live"]
 
 Mode = Literal["incremental", "batched", "at_end", "rejected"]
@@ -140,14 +142,13 @@ def explain_live(ctx: datafusion.SessionContext, sql: str) -> LiveExplanation:
     try:
         plan = ctx.sql(sql).execution_plan()
     except Exception as exc:
-        if "pipeline breaking" not in str(exc):
+        unbounded = exc if isinstance(exc, UnboundedQueryError) else query_error(exc)
+        if not isinstance(unbounded, UnboundedQueryError):
             raise
-        operator = str(exc).split("operator: ", 1)[-1].split(" ", 1)[0]
         return LiveExplanation(
             "rejected",
-            [f"an unbounded table cannot feed {operator}: it would wait forever"],
-            "on an unbounded table use row-wise queries (filters, projections, LIMIT), or "
-            "register the table bounded and close() it to get aggregates",
+            [f"an unbounded table cannot feed {unbounded.operator}: it would wait forever"],
+            UNBOUNDED_HINT,
         )
     found: list[tuple[Mode, str, str | None]] = []
     _classify(plan, found)

@@ -29,6 +29,7 @@ from pushtable.errors import (
     ServerStoppedError,
     ServerUnavailableError,
     UnauthenticatedError,
+    UnboundedQueryError,
     UnknownTableError,
 )
 from pushtable.flight import Client, Server, connect, serve
@@ -433,3 +434,15 @@ async def test_asyncio_producers_write_remotely_without_blocking_the_loop(
     stop.set()
     await ticking
     assert reader.join().to_pydict() == {"n": [5]}
+
+
+def test_a_remote_query_that_would_wait_forever_is_refused_by_name() -> None:
+    server = Server()
+    try:
+        server.create_table("events", SCHEMA, unbounded=True)
+        client = connect(server.location, timeout=WAIT)
+        with pytest.raises(UnboundedQueryError, match="AggregateExec needs all of its input"):
+            client.sql("SELECT count(*) AS n FROM events").read_all()
+        client.close()
+    finally:
+        server.stop()

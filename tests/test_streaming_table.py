@@ -514,8 +514,14 @@ def test_stats_count_what_was_written(ctx: SessionContext) -> None:
 
 def test_unbounded_tables_reject_plans_that_need_the_end_of_stream(ctx: SessionContext) -> None:
     sink = ctx.register_streaming_table("t", SCHEMA, unbounded=True)
-    with pytest.raises(Exception, match=r"(?i)unbounded|infinite|pipeline"):
+    with pytest.raises(pushtable.UnboundedQueryError, match="SortExec needs all of its input"):
         ctx.sql("SELECT * FROM t ORDER BY v").collect()
+    # A whole-input aggregate: the message names the operator and what answers instead.
+    with pytest.raises(pushtable.UnboundedQueryError) as aggregate:
+        ctx.sql("SELECT count(*) AS n FROM t").to_arrow_table()
+    assert "AggregateExec" in str(aggregate.value)
+    assert "order_by" in str(aggregate.value)
+    assert "explain_live" in str(aggregate.value)
     stream = ctx.sql("SELECT k FROM t WHERE v >= 0").execute_stream()  # streaming plans run
     sink.write(batch(3))
     sink.close()
@@ -534,6 +540,7 @@ def test_bounded_tables_allow_sorting(ctx: SessionContext) -> None:
 
 def test_error_hierarchy_is_exported() -> None:
     for cls in (
+        pushtable.UnboundedQueryError,
         pushtable.SinkClosedError,
         pushtable.ReaderGoneError,
         pushtable.StreamConsumedError,
