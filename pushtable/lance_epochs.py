@@ -368,11 +368,13 @@ class LanceEpochWriter:
             try:
                 new = lance.LanceDataset.commit(ds, tx, storage_options=self.storage_options)
             except OSError as exc:  # CommitConflictError is an OSError too
-                contention = "too many concurrent writers" in str(exc).lower()
+                text = str(exc).lower()
+                contention = "too many concurrent writers" in text or "commit conflict" in text
                 if not isinstance(exc, CommitConflictError) and not contention:
                     raise  # storage trouble, not contention: Spark retries the epoch
-                # Lance retries compatible conflicts itself and gives up with "Too many
-                # concurrent writers" under heavy contention: back off and try again too.
+                # Lance retries compatible conflicts itself and gives up under heavy
+                # contention ("Too many concurrent writers", or "Commit conflict for version
+                # N: ... after 20 retries", a plain OSError): back off and try again too.
                 self.conflicts += 1
                 if isinstance(exc, CommitConflictError) and not exc.retryable:
                     raise EpochCommitError(
