@@ -23,11 +23,15 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:  # the sink and topic modules import this one
+    from pushtable.sink import TableSink
+    from pushtable.topic import Topic
 
 __all__ = ["CALLS", "FIRST_RESULT", "REGISTRY", "WRITE_ACK", "track"]
 
@@ -55,6 +59,16 @@ FIRST_RESULT = Histogram(
 
 #: what is reported, and the session it belongs to (its ``session`` label)
 _tracked: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+def queue_bound(obj: TableSink | Topic) -> tuple[int | None, int | None]:
+    """A table's or topic's queue bound as (batches, bytes): ``capacity`` / ``max_bytes``,
+    a topic's ``retain`` / ``retain_bytes`` (None: no bound of that kind)."""
+    from pushtable.sink import TableSink
+
+    if isinstance(obj, TableSink):
+        return obj.capacity, obj.max_bytes
+    return obj.retain, obj.retain_bytes
 
 
 def track(obj: Any, session: str = "") -> None:
@@ -132,8 +146,7 @@ class _Tracked(Collector):
                 fams["bytes"].add_metric(name, s.bytes)
                 fams["queued_batches"].add_metric(name, s.queued_batches)
                 fams["queued_bytes"].add_metric(name, s.queued_bytes)
-                bound = obj.capacity if isinstance(obj, TableSink) else obj.retain
-                nbytes = obj.max_bytes if isinstance(obj, TableSink) else obj.retain_bytes
+                bound, nbytes = queue_bound(obj)
                 if bound is not None:
                     fams["bound_batches"].add_metric(name, bound)
                 if nbytes is not None:

@@ -260,19 +260,21 @@ class Server(Ingest, Queries, flight.FlightServerBase):  # type: ignore[misc]
             return asdict(self._table(body["name"]).stats)
         if kind == "tables":
             grant.require((READ, WRITE), "list tables")
+            out = []
             with self._lock:
-                return [
-                    {
-                        "name": n,
-                        "topic": isinstance(p, Topic),
-                        "schema": protocol.schema_bytes(p.schema),
-                        # the queue's bound: capacity / max_bytes (a topic: retain / retain_bytes)
-                        "bound_batches": p.retain if isinstance(p, Topic) else p.capacity,
-                        "bound_bytes": p.retain_bytes if isinstance(p, Topic) else p.max_bytes,
-                    }
-                    for n, p in self._tables.items()
-                    if grant.covers(n)
-                ]
+                for n, p in self._tables.items():
+                    if grant.covers(n):
+                        batches, nbytes = metrics.queue_bound(p)
+                        out.append(
+                            {
+                                "name": n,
+                                "topic": isinstance(p, Topic),
+                                "schema": protocol.schema_bytes(p.schema),
+                                "bound_batches": batches,  # for a queue's fill
+                                "bound_bytes": nbytes,
+                            }
+                        )
+            return out
         if kind == "publish":
             grant.require(ADMIN, "publish an epoch to", [str(body["table"])])
             return self._publish(body)
