@@ -1,8 +1,12 @@
-"""Pressing Ctrl-C in a test: a real SIGINT to the main thread, sent once the main thread is
-where the test wants it (an event, not a timer), and a report when it does not arrive."""
+"""Pressing Ctrl-C in a test: an interrupt for the main thread, sent once the main thread is
+where the test wants it (an event, not a timer), and a report when it does not arrive.
+
+Two ways in, as users' tools deliver them: a real SIGINT (a terminal's Ctrl-C, ``kill -INT``)
+and ``_thread.interrupt_main()`` (what Jupyter-style runners and watchdog threads call)."""
 
 from __future__ import annotations
 
+import _thread
 import ctypes
 import signal
 import sys
@@ -11,6 +15,7 @@ import time
 import traceback
 from collections.abc import Callable
 from types import TracebackType
+from typing import Any, Literal
 
 import pytest
 
@@ -43,7 +48,9 @@ PYTHON_C_HANDLER = _c_sigint_handler()
 
 
 class CtrlC:
-    """Sends SIGINT to the main thread once ``ready()`` holds (then ``after`` seconds more).
+    """Interrupts the main thread once ``ready()`` holds (then ``after`` seconds more).
+
+    ``how`` is ``"signal"`` (a real SIGINT to the main thread) or ``"interrupt_main"``.
 
     The block must raise ``KeyboardInterrupt`` (which this swallows). A handler that does
     what Python's ``default_int_handler`` does is installed for the duration, so a handler
@@ -52,9 +59,24 @@ class CtrlC:
     late, which handlers were installed, and every thread's stack.
     """
 
-    def __init__(self, ready: Callable[[], bool], after: float = 0.0) -> None:
+    #: How long an interrupt may go unanswered before the main thread's stack is taken
+    #: and a second one is sent (the report then says whether that one arrived).
+    RESEND_AFTER = 10.0
+
+    def __init__(
+        self,
+        ready: Callable[[], bool],
+        after: float = 0.0,
+        how: Literal["signal", "interrupt_main"] = "signal",
+    ) -> None:
         self._ready = ready
         self._after = after
+        self._how = how
+        self.handler_at_send: str | None = None
+        self.stuck: list[str] = []
+        self.resent_at: float | None = None
+        self.unraisable: list[str] = []
+        self._previous_unraisable: Callable[[Any], object] | None = None
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self.sent_at: float | None = None
@@ -65,6 +87,10 @@ class CtrlC:
 
     def __enter__(self) -> CtrlC:
         self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        # An interrupt handled inside a finalizer is swallowed ("Exception ignored in ..."):
+        # keep a record of anything swallowed that way while the block runs.
+        self._previous_unraisable = sys.unraisablehook
+        sys.unraisablehook = self._on_unraisable
         self._started_at = time.monotonic()
         self._thread.start()
         return self
@@ -76,6 +102,21 @@ class CtrlC:
             self.late = True
             return
         raise KeyboardInterrupt
+
+    def _on_unraisable(self, unraisable: Any) -> None:
+        self.unraisable.append(f"{unraisable.exc_type.__name__} in {unraisable.object!r}")
+        if self._previous_unraisable is not None:
+            self._previous_unraisable(unraisable)
+
+    def _send(self) -> None:
+        if self._how == "signal":
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+        else:
+            _thread.interrupt_main()
+
+    def _main_stack(self) -> list[str]:
+        frame = sys._current_frames().get(threading.main_thread().ident or 0)
+        return [] if frame is None else [x.rstrip() for x in traceback.format_stack(frame)[-8:]]
 
     def _press(self) -> None:
         deadline = time.monotonic() + WAIT
@@ -89,21 +130,36 @@ class CtrlC:
             if self._stopped.is_set():
                 return
             self.sent_at = time.monotonic()
-            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+            self.handler_at_send = repr(signal.getsignal(signal.SIGINT))
+            self._send()
+        if self._stopped.wait(self.RESEND_AFTER):
+            return
+        with self._lock:  # unanswered: where is the main thread, and does a second one arrive?
+            if self._stopped.is_set():
+                return
+            self.stuck = self._main_stack()
+            self.resent_at = time.monotonic()
+            self._send()
 
     def report(self) -> str:
         sent = (
             "never sent (the main thread never reached the state the test waits for)"
             if self.sent_at is None
-            else f"sent {self.sent_at - self._started_at:.3f}s into the block"
+            else f"sent ({self._how}) {self.sent_at - self._started_at:.3f}s into the block, "
+            f"Python-level handler then: {self.handler_at_send}"
         )
         c_handler = _c_sigint_handler()
         lines = [
             f"SIGINT {sent}",
             f"Python-level handler now: {signal.getsignal(signal.SIGINT)!r}",
             f"C-level handler now: {c_handler!r} (Python's at start: {PYTHON_C_HANDLER!r})",
-            "threads:",
+            f"swallowed as unraisable during the block: {self.unraisable or 'nothing'}",
         ]
+        if self.resent_at is not None:
+            lines.append(f"unanswered after {self.RESEND_AFTER}s; the main thread was at:")
+            lines.extend(self.stuck)
+            lines.append("a second interrupt was sent then")
+        lines.append("threads:")
         names = {t.ident: t.name for t in threading.enumerate()}
         for ident, frame in sys._current_frames().items():
             lines.append(f"--- {names.get(ident, '?')} ({ident})")
@@ -121,10 +177,17 @@ class CtrlC:
         with self._lock:
             self._stopped.set()
         self._thread.join(WAIT)
+        sys.unraisablehook = self._previous_unraisable or sys.__unraisablehook__
         if self._previous is not None:  # None: not installed from Python; leave ours
             signal.signal(signal.SIGINT, self._previous)  # type: ignore[arg-type]
         if isinstance(exc, KeyboardInterrupt) and exc.__context__ is None:
-            return True
+            if self.resent_at is None:
+                return True
+            what = (
+                "the first interrupt went unanswered; "
+                "the block raised KeyboardInterrupt only after the second"
+            )
+            pytest.fail(f"{what}\n{self.report()}", pytrace=False)
         if isinstance(exc, KeyboardInterrupt):
             what = f"the KeyboardInterrupt came only after the call failed: {exc.__context__!r}"
         elif exc is not None:

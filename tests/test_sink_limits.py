@@ -10,6 +10,7 @@ import sys
 import textwrap
 import threading
 import time
+from typing import Literal
 
 import datafusion
 import pyarrow as pa
@@ -165,7 +166,10 @@ def test_type_names_in_errors_are_pyarrow_names(ctx: SessionContext) -> None:
 # --- Ctrl-C -------------------------------------------------------------------------------
 
 
-def test_ctrl_c_reaches_a_main_thread_writer_that_keeps_being_woken(ctx: SessionContext) -> None:
+@pytest.mark.parametrize("how", ["signal", "interrupt_main"])
+def test_ctrl_c_reaches_a_main_thread_writer_that_keeps_being_woken(
+    ctx: SessionContext, how: Literal["signal", "interrupt_main"]
+) -> None:
     sink = ctx.register_streaming_table("t", SCHEMA, capacity=1)
     sink.write(batch(1))
     stop = threading.Event()
@@ -179,7 +183,7 @@ def test_ctrl_c_reaches_a_main_thread_writer_that_keeps_being_woken(ctx: Session
     waker.start()
     try:
         # Ctrl-C 0.2 s into the wait, while the writer keeps being woken.
-        with CtrlC(ready=lambda: _waiting(sink, 1), after=0.2):
+        with CtrlC(ready=lambda: _waiting(sink, 1), after=0.2, how=how):
             sink.write(batch(1), timeout=WAIT)  # on the main thread
     finally:
         stop.set()

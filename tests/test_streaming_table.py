@@ -6,6 +6,7 @@ import functools
 import gc
 import threading
 import time
+from typing import Literal
 
 import datafusion
 import polars as pl
@@ -159,11 +160,14 @@ def test_gil_is_released_while_a_write_is_blocked(ctx: SessionContext) -> None:
     assert isinstance(blocked.join_error(), SinkClosedError)
 
 
-def test_ctrl_c_interrupts_a_blocked_write(ctx: SessionContext) -> None:
+@pytest.mark.parametrize("how", ["signal", "interrupt_main"])
+def test_ctrl_c_interrupts_a_blocked_write(
+    ctx: SessionContext, how: Literal["signal", "interrupt_main"]
+) -> None:
     sink = ctx.register_streaming_table("t", SCHEMA, capacity=1)
     sink.write(batch(1))
-    # A real SIGINT, sent once the main thread is blocked in the write (not after a delay).
-    with CtrlC(ready=lambda: sink.stats.waiting_writers == 1):
+    # Sent once the main thread is blocked in the write (not after a delay).
+    with CtrlC(ready=lambda: sink.stats.waiting_writers == 1, how=how):
         sink.write(batch(1), timeout=WAIT)  # runs on the main thread
     assert sink.stats.batches == 1
     assert sink.stats.waiting_writers == 0
