@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from datetime import timedelta
 from importlib.metadata import version
@@ -191,7 +192,20 @@ class SessionContext(datafusion.SessionContext):
     # --- what the live engine needs to know about the tables -----------------------------
 
     def register_table(self, name: str, table: Any) -> None:
-        """Register ``table`` (a table provider, a ``DataFrame`` view, a dataset…) as ``name``."""
+        """Register ``table`` (a table provider, a ``DataFrame`` view, a dataset…) as ``name``.
+
+        A Lance dataset (``lance.LanceDataset``) is read through Lance's own DataFusion
+        provider, the same as registering ``lance.FFILanceTableProvider(ds)``: Lance's
+        filters and projections are pushed down, and the live engine can join it.
+
+        >>> import tempfile, lance, pyarrow as pa
+        >>> ds = lance.write_dataset(pa.table({"a": [1, 2]}), tempfile.mkdtemp() + "/a.lance")
+        >>> ctx = SessionContext()
+        >>> ctx.register_table("a", ds)
+        >>> ctx.sql("SELECT sum(a) AS s FROM a").to_pydict()
+        {'s': [3]}
+        """
+        table = _lance_provider(table)
         super().register_table(name, table)
         self._sources.record(name, table)
 
@@ -299,3 +313,14 @@ class SessionContext(datafusion.SessionContext):
             rejected: an unbounded table cannot feed SortExec...
         """
         return explain_live(self, sql)
+
+
+def _lance_provider(table: Any) -> Any:
+    """``table`` itself, or Lance's DataFusion provider for a ``lance.LanceDataset``.
+
+    datafusion-python would otherwise take a Lance dataset for a pyarrow dataset and fail
+    at query time with a TypeError from inside Lance's scanner."""
+    lance = sys.modules.get("lance")  # a LanceDataset means lance is already imported
+    if lance is not None and isinstance(table, lance.LanceDataset):
+        return lance.FFILanceTableProvider(table)
+    return table

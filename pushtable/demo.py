@@ -6,7 +6,7 @@ and pushes it, stamped with its epoch id, into a live table ordered by epoch; a 
 grouped by epoch prints each epoch's result the moment the epoch lands, while Spark is still
 producing (the bridge advances the table's watermark at each epoch's end). At the end, one SQL
 statement compares what the live *query* returned with what was persisted (the Lance dataset,
-through ``lance.FFILanceTableProvider`` in the same DataFusion context), level by level.
+through Lance's own provider in the same DataFusion context), level by level.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def run(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity: int) ->
         raise live_error[0]
 
     ds = lance.dataset(str(uri))
-    ctx.register_table("persisted", lance.FFILanceTableProvider(ds))
+    ctx.register_table("persisted", ds)
     live_rows, lance_rows = _compare(ctx, console, returned, sink.stats.rows)
     result = DemoResult(
         epochs=0 if bridge.last_report is None else bridge.last_report.epoch_id + 1,

@@ -104,7 +104,7 @@ def plan_live(
                 f"table {name!r} ({what}) cannot be read by pushtable's live engine, which "
                 f"runs queries over the ordered live table(s) {', '.join(map(repr, live))}; "
                 "register it through pushtable.SessionContext as a table provider "
-                "(register_table(name, lance.FFILanceTableProvider(ds)) or any "
+                "(register_table(name, a_lance_dataset) or any "
                 "__datafusion_table_provider__ object) or as in-memory data "
                 "(register_record_batches, from_arrow, from_pandas)"
             ) from None
