@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -17,6 +19,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pushtable import SessionContext
 from pushtable.lance_epochs import EpochCommitError, SchemaDriftError
 from pushtable.spark import ForeachBatchBridge
+from pushtable.spark.session import SPARK_LOG_KEPT, prune_spark_logs, spark_log_path
 from tests.conftest import WAIT, query
 from tests.spark_support import (
     ARROW,
@@ -304,6 +307,32 @@ def test_spark_workers_default_to_this_interpreter(preset: str | None) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == (preset or sys.executable)
+
+
+def test_jvm_logs_of_exited_processes_are_pruned_and_others_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(WAIT)  # its pid is free now
+    old = time.time() - SPARK_LOG_KEPT - 60
+    logs = {
+        "exited, old": tmp_path / f"pushtable-spark-{gone.pid}.log",
+        "exited, recent": tmp_path / f"pushtable-spark-{gone.pid + 1_000_000}.log",
+        "running, old": tmp_path / f"pushtable-spark-{os.getpid()}.log",
+        "not ours": tmp_path / "pushtable-spark-notapid.log",
+    }
+    for path in logs.values():
+        path.write_text("jvm output\n")
+    for name in ("exited, old", "running, old", "not ours"):
+        os.utime(logs[name], (old, old))
+    assert prune_spark_logs() == 1
+    assert sorted(name for name, path in logs.items() if path.exists()) == [
+        "exited, recent",
+        "not ours",
+        "running, old",
+    ]
+    assert spark_log_path() == logs["running, old"]
 
 
 def test_a_python_worker_runs_the_interpreter_that_runs_pushtable(spark: SparkSession) -> None:

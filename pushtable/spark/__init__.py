@@ -2,6 +2,8 @@
 
 - :class:`ForeachBatchBridge` (:mod:`pushtable.spark.bridge`): sinks and topics in this
   process; Lance exactly once.
+- :func:`local_spark` (:mod:`pushtable.spark.session`): a quiet local session whose JVM
+  output goes to a log file.
 - :class:`RemoteBridge` (:mod:`pushtable.spark.remote`): a table on a ``pushtable serve``
   server, fed from the executors or the driver; picklable, so it runs under Spark Connect.
 """
@@ -14,10 +16,9 @@ from pushtable.spark.bridge import (
     IncompatibleSinkError,
     SlowReaderError,
     StreamingQueryFailedError,
-    local_spark,
-    spark_log_path,
 )
 from pushtable.spark.remote import RemoteBridge, query_id_from_checkpoint
+from pushtable.spark.session import local_spark, spark_log_path
 
 __all__ = [
     "EpochReport",
