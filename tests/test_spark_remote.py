@@ -35,6 +35,16 @@ def expected(epochs: range) -> list[int]:
     return [i for e in epochs for i in range(e * ROWS, e * ROWS + ROWS)]
 
 
+def outcome(stdout: str, child: subprocess.Popen[str]) -> dict[str, object]:
+    """A streaming query's outcome, as the Spark Connect child printed it (its last line)."""
+    lines = stdout.strip().splitlines()
+    assert lines, f"the child printed nothing (exit code {child.poll()})"
+    result: dict[str, object] = json.loads(lines[-1])
+    assert result["finished"], result
+    assert result["error"] is None, result
+    return result
+
+
 def live_ids(client: Client, table: str) -> Background:
     result = client.sql(f"SELECT id FROM {table}")
     return Background(lambda: sorted(result.read_all()["id"].to_pylist()))
@@ -114,20 +124,27 @@ _CONNECT_RUN = textwrap.dedent(
     from pyspark.sql import SparkSession
     from pushtable.spark import RemoteBridge
 
-    uri, src, chk, lance_uri, fail = sys.argv[1:6]
+    uri, src, chk, lance_uri = sys.argv[1:5]
     # local[2,2]: two cores, and a failed task gets a second attempt (as on a cluster).
     spark = (SparkSession.builder.remote("local[2,2]")
              .config("spark.sql.shuffle.partitions", "2").getOrCreate())
-    bridge = RemoteBridge(uri, "events", lance_uri=lance_uri, checkpoint=chk)
-    if fail == "yes":
-        bridge.fail_first_attempt = (0, "after_stage")  # a task that fails once, after sending
-    df = (spark.readStream.schema("id long, level string")
-          .option("maxFilesPerTrigger", 1).json(src))
-    q = (df.writeStream.foreachBatch(bridge).option("checkpointLocation", chk)
-         .trigger(availableNow=True).start())
-    finished = q.awaitTermination(180)
-    print(json.dumps({"finished": finished, "id": str(q.id),
-                      "error": None if q.exception() is None else str(q.exception())}))
+
+    def run(fail):
+        bridge = RemoteBridge(uri, "events", lance_uri=lance_uri, checkpoint=chk)
+        if fail:
+            bridge.fail_first_attempt = (0, "after_stage")  # fails once, after sending
+        df = (spark.readStream.schema("id long, level string")
+              .option("maxFilesPerTrigger", 1).json(src))
+        q = (df.writeStream.foreachBatch(bridge).option("checkpointLocation", chk)
+             .trigger(availableNow=True).start())
+        finished = q.awaitTermination(180)
+        print(json.dumps({"finished": finished, "id": str(q.id),
+                          "error": None if q.exception() is None else str(q.exception())}),
+              flush=True)
+
+    run(fail=True)
+    sys.stdin.readline()  # the test wrote another epoch: restart on the same checkpoint
+    run(fail=False)
     spark.stop()
     """
 )
@@ -137,32 +154,35 @@ _CONNECT_RUN = textwrap.dedent(
 def test_spark_connect_with_a_task_that_fails_once(tmp_path: Path, server: Server) -> None:
     """Spark Connect (server-side foreachBatch), executor push, a task attempt that staged its
     partition and then failed: the live table and Lance hold every row exactly once, under
-    the query id Spark keeps in the checkpoint, across a restart."""
+    the query id Spark keeps in the checkpoint, across a restart of the query."""
     client = connect(server.location)
     client.create_table("events", ARROW)
     reader = live_ids(client, "events")
     src, chk, uri = tmp_path / "src", tmp_path / "chk", tmp_path / "out.lance"
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-
-    def run(fail: str) -> dict[str, object]:
-        args = [server.location, str(src), str(chk), str(uri), fail]
-        done = subprocess.run(
-            [sys.executable, "-c", _CONNECT_RUN, *args],
-            capture_output=True,
+    write_epochs(src, 2, rows=ROWS)
+    # One Spark Connect server runs both queries (its start-up is most of the test's time).
+    # Its stderr goes to a file: a full pipe nobody reads would stall Spark.
+    with (tmp_path / "child.err").open("w") as err:
+        child = subprocess.Popen(
+            [sys.executable, "-c", _CONNECT_RUN, server.location, str(src), str(chk), str(uri)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=err,
             text=True,
-            timeout=300,
             env=env,
         )
-        assert done.returncode == 0, done.stderr[-3000:]
-        outcome: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
-        assert outcome["finished"], outcome
-        assert outcome["error"] is None, outcome
-        return outcome
-
-    write_epochs(src, 2, rows=ROWS)
-    first = run("yes")
-    write_epochs(src, 1, rows=ROWS, start=2)
-    second = run("no")  # a restart on the same checkpoint: the same query id
+        try:
+            assert child.stdout is not None
+            first = outcome(Background(child.stdout.readline).join(timeout=110), child)
+            write_epochs(src, 1, rows=ROWS, start=2)
+            out, _ = child.communicate("restart\n", timeout=110)
+        finally:
+            if child.poll() is None:
+                child.kill()
+                child.wait(WAIT)
+    assert child.returncode == 0, (tmp_path / "child.err").read_text()[-3000:]
+    second = outcome(out, child)  # the restarted query: the same query id
     client.sink("events").close()
     rows = expected(range(3))
     assert reader.join(timeout=WAIT) == rows

@@ -107,7 +107,8 @@ def test_live_windows_equal_the_same_query_over_the_whole_input(
     steps: list[int], cuts: list[int], other_key: bool
 ) -> None:
     """The window alone as key (groups are runs) and window + key (a group table) both give
-    exactly what datafusion-python gives over the same rows at rest."""
+    exactly what datafusion-python gives over the same rows at rest: with aggregates folded
+    whole for a batch inside one window (count, sum, min, max, avg) and row by row (FILTER)."""
     tenths = [sum(steps[: i + 1]) for i in range(len(steps))]
     data = [(t / 10, "abc"[i % 3], i) for i, t in enumerate(tenths)]
     written, start, c = [], 0, 0
@@ -118,7 +119,8 @@ def test_live_windows_equal_the_same_query_over_the_whole_input(
     keys = "w, k" if other_key else "w"
     sql = (
         f"SELECT date_bin(INTERVAL '1 second', ts) AS w, {'k, ' if other_key else ''}"
-        f"count(*) AS n, sum(v) AS s, min(v) AS lo FROM t GROUP BY {keys}"
+        f"count(*) AS n, sum(v) AS s, min(v) AS lo, max(v) AS hi, avg(v) AS mean, "
+        f"count(*) FILTER (WHERE v % 2 = 0) AS even FROM t GROUP BY {keys}"
     )
     ctx = SessionContext()
     sink = ctx.register_streaming_table("t", SCHEMA, order_by="ts", unbounded=True)

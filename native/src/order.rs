@@ -85,8 +85,13 @@ impl Keys {
     fn first_descent(&self) -> Option<usize> {
         match self {
             Keys::Int(v) => {
-                // One branch-free pass (vectorised) for the common, sorted case.
-                let sorted = v.iter().zip(v.iter().skip(1)).fold(true, |ok, (a, b)| ok & (a <= b));
+                // Branch-free passes over equal-length chunks of the column and of itself
+                // shifted by one (the compiler vectorises these), for the common sorted case.
+                let n = v.len();
+                let sorted = n < 2
+                    || v[..n - 1].chunks(512).zip(v[1..].chunks(512)).all(|(a, b)| {
+                        a.iter().zip(b).fold(true, |ok, (x, y)| ok & (x <= y))
+                    });
                 if sorted {
                     None
                 } else {

@@ -222,7 +222,7 @@ impl BuildTable {
     async fn collect(
         input: SendableRecordBatchStream,
         keys: Vec<PhysicalExprRef>,
-        mut reservation: MemoryReservation,
+        reservation: MemoryReservation,
     ) -> Result<Self> {
         let schema = input.schema();
         let batches = collect(input).await?;

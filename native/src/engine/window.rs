@@ -19,8 +19,9 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use arrow::array::{new_null_array, ArrayRef, AsArray, RecordBatch};
+use arrow::array::{new_null_array, ArrayRef, AsArray, RecordBatch, UInt32Array};
 use arrow::compute::kernels::cmp::distinct;
+use arrow::compute::take_record_batch;
 use arrow::datatypes::{Field, Schema, SchemaRef};
 use datafusion::common::{Result, ScalarValue};
 use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
@@ -196,6 +197,14 @@ impl ExecutionPlan for WindowAggregateExec {
             .map(group_accumulator)
             .collect::<Result<Vec<_>>>()?;
         let window_only = self.group_by.expr().len() == 1 && self.group_by.is_single();
+        let whole_batch = self
+            .aggr_expr
+            .iter()
+            .zip(&self.filter_expr)
+            .map(|(expr, filter)| {
+                (filter.is_none() && folds_whole_batches(expr)).then(|| Arc::clone(expr))
+            })
+            .collect();
         let stream = WindowStream {
             input,
             group_by: self.group_by.clone(),
@@ -210,6 +219,8 @@ impl ExecutionPlan for WindowAggregateExec {
                 new_group_values(group_schema, &GroupOrdering::Full(GroupOrderingFull::new()))?
             },
             window_only,
+            whole_batch,
+            one_group: Vec::new(),
             accumulators,
             window_key: self.window_key,
             probe: Probe::new(&input_schema, self.order_column),
@@ -242,6 +253,16 @@ fn group_accumulator(expr: &Arc<AggregateFunctionExpr>) -> Result<Box<dyn Groups
             expr.create_accumulator()
         })))
     }
+}
+
+/// Aggregates whose row accumulator folds a whole batch in vectorised kernels and whose
+/// state merges exactly into the group accumulator (integer sums wrap the same way in
+/// both). Used for a batch that is one group: one `update_batch` and a one-row merge
+/// instead of a per-row scatter into the group's slot.
+fn folds_whole_batches(expr: &AggregateFunctionExpr) -> bool {
+    !expr.is_distinct()
+        && expr.groups_accumulator_supported()
+        && matches!(expr.fun().name(), "count" | "sum" | "min" | "max" | "avg")
 }
 
 /// Turns a watermark (a value of the input's order column) into the window key it opens:
@@ -311,6 +332,11 @@ struct WindowStream {
     reservation: MemoryReservation,
     /// The window is the only key: see [`WindowStream::uniform_key`].
     window_only: bool,
+    /// Per aggregate: its expression when a one-group batch may be folded whole into it
+    /// (see [`folds_whole_batches`]; never with a `FILTER`).
+    whole_batch: Vec<Option<Arc<AggregateFunctionExpr>>>,
+    /// Group indices of a one-group batch, for the aggregates folded row by row.
+    one_group: Vec<usize>,
 }
 
 impl WindowStream {
@@ -320,8 +346,11 @@ impl WindowStream {
         if n == 0 {
             return Ok(None);
         }
-        let keys = match self.uniform_key(batch)? {
-            Some(key) => vec![key],
+        // One key row for a batch that is one window (every row in one group), else a key
+        // row per input row.
+        let uniform = self.uniform_key(batch)?;
+        let keys = match &uniform {
+            Some(key) => vec![Arc::clone(key)],
             None => evaluate_group_by(&self.group_by, batch)?.swap_remove(0),
         };
         let keys = &keys;
@@ -352,29 +381,51 @@ impl WindowStream {
                 }
             }
         }
-        for ((acc, values), filter) in self.accumulators.iter_mut().zip(&values).zip(&filters) {
+        let accumulators = self.accumulators.iter_mut().zip(&self.whole_batch);
+        for (((acc, whole), values), filter) in accumulators.zip(&values).zip(&filters) {
             let filter = filter.as_ref().map(|f| f.as_boolean());
-            acc.update_batch(values, &self.group_indices, filter, total)?;
+            if uniform.is_none() {
+                acc.update_batch(values, &self.group_indices, filter, total)?;
+                continue;
+            }
+            let group = self.group_indices[0];
+            match whole {
+                Some(expr) => {
+                    // The batch's state, in vectorised kernels, merged into the group.
+                    let mut row = expr.create_accumulator()?;
+                    row.update_batch(values)?;
+                    let state = row
+                        .state()?
+                        .iter()
+                        .map(|s| s.to_array_of_size(1))
+                        .collect::<Result<Vec<_>>>()?;
+                    acc.merge_batch(&state, &[group], None, total)?;
+                }
+                None => {
+                    self.one_group.clear();
+                    self.one_group.resize(n, group);
+                    acc.update_batch(values, &self.one_group, filter, total)?;
+                }
+            }
         }
-        ScalarValue::try_from_array(window, n - 1).map(Some)
+        ScalarValue::try_from_array(window, window.len() - 1).map(Some)
     }
 
-    /// A window-only key's column for `batch` when its first and last rows fall in one
-    /// window: the key never decreases along the input, so then every row does, and the key
-    /// expression is evaluated on two rows instead of all of them (most batches of a stream
-    /// fall within one window).
+    /// A window-only key for `batch` as one row when its first and last rows fall in one
+    /// window: the key never decreases along the input, so then every row does (one group),
+    /// and the key expression is evaluated on those two rows instead of all of them (most
+    /// batches of a stream fall within one window).
     fn uniform_key(&self, batch: &RecordBatch) -> Result<Option<ArrayRef>> {
         let n = batch.num_rows();
         if !self.window_only || n < 16 {
             return Ok(None);
         }
-        let expr = &self.group_by.expr()[0].0;
-        let first = expr.evaluate(&batch.slice(0, 1))?.into_array(1)?;
-        let last = expr.evaluate(&batch.slice(n - 1, 1))?.into_array(1)?;
-        if distinct(&first, &last)?.value(0) {
+        let ends = take_record_batch(batch, &UInt32Array::from(vec![0, n as u32 - 1]))?;
+        let keys = self.group_by.expr()[0].0.evaluate(&ends)?.into_array(2)?;
+        if distinct(&keys.slice(0, 1), &keys.slice(1, 1))?.value(0) {
             return Ok(None);
         }
-        Ok(Some(ScalarValue::try_from_array(&first, 0)?.to_array_of_size(n)?))
+        Ok(Some(keys.slice(0, 1)))
     }
 
     /// The window key a new watermark from below opens, if there is a new one.
