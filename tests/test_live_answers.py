@@ -12,6 +12,8 @@ import datafusion
 import lance
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pushtable import (
     OrderViolationError,
@@ -192,6 +194,26 @@ def test_disorder_within_a_batch_is_rejected(ctx: SessionContext) -> None:
         sink.write(ts_batch(1, 8, 3))
     assert sink.stats.batches == 0
     assert isinstance(OrderViolationError("x"), ValueError)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(min_value=2, max_value=3000),
+    at=st.floats(min_value=0, max_value=1, exclude_max=True),
+    step=st.integers(min_value=1, max_value=2**40),
+)
+def test_the_first_descent_is_found_wherever_it_is(n: int, at: float, step: int) -> None:
+    """The order check is vectorised over chunks of the column: a descent at any row (chunk
+    edges included) is found and named, and a sorted batch of any length passes."""
+    descent = 1 + int(at * (n - 1))
+    ts = [i * step for i in range(n)]
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table("t", TS, order_by="ts")
+    sink.write(ts_batch(*ts))
+    ts[descent] = ts[descent - 1] - 1
+    with pytest.raises(OrderViolationError, match=rf"row {descent} has ts="):
+        sink.write(ts_batch(*[t + n * step for t in ts]))  # after the first batch
+    assert sink.stats.batches == 1
 
 
 def test_nulls_in_an_order_column_are_rejected(ctx: SessionContext) -> None:

@@ -85,14 +85,7 @@ impl Keys {
     fn first_descent(&self) -> Option<usize> {
         match self {
             Keys::Int(v) => {
-                // Branch-free passes over equal-length chunks of the column and of itself
-                // shifted by one (the compiler vectorises these), for the common sorted case.
-                let n = v.len();
-                let sorted = n < 2
-                    || v[..n - 1].chunks(512).zip(v[1..].chunks(512)).all(|(a, b)| {
-                        a.iter().zip(b).fold(true, |ok, (x, y)| ok & (x <= y))
-                    });
-                if sorted {
+                if ascending(v) {
                     None
                 } else {
                     v.windows(2).position(|w| w[1] < w[0]).map(|i| i + 1)
@@ -101,6 +94,34 @@ impl Keys {
             Keys::Rows(_) => (1..self.len()).find(|&i| self.cmp(i, i - 1) == Ordering::Less),
         }
     }
+}
+
+/// Whether `v` never decreases: branch-free passes over equal-length chunks of the column and
+/// of itself shifted by one, which the compiler vectorises; with AVX2 where the CPU has it
+/// (the wheel targets baseline x86-64, whose SSE2 has no 64-bit compare).
+fn ascending(v: &[i64]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU supports AVX2 (checked just above).
+        return unsafe { ascending_avx2(v) };
+    }
+    ascending_portable(v)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn ascending_avx2(v: &[i64]) -> bool {
+    ascending_portable(v)
+}
+
+#[inline(always)]
+fn ascending_portable(v: &[i64]) -> bool {
+    let n = v.len();
+    n < 2
+        || v[..n - 1]
+            .chunks(512)
+            .zip(v[1..].chunks(512))
+            .all(|(a, b)| a.iter().zip(b).fold(true, |ok, (x, y)| ok & (x <= y)))
 }
 
 /// Types whose values convert to `i64` keeping their order (what a watermark is expressed in).

@@ -255,6 +255,9 @@ fn group_accumulator(expr: &Arc<AggregateFunctionExpr>) -> Result<Box<dyn Groups
     }
 }
 
+/// A part of a batch this short spanning windows has its keys evaluated row by row.
+const SHORT: usize = 16;
+
 /// Aggregates whose row accumulator folds a whole batch in vectorised kernels and whose
 /// state merges exactly into the group accumulator (integer sums wrap the same way in
 /// both). Used for a batch that is one group: one `update_batch` and a one-row merge
@@ -330,7 +333,7 @@ struct WindowStream {
     pending: VecDeque<RecordBatch>,
     done: bool,
     reservation: MemoryReservation,
-    /// The window is the only key: see [`WindowStream::uniform_key`].
+    /// The window is the only key: see [`WindowStream::windows_of`].
     window_only: bool,
     /// Per aggregate: its expression when a one-group batch may be folded whole into it
     /// (see [`folds_whole_batches`]; never with a `FILTER`).
@@ -341,14 +344,32 @@ struct WindowStream {
 
 impl WindowStream {
     /// Fold `batch` into the groups; returns the window key of its last row.
+    ///
+    /// With the window as the only key, a batch is cut where its window changes, and each
+    /// part inside one window is folded whole (see [`WindowStream::windows_of`]).
     fn aggregate(&mut self, batch: &RecordBatch) -> Result<Option<ScalarValue>> {
         let n = batch.num_rows();
         if n == 0 {
             return Ok(None);
         }
-        // One key row for a batch that is one window (every row in one group), else a key
-        // row per input row.
-        let uniform = self.uniform_key(batch)?;
+        if !self.window_only || n < SHORT {
+            return self.fold(batch, None);
+        }
+        let mut last = None;
+        for (start, len, key) in self.windows_of(batch)? {
+            last = self.fold(&batch.slice(start, len), key)?;
+        }
+        Ok(last)
+    }
+
+    /// Fold `batch` into the groups: `uniform` is its one window key (as one row) when every
+    /// row is in one window, else keys are evaluated per row. Returns the last row's key.
+    fn fold(
+        &mut self,
+        batch: &RecordBatch,
+        uniform: Option<ArrayRef>,
+    ) -> Result<Option<ScalarValue>> {
+        let n = batch.num_rows();
         let keys = match &uniform {
             Some(key) => vec![Arc::clone(key)],
             None => evaluate_group_by(&self.group_by, batch)?.swap_remove(0),
@@ -411,21 +432,39 @@ impl WindowStream {
         ScalarValue::try_from_array(window, window.len() - 1).map(Some)
     }
 
-    /// A window-only key for `batch` as one row when its first and last rows fall in one
-    /// window: the key never decreases along the input, so then every row does (one group),
-    /// and the key expression is evaluated on those two rows instead of all of them (most
-    /// batches of a stream fall within one window).
-    fn uniform_key(&self, batch: &RecordBatch) -> Result<Option<ArrayRef>> {
+    /// The parts of `batch` that lie in one window each, with that window's key (one row),
+    /// as `(start, len, key)`; a short part spanning windows comes with `None` (its keys
+    /// are evaluated row by row). The key never decreases along the input, so a part whose
+    /// two ends share a key is one window; a part whose ends differ is halved. Keys are
+    /// evaluated on a few rows, not on all of them: most batches of a stream lie in one
+    /// window, and the key (`date_bin`, a division) costs a division per row.
+    fn windows_of(&self, batch: &RecordBatch) -> Result<Vec<(usize, usize, Option<ArrayRef>)>> {
         let n = batch.num_rows();
-        if !self.window_only || n < 16 {
-            return Ok(None);
+        let ends = self.keys_at(batch, &[0, n - 1])?;
+        let mut parts = Vec::new();
+        // (start, len, key of the first row, key of the last row), in row order.
+        let mut todo = vec![(0, n, ends.slice(0, 1), ends.slice(1, 1))];
+        while let Some((start, len, first, last)) = todo.pop() {
+            if !distinct(&first, &last)?.value(0) {
+                parts.push((start, len, Some(first)));
+            } else if len < SHORT {
+                parts.push((start, len, None));
+            } else {
+                let mid = start + len / 2;
+                let middle = self.keys_at(batch, &[mid - 1, mid])?;
+                // Right half first: the stack pops the left half next (row order).
+                todo.push((mid, start + len - mid, middle.slice(1, 1), last));
+                todo.push((start, mid - start, first, middle.slice(0, 1)));
+            }
         }
-        let ends = take_record_batch(batch, &UInt32Array::from(vec![0, n as u32 - 1]))?;
-        let keys = self.group_by.expr()[0].0.evaluate(&ends)?.into_array(2)?;
-        if distinct(&keys.slice(0, 1), &keys.slice(1, 1))?.value(0) {
-            return Ok(None);
-        }
-        Ok(Some(keys.slice(0, 1)))
+        Ok(parts)
+    }
+
+    /// The window key of the given rows of `batch`.
+    fn keys_at(&self, batch: &RecordBatch, rows: &[usize]) -> Result<ArrayRef> {
+        let rows = UInt32Array::from_iter_values(rows.iter().map(|&r| r as u32));
+        let taken = take_record_batch(batch, &rows)?;
+        self.group_by.expr()[0].0.evaluate(&taken)?.into_array(rows.len())
     }
 
     /// The window key a new watermark from below opens, if there is a new one.
