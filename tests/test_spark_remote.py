@@ -159,7 +159,14 @@ def test_spark_connect_with_a_task_that_fails_once(tmp_path: Path, server: Serve
     client.create_table("events", ARROW)
     reader = live_ids(client, "events")
     src, chk, uri = tmp_path / "src", tmp_path / "chk", tmp_path / "out.lance"
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+        # Spark's own switch for parallel test runs (SPARK-42272): the local Spark Connect
+        # server takes an ephemeral port, not 15002, so a second run on the machine (another
+        # checkout's suite, the demo) does not collide with it ("Failed to bind").
+        "SPARK_TESTING": "1",
+    }
     write_epochs(src, 2, rows=ROWS)
     # One Spark Connect server runs both queries (its start-up is most of the test's time).
     # Its stderr goes to a file: a full pipe nobody reads would stall Spark.
