@@ -187,8 +187,7 @@ impl OrderGate {
             indices.push(index);
             fields.push(SortField::new(dt));
         }
-        let converter = if fields.len() == 1 && integer_like(schema.field(indices[0]).data_type())
-        {
+        let converter = if fields.len() == 1 && integer_like(schema.field(indices[0]).data_type()) {
             None
         } else {
             Some(RowConverter::new(fields).map_err(|e| e.to_string())?)
@@ -341,7 +340,10 @@ impl OrderGate {
         if let Some(floor) = floor {
             let below = match &keys {
                 Keys::Int(v) => v.partition_point(|v| *v < floor),
-                Keys::Rows(_) => self.first_as_i64(&batch)?.values().partition_point(|v| *v < floor),
+                Keys::Rows(_) => self
+                    .first_as_i64(&batch)?
+                    .values()
+                    .partition_point(|v| *v < floor),
             };
             if below > 0 {
                 match self.late {

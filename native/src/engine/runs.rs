@@ -65,7 +65,8 @@ impl GroupValues for RunGroupValues {
         groups.extend(std::iter::repeat_n(group, n - from));
         if !starts.is_empty() {
             self.len += starts.len();
-            self.chunks.push(take(col.as_ref(), &UInt32Array::from(starts), None)?);
+            self.chunks
+                .push(take(col.as_ref(), &UInt32Array::from(starts), None)?);
         }
         self.last = Some(concat(&[&col.slice(n - 1, 1)])?);
         Ok(())

@@ -19,7 +19,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use arrow::array::{new_null_array, ArrayRef, AsArray, RecordBatch, UInt32Array};
+use arrow::array::{new_null_array, ArrayRef, AsArray, Int64Array, RecordBatch, UInt32Array};
 use arrow::compute::kernels::cmp::distinct;
 use arrow::compute::take_record_batch;
 use arrow::datatypes::{Field, Schema, SchemaRef};
@@ -28,14 +28,14 @@ use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::logical_expr::{EmitTo, GroupsAccumulator};
 use datafusion::physical_expr::aggregate::AggregateFunctionExpr;
-use datafusion::physical_expr::expressions::Column;
+use datafusion::physical_expr::expressions::{Column, Literal};
 use datafusion::physical_expr::{
     EquivalenceProperties, GroupsAccumulatorAdapter, Partitioning, PhysicalExpr, PhysicalSortExpr,
 };
 use datafusion::physical_plan::aggregates::group_values::{new_group_values, GroupValues};
 use datafusion::physical_plan::aggregates::order::{GroupOrdering, GroupOrderingFull};
 use datafusion::physical_plan::aggregates::{
-    aggregate_expressions, evaluate_group_by, evaluate_many, AggregateMode, PhysicalGroupBy,
+    aggregate_expressions, evaluate_group_by, AggregateMode, PhysicalGroupBy,
 };
 use datafusion::physical_plan::execution_plan::EmissionType;
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
@@ -268,6 +268,22 @@ fn folds_whole_batches(expr: &AggregateFunctionExpr) -> bool {
         && matches!(expr.fun().name(), "count" | "sum" | "min" | "max" | "avg")
 }
 
+/// `count` of non-null literals (`count(*)`, `count(1)`): a batch's count is its length.
+fn counts_rows(expr: &AggregateFunctionExpr, args: &[Arc<dyn PhysicalExpr>]) -> bool {
+    expr.fun().name() == "count"
+        && args.iter().all(|a| {
+            a.downcast_ref::<Literal>()
+                .is_some_and(|l| !l.value().is_null())
+        })
+}
+
+/// An aggregate's arguments evaluated over `batch`.
+fn evaluate(args: &[Arc<dyn PhysicalExpr>], batch: &RecordBatch) -> Result<Vec<ArrayRef>> {
+    args.iter()
+        .map(|e| e.evaluate(batch)?.into_array(batch.num_rows()))
+        .collect()
+}
+
 /// Turns a watermark (a value of the input's order column) into the window key it opens:
 /// the key expression evaluated on a one-row batch holding the watermark.
 struct Probe {
@@ -375,7 +391,6 @@ impl WindowStream {
             None => evaluate_group_by(&self.group_by, batch)?.swap_remove(0),
         };
         let keys = &keys;
-        let values = evaluate_many(&self.arguments, batch)?;
         let filters = self
             .filters
             .iter()
@@ -402,32 +417,32 @@ impl WindowStream {
                 }
             }
         }
-        let accumulators = self.accumulators.iter_mut().zip(&self.whole_batch);
-        for (((acc, whole), values), filter) in accumulators.zip(&values).zip(&filters) {
-            let filter = filter.as_ref().map(|f| f.as_boolean());
-            if uniform.is_none() {
-                acc.update_batch(values, &self.group_indices, filter, total)?;
+        for (i, acc) in self.accumulators.iter_mut().enumerate() {
+            let filter = filters[i].as_ref().map(|f| f.as_boolean());
+            let args = &self.arguments[i];
+            let Some(&group) = uniform.as_ref().and(self.group_indices.first()) else {
+                acc.update_batch(&evaluate(args, batch)?, &self.group_indices, filter, total)?;
                 continue;
-            }
-            let group = self.group_indices[0];
-            match whole {
-                Some(expr) => {
-                    // The batch's state, in vectorised kernels, merged into the group.
-                    let mut row = expr.create_accumulator()?;
-                    row.update_batch(values)?;
-                    let state = row
-                        .state()?
-                        .iter()
-                        .map(|s| s.to_array_of_size(1))
-                        .collect::<Result<Vec<_>>>()?;
-                    acc.merge_batch(&state, &[group], None, total)?;
-                }
-                None => {
-                    self.one_group.clear();
-                    self.one_group.resize(n, group);
-                    acc.update_batch(values, &self.one_group, filter, total)?;
-                }
-            }
+            };
+            let Some(expr) = &self.whole_batch[i] else {
+                self.one_group.clear();
+                self.one_group.resize(n, group);
+                acc.update_batch(&evaluate(args, batch)?, &self.one_group, filter, total)?;
+                continue;
+            };
+            // The batch's state, in vectorised kernels, merged into its one group; `count(*)`
+            // (a count of a literal) is the number of rows, with no column to build.
+            let state = if counts_rows(expr, args) {
+                vec![Arc::new(Int64Array::from(vec![n as i64])) as ArrayRef]
+            } else {
+                let mut row = expr.create_accumulator()?;
+                row.update_batch(&evaluate(args, batch)?)?;
+                row.state()?
+                    .iter()
+                    .map(|s| s.to_array_of_size(1))
+                    .collect::<Result<Vec<_>>>()?
+            };
+            acc.merge_batch(&state, &[group], None, total)?;
         }
         ScalarValue::try_from_array(window, window.len() - 1).map(Some)
     }
@@ -464,7 +479,10 @@ impl WindowStream {
     fn keys_at(&self, batch: &RecordBatch, rows: &[usize]) -> Result<ArrayRef> {
         let rows = UInt32Array::from_iter_values(rows.iter().map(|&r| r as u32));
         let taken = take_record_batch(batch, &rows)?;
-        self.group_by.expr()[0].0.evaluate(&taken)?.into_array(rows.len())
+        self.group_by.expr()[0]
+            .0
+            .evaluate(&taken)?
+            .into_array(rows.len())
     }
 
     /// The window key a new watermark from below opens, if there is a new one.
@@ -529,7 +547,11 @@ impl WindowStream {
     fn account(&mut self) -> Result<()> {
         let size = self.group_values.size()
             + self.accumulators.iter().map(|a| a.size()).sum::<usize>()
-            + self.pending.iter().map(|b| b.get_array_memory_size()).sum::<usize>();
+            + self
+                .pending
+                .iter()
+                .map(|b| b.get_array_memory_size())
+                .sum::<usize>();
         self.reservation.try_resize(size)
     }
 
