@@ -130,6 +130,8 @@ def close_latency(batch_rows: int, samples: int, interval: float = 0.02) -> dict
 def main() -> None:
     params = json.loads(sys.argv[1])
     runs = range(params["runs"])
+    for _ in range(params.get("warmup", 0)):  # unmeasured, as for every engine of the run
+        throughput(params["rows"], params["batch_rows"])
     result = {
         "engine": f"laminardb {laminardb.__version__}",
         "pyarrow": pa.__version__,
