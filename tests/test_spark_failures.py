@@ -61,7 +61,7 @@ def test_a_killed_executor_task_fails_the_query_and_the_live_reader(
     src = tmp_path / "src"
     write_epochs(src, 3)
 
-    @udf("long")
+    @udf("long", useArrow=False)  # plain Python UDF: nothing to infer from the hints
     def die_on_12(i: int) -> int:
         if i == 12:
             os._exit(1)  # the Python worker process dies mid-task

@@ -270,6 +270,51 @@ def test_watermarks_reach_windows_over_windows() -> None:
     assert live.finish() == []
 
 
+def test_running_totals_over_windows_come_as_each_window_closes() -> None:
+    # The per-key running totals per second, with the default (RANGE) frame: no row
+    # has a peer in its partition, so none waits for the next window.
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table("t", SCHEMA, order_by="ts", unbounded=True)
+    sql = (
+        "SELECT second, k, n, sum(n) OVER (PARTITION BY k ORDER BY second) AS running "
+        "FROM (SELECT date_bin(INTERVAL '1 second', ts) AS second, k, count(*) AS n "
+        "FROM t GROUP BY 1, 2)"
+    )
+    live = LiveRows(ctx, sql)
+    sink.write(rows((0.1, "a", 0), (0.2, "b", 0), (0.3, "b", 0), (1.1, "a", 0)))
+    assert sorted(live.take(2), key=lambda r: r["k"]) == [
+        {"second": at(0), "k": "a", "n": 1, "running": 1},
+        {"second": at(0), "k": "b", "n": 2, "running": 2},
+    ]
+    sink.write(rows((2.1, "b", 0)))
+    assert live.take(1) == [{"second": at(1), "k": "a", "n": 1, "running": 2}]
+    sink.close()
+    assert live.finish() == [{"second": at(2), "k": "b", "n": 1, "running": 3}]
+
+
+def test_a_running_frame_with_peers_keeps_its_meaning() -> None:
+    # ORDER BY second alone: both keys of a second are peers and share the total, so a row
+    # can come only once the next window shows the peers are complete.
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table("t", SCHEMA, order_by="ts", unbounded=True)
+    sql = (
+        "SELECT second, k, sum(n) OVER (ORDER BY second) AS running "
+        "FROM (SELECT date_bin(INTERVAL '1 second', ts) AS second, k, count(*) AS n "
+        "FROM t GROUP BY 1, 2)"
+    )
+    live = LiveRows(ctx, sql)
+    sink.write(rows((0.1, "a", 0), (0.2, "b", 0), (1.1, "a", 0), (2.1, "a", 0)))
+    assert sorted(live.take(2), key=lambda r: r["k"]) == [
+        {"second": at(0), "k": "a", "running": 2},
+        {"second": at(0), "k": "b", "running": 2},
+    ]
+    sink.close()
+    assert sorted(live.finish(), key=lambda r: r["second"]) == [
+        {"second": at(1), "k": "a", "running": 3},
+        {"second": at(2), "k": "a", "running": 4},
+    ]
+
+
 # --- running window functions, the DataFrame API, explain -------------------------------
 
 
@@ -281,6 +326,31 @@ def test_a_running_total_streams_row_by_row() -> None:
     assert live.take(1) == [{"v": 1, "r": 1}]
     sink.write(rows((0.2, "a", 2), (0.3, "a", 3)))
     assert live.take(2) == [{"v": 2, "r": 3}, {"v": 3, "r": 6}]
+    sink.close()
+    assert live.finish() == []
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        WINDOW_SQL + " HAVING count(*) > 1",
+        f"SELECT * FROM ({WINDOW_SQL}) WHERE n > 1",
+        "SELECT w, n FROM (SELECT date_bin(INTERVAL '1 second', ts) AS w, count(*) AS n, "
+        "sum(count(*)) OVER (ORDER BY date_bin(INTERVAL '1 second', ts)) AS total "
+        "FROM t GROUP BY 1) WHERE total > 0 AND n > 1",
+    ],
+)
+def test_a_filter_over_window_results_passes_each_window_at_once(sql: str) -> None:
+    # DataFusion's FilterExec gathers 8,192 rows before it emits; above live results it must not.
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table("t", SCHEMA, order_by="ts", unbounded=True)
+    live = LiveRows(ctx, sql)
+    sink.write(rows((0.1, "a", 1), (0.2, "b", 2), (1.1, "a", 3)))  # closes window 0 (2 rows)
+    assert [(r["w"], r["n"]) for r in live.take(1)] == [(at(0), 2)]
+    sink.write(
+        rows((2.5, "a", 4), (2.6, "a", 5), (3.0, "b", 6))
+    )  # window 1 (1 row) is filtered out
+    assert [(r["w"], r["n"]) for r in live.take(1)] == [(at(2), 2)]
     sink.close()
     assert live.finish() == []
 

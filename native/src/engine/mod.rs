@@ -15,6 +15,7 @@
 //! - [`export`]: a running query as a table of the caller's session.
 
 mod export;
+mod frames;
 mod join;
 mod rule;
 mod runs;
@@ -109,6 +110,8 @@ fn session(batch_size: usize, memory_limit: Option<usize>) -> SessionContext {
         .position(|r| r.name() == "EnforceSorting")
         .unwrap_or(rules.len() - 1);
     rules.insert(at, Arc::new(rule::EmitOnWindowClose));
+    // Last, so no later rule rebuilds a filter with the session's batch size.
+    rules.push(Arc::new(rule::PassFilteredBatches));
     let mut builder = SessionStateBuilder::new();
     if let Some(limit) = memory_limit {
         // The session's memory pool, as in the caller's datafusion-python session: fair

@@ -6,7 +6,8 @@
 //! It runs right after DataFusion combines partial and final aggregates and before sorting
 //! is enforced (so an `ORDER BY window` above it costs nothing: the output is in window
 //! order) and long before the sanity check (which would refuse an unordered aggregate over
-//! an unbounded input).
+//! an unbounded input). A second rule, run last, keeps filters above live inputs from
+//! holding rows back ([`PassFilteredBatches`]).
 
 use std::sync::Arc;
 
@@ -22,6 +23,7 @@ use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
 use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
+use datafusion::physical_plan::filter::FilterExec;
 use datafusion::physical_plan::joins::{HashJoinExec, PartitionMode};
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::repartition::RepartitionExec;
@@ -31,6 +33,7 @@ use datafusion::physical_plan::windows::{
 };
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 
+use super::frames;
 use super::join::LookupJoinExec;
 use super::window::WindowAggregateExec;
 use crate::channel::WatermarkCell;
@@ -64,6 +67,44 @@ impl PhysicalOptimizerRule for EmitOnWindowClose {
 
     fn name(&self) -> &str {
         "pushtable_emit_on_window_close"
+    }
+
+    fn schema_check(&self) -> bool {
+        true
+    }
+}
+
+/// Lets every filtered batch above a live input go on at once.
+///
+/// DataFusion 54's `FilterExec` gathers its output into `batch_size`-row batches. Over a
+/// live table that is harmless (the scan evaluates those filters itself), but above what
+/// the engine derives from one — a `HAVING` over windows, a `WHERE` over window results or
+/// a join — it would hold answers back until 8,192 rows had passed, or until `close()`.
+/// A batch size of 1 makes its coalescer pass each filtered batch through whole.
+#[derive(Debug, Default)]
+pub struct PassFilteredBatches;
+
+impl PhysicalOptimizerRule for PassFilteredBatches {
+    fn optimize(
+        &self,
+        plan: Arc<dyn ExecutionPlan>,
+        _config: &ConfigOptions,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        plan.transform_up(|node| {
+            let Some(filter) = node.downcast_ref::<FilterExec>() else {
+                return Ok(Transformed::no(node));
+            };
+            if filter.batch_size() == 1 || !reads_live(filter.input()) {
+                return Ok(Transformed::no(node));
+            }
+            let passing: Arc<dyn ExecutionPlan> = Arc::new(filter.with_batch_size(1)?);
+            Ok(Transformed::yes(passing))
+        })
+        .data()
+    }
+
+    fn name(&self) -> &str {
+        "pushtable_pass_filtered_batches"
     }
 
     fn schema_check(&self) -> bool {
@@ -179,6 +220,9 @@ fn refit_window_function(node: &Arc<dyn ExecutionPlan>) -> Result<Option<Arc<dyn
     if !reads_live(input) {
         return Ok(None);
     }
+    // Over window results, a running frame with no peers need not wait for the next window.
+    let peerless = frames::without_peers(exprs, input)?;
+    let exprs = peerless.as_deref().unwrap_or(exprs);
     // Without the sort planned for it, where the input's own order fits.
     if let Some(sort) = input.downcast_ref::<SortExec>() {
         if let Some(fitted) = get_best_fitting_window(exprs, sort.input(), &keys)? {

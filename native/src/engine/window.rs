@@ -75,6 +75,11 @@ impl fmt::Debug for WindowAggregateExec {
 }
 
 impl WindowAggregateExec {
+    /// How many group keys lead each output row (the window's among them).
+    pub fn group_count(&self) -> usize {
+        self.group_by.expr().len()
+    }
+
     /// Build over `input`, which must be one partition ordered ascending on `order_column`.
     #[allow(clippy::too_many_arguments)]
     pub fn try_new(
