@@ -46,7 +46,8 @@ CALLS = Counter(
 )
 WRITE_ACK = Histogram(
     "pushtable_write_ack_seconds",
-    "DoPut: from a batch's arrival to its acknowledgement (queued; includes waiting for room).",
+    "DoPut: from the arrival of a batch that asks for an acknowledgement (one per half "
+    "window) to the acknowledgement (queued; includes waiting for room).",
     buckets=(0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 30),
     registry=REGISTRY,
 )

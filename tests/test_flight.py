@@ -24,6 +24,7 @@ from pushtable import (
     SinkClosedError,
     StreamFailedError,
     WriteTimeoutError,
+    metrics,
 )
 from pushtable.errors import (
     ServerStoppedError,
@@ -61,6 +62,38 @@ def test_two_remote_producers_and_a_remote_query(server: Server, client: Client)
     sinks[0].close()
     assert reader.join() == sorted([*range(100), *range(1000, 1100)])
     assert sinks[1].stats.acknowledged_batches == 50
+
+
+def _batch_acks_sent() -> float:
+    return metrics.REGISTRY.get_sample_value("pushtable_write_ack_seconds_count") or 0.0
+
+
+def test_acknowledgements_come_once_per_half_window_and_flush_asks_for_the_rest(
+    server: Server, client: Client
+) -> None:
+    client.create_table("t", SCHEMA, capacity=64)
+    sink = client.sink("t", window=8)
+    before = _batch_acks_sent()
+    for i in range(11):
+        sink.write(batch(1, start=i), timeout=WAIT)
+    sink.flush(timeout=WAIT)  # 3 batches were sent asking for nothing: flush asks
+    stats = sink.stats
+    assert (stats.sent_batches, stats.acknowledged_batches) == (11, 11)
+    assert stats.table.queued_batches == 11
+    # Batches 4 and 8 asked for an acknowledgement (half of the window each); flush's request
+    # is not a batch's.
+    assert _batch_acks_sent() - before == 2
+    one = client.sink("t", window=1)  # a window of one: every batch asks
+    one.write(batch(1, start=100), timeout=WAIT)
+    one.write(batch(1, start=101), timeout=WAIT)
+    one.flush(timeout=WAIT)
+    assert _batch_acks_sent() - before == 4
+    assert one.stats.acknowledged_batches == 2
+    sink.write(batch(1, start=200), timeout=WAIT)  # sent asking for nothing
+    reader = remote_ks(client, "SELECT k FROM t")
+    sink.close()  # the stream's end acknowledges everything it carried
+    assert reader.join() == [*range(11), 100, 101, 200]
+    assert sink.stats.acknowledged_batches == 12
 
 
 def test_backpressure_reaches_the_client(server: Server, client: Client) -> None:

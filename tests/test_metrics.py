@@ -47,7 +47,7 @@ def test_metrics_scraped_during_a_load_match_the_tables_stats() -> None:
             assert got[("pushtable_server_active_queries", where)] == 1
             assert got[("pushtable_server_active_streams", where)] == 2  # the DoGet and the DoPut
             acks = got[("pushtable_write_ack_seconds_count", ())]
-            assert acks >= 20
+            assert acks >= 20 // 2  # a window of 4 asks for one every 2nd batch
             calls = ("pushtable_server_calls_total", (("action", "do_put"), ("outcome", "ok")))
             before = got.get(calls, 0.0)
             producer.close()

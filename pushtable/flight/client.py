@@ -62,6 +62,10 @@ def connect(
     return Client(uri, token=token, tls_root_certs=tls_root_certs, timeout=timeout)
 
 
+_LATER = pa.py_buffer(protocol.LATER)
+_SYNC = pa.py_buffer(protocol.SYNC)
+
+
 def _call(fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Run a Flight call, raising pushtable's error classes for the server's errors."""
     try:
@@ -337,6 +341,7 @@ class _Put:
         self.schema = schema
         self.sent = 0
         self.acked = 0
+        self.requested = 0  # the count the newest acknowledgement asked for covers
         self.error: BaseException | None = None
         self.finished = False
         self.idle = False  # the server ended the stream for idleness: the next write reopens
@@ -344,14 +349,31 @@ class _Put:
         self.io = threading.Lock()  # one call on the writer at a time
         threading.Thread(target=self._read_acks, name="pushtable-acks", daemon=True).start()
 
-    def send(self, batch: pa.RecordBatch, metadata: bytes | None = None) -> None:
-        """Write one batch (already in the stream's wire schema), with ``metadata`` if any."""
+    def send(
+        self, batch: pa.RecordBatch, metadata: bytes | None = None, ack_every: int = 1
+    ) -> None:
+        """Write one batch (already in the stream's wire schema), with ``metadata`` if any.
+
+        The server acknowledges it at once only when ``ack_every`` batches went unasked:
+        ``wait`` asks (``SYNC``) for what it needs beyond that."""
+        later = metadata is None and self.sent + 1 - self.requested < ack_every
         with self.io:
-            if metadata is None:
+            if later:
+                _call(self.writer.write_with_metadata, batch, _LATER)
+            elif metadata is None:
                 _call(self.writer.write_batch, batch)
             else:
                 _call(self.writer.write_with_metadata, batch, pa.py_buffer(metadata))
         self.sent += 1
+        if not later:
+            self.requested = self.sent
+
+    def _sync(self) -> None:
+        """Ask the server to acknowledge every batch sent so far (if the stream has ended,
+        the acknowledgement reader has the verdict)."""
+        with self.io, contextlib.suppress(flight.FlightError, pa.ArrowException):
+            self.writer.write_metadata(_SYNC)
+        self.requested = self.sent
 
     def _read_acks(self) -> None:
         try:
@@ -386,6 +408,8 @@ class _Put:
 
     def wait(self, most_unacked: int, deadline: float | None) -> bool:
         """Wait until at most ``most_unacked`` batches are unacknowledged (False: timed out)."""
+        if self.sent - self.requested > most_unacked:
+            self._sync()
         with self.changed:
             while self.sent - self.acked > most_unacked and not self.finished:
                 left = None if deadline is None else deadline - time.monotonic()
@@ -565,7 +589,7 @@ class RemoteSink(ProducerScope):
                             f"write to remote table '{self.name}' timed out after {timeout}s "
                             f"with {self.window} batch(es) unacknowledged"
                         )
-                    put.send(batch)
+                    put.send(batch, ack_every=max(1, self.window // 2))
                     written += 1
             except PushTableError as exc:
                 if self._put is not None and self._put.error is not None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -87,16 +86,30 @@ class Ingest:
         record.table = path[0]
         grant.require(WRITE, "push to", path)
         producer = self._table(path[0])
-        for count, (batch, metadata) in enumerate(protocol.chunks(reader.read_chunk), 1):
+        count = acked = 0
+        for batch, metadata in protocol.chunks(reader.read_chunk):
+            if batch is None:  # a metadata-only message: the client asks where we are
+                if metadata != protocol.SYNC:
+                    raise ValueError(f"unexpected DoPut app_metadata: {metadata!r}")
+                acked = writer.send(count)
+                continue
             arrived = time.perf_counter()
-            with writer.busy():
+            count += 1
+            writer.writing = True
+            try:
                 if (watermark := protocol.advance_value(metadata)) is not None:
                     producer.advance(watermark)
                 else:
-                    self._write(context, producer, protocol.checked(path[0], count, batch))
+                    batch = protocol.checked(path[0], count, batch, full=False)
+                    self._write(context, producer, batch)
                     record.rows += batch.num_rows
+            finally:
+                writer.done()
+            if metadata != protocol.LATER:
+                acked = writer.send(count)
+                metrics.WRITE_ACK.observe(time.perf_counter() - arrived)
+        if acked != count:  # the stream ended: everything it carried is queued
             writer.send(count)
-            metrics.WRITE_ACK.observe(time.perf_counter() - arrived)
 
     def _write(self, context: Any, producer: TableSink | Topic, batch: pa.RecordBatch) -> None:
         """Write, waiting for room without end, unless the client left or the server stops."""
@@ -122,7 +135,7 @@ class Ingest:
         try:
             for batch in protocol.batches(reader.read_chunk):
                 protocol.check_batch_schema(table, producer.schema, batch.schema)
-                share.add(protocol.checked(table, len(share.batches) + 1, batch))
+                share.add(protocol.checked(table, len(share.batches) + 1, batch, full=True))
                 writer.send(len(share.batches))
         except BaseException:
             share.release()
@@ -200,20 +213,17 @@ class _Acks:
         self.told_idle = False
         self.writing = False  # a batch is being written (maybe waiting for room): not idle
 
-    @contextlib.contextmanager
-    def busy(self) -> Iterator[None]:
-        """Mark the stream active while the block handles a chunk it received."""
-        self.writing = True
-        try:
-            yield
-        finally:
-            self.writing = False
-            self.last_active = time.monotonic()
+    def done(self) -> None:
+        """The chunk that set ``writing`` is handled: idle time counts from now."""
+        self.writing = False
+        self.last_active = time.monotonic()
 
-    def send(self, count: int) -> None:
+    def send(self, count: int) -> int:
+        """Acknowledge ``count`` batches (returns it)."""
         with self._lock:
             self.last_active = time.monotonic()
             self._writer.write(protocol.ack(count))
+        return count
 
     def stopping(self) -> None:
         self._notice(protocol.STOPPING)

@@ -1,9 +1,12 @@
 """The wire conventions ``pushtable serve`` and its clients share (Arrow Flight).
 
-- **DoPut** ``path=[table]``: a producer's stream of batches; the server acknowledges each
-  batch it queued with an 8-byte little-endian count (its ``app_metadata``). An empty batch
-  whose ``app_metadata`` is ``{"advance": ...}`` (JSON) is a watermark, in order with the
-  batches around it (``RemoteSink.advance``); it is acknowledged like a batch.
+- **DoPut** ``path=[table]``: a producer's stream of batches; the server acknowledges the
+  batches it queued with an 8-byte little-endian count of them (its ``app_metadata``): after
+  each batch, except one whose ``app_metadata`` is ``LATER`` (the client will ask again
+  within its window), after a metadata-only ``SYNC`` message, and once more when the stream
+  ends. An empty batch whose ``app_metadata`` is ``{"advance": ...}`` (JSON) is a watermark,
+  in order with the batches around it (``RemoteSink.advance``); it is acknowledged like a
+  batch.
 - **DoPut** ``path=[table, "stage", query, epoch, partition, attempt]``: one Spark task's
   share of an epoch, held until the driver publishes the epoch (``publish`` action).
 - **DoGet** ticket ``{"sql": ...}``: the query's result batches as the query produces them.
@@ -48,11 +51,16 @@ def error_text(exc: BaseException) -> str:
     return f"[pushtable:{type(exc).__name__}] {exc} [/pushtable]"
 
 
-def checked(table: str, number: int, batch: pa.RecordBatch) -> pa.RecordBatch:
-    """A batch from the wire, fully validated: a message may lie about its lengths (longer
-    than its buffers) or offsets, and nothing unchecked may reach a query."""
+def checked(table: str, number: int, batch: pa.RecordBatch, full: bool) -> pa.RecordBatch:
+    """A batch from the wire, validated: a message may lie about its lengths (longer than its
+    buffers) or offsets, and nothing unchecked may reach a query.
+
+    ``full=False`` makes only pyarrow's constant-time checks (lengths against buffer sizes,
+    which the C Data Interface cannot carry): for a batch written to a table at once, whose
+    write checks the values (offsets, UTF-8, dictionary keys) itself. ``full=True`` checks
+    everything here, for a batch held before it is written."""
     try:
-        batch.validate(full=True)
+        batch.validate(full=full)
     except pa.ArrowInvalid as exc:
         raise errors.InvalidBatchError(
             f"batch {number} for table {table!r} is not valid Arrow data ({exc}); it was refused"
@@ -87,6 +95,14 @@ STOPPING = pa.py_buffer(b"\xff" * 8)
 #: The metadata a server sends on a DoPut stream idle for ``idle_timeout``: end it; the
 #: client's next write opens a new one.
 IDLE = pa.py_buffer(b"\xfe" * 8)
+
+
+#: A batch's ``app_metadata`` asking for no acknowledgement of its own: a later one (or
+#: ``SYNC``) covers it. One acknowledgement per half window spares both sides a gRPC message
+#: and a thread wake-up per batch.
+LATER = b"pushtable:later"
+#: A metadata-only DoPut message: acknowledge what is queued now (``flush``).
+SYNC = b"pushtable:sync"
 
 
 def ack(count: int) -> pa.Buffer:
@@ -127,18 +143,19 @@ def to_wire(
 def batches(read_chunk: Callable[[], Any]) -> Iterator[pa.RecordBatch]:
     """The record batches of a Flight stream, read with ``read_chunk`` until it ends."""
     for batch, _ in chunks(read_chunk):
-        yield batch
+        if batch is not None:
+            yield batch
 
 
-def chunks(read_chunk: Callable[[], Any]) -> Iterator[tuple[pa.RecordBatch, Any]]:
-    """The (batch, app_metadata) chunks of a Flight stream, until it ends."""
+def chunks(read_chunk: Callable[[], Any]) -> Iterator[tuple[pa.RecordBatch | None, Any]]:
+    """The (batch, app_metadata) chunks of a Flight stream, until it ends; ``batch`` is None
+    for a metadata-only message."""
     while True:
         try:
             chunk = read_chunk()
         except StopIteration:
             return
-        if chunk.data is not None:
-            yield chunk.data, chunk.app_metadata
+        yield chunk.data, chunk.app_metadata
 
 
 def delay_option(max_delay: Any) -> dict[str, Any]:
@@ -161,7 +178,7 @@ def advance_metadata(ts: Any) -> bytes:
 
 def advance_value(metadata: Any) -> Any:
     """The watermark an ``app_metadata`` carries, or None for an ordinary batch."""
-    if metadata is None or metadata.size == 0:
+    if metadata is None or metadata.size == 0 or metadata == LATER:
         return None
     try:
         body = json.loads(metadata.to_pybytes())["advance"]
