@@ -142,18 +142,23 @@ def fanout(suite: dict[str, Any], path: Path) -> Path:
 
 
 def flight(suite: dict[str, Any], path: Path) -> Path:
-    """Local vs remote write rows/s per (batch rows, producers); Spark driver vs executors."""
+    """Local, remote and bare-wire write rows/s per (batch rows, producers); Spark driver vs
+    executors."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6), width_ratios=[2, 1])
     rows = suite["write"]
     xs = range(len(rows))
-    left.bar([x - 0.2 for x in xs], [r["local_rows_per_s"] / 1e6 for r in rows], 0.4, label="local")
-    left.bar(
-        [x + 0.2 for x in xs], [r["remote_rows_per_s"] / 1e6 for r in rows], 0.4, label="remote"
-    )
+    bars = [("local", "local_rows_per_s"), ("remote", "remote_rows_per_s")]
+    if all("raw_rows_per_s" in r for r in rows):
+        bars.append(("bare DoPut", "raw_rows_per_s"))
+    width = 0.8 / len(bars)
+    for i, (label, key) in enumerate(bars):
+        offset = (i - (len(bars) - 1) / 2) * width
+        left.bar([x + offset for x in xs], [r[key] / 1e6 for r in rows], width, label=label)
     left.set_xticks(list(xs), [f"{r['batch_rows']:,} rows\n{r['producers']} prod" for r in rows])
-    left.set_ylabel("M rows/s")
+    left.set_yscale("log")
+    left.set_ylabel("M rows/s (log)")
     left.legend(fontsize=8)
-    left.set_title("write -> live count(*): one process vs pushtable serve")
+    left.set_title("write -> live count(*): one process, pushtable serve, bare wire")
     spark = suite["spark"]
     keys = ("driver", "executors", "driver+lance", "executors+lance")
     right.bar(range(4), [spark[k]["rows_per_s"] / 1e6 for k in keys], 0.5)
