@@ -315,41 +315,43 @@ import pyarrow as pa
 from pushtable import SessionContext
 from pushtable.spark import local_spark
 
-with_spark = sys.argv[1] == "running"
-spark = local_spark("ctrl-c")
-if not with_spark:
-    spark.stop()  # pyspark's SIGINT handler outlives its context
 schema = pa.schema([("k", pa.int64())])
 one = pa.record_batch([pa.array([1])], schema=schema)
-ctx = SessionContext()  # kept: a dropped context drops its tables
-sink = ctx.register_streaming_table("t", schema, capacity=1)
-sink.write(one)
 
-def press():
-    deadline = time.monotonic() + 60
-    while sink.stats.waiting_writers == 0 and time.monotonic() < deadline:
-        time.sleep(0.001)
-    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+def blocked_write_then_ctrl_c(state):
+    ctx = SessionContext()  # kept: a dropped context drops its tables
+    sink = ctx.register_streaming_table("t", schema, capacity=1)
+    sink.write(one)
 
-threading.Thread(target=press, daemon=True).start()
-try:
-    sink.write(one, timeout=60)  # blocked on the main thread until Ctrl-C
-    print("not interrupted")
-except BaseException as exc:
-    print(type(exc).__name__, exc)
+    def press():
+        deadline = time.monotonic() + 60
+        while sink.stats.waiting_writers == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    threading.Thread(target=press, daemon=True).start()
+    try:
+        sink.write(one, timeout=60)  # blocked on the main thread until Ctrl-C
+        print(state, "not interrupted", flush=True)
+    except BaseException as exc:
+        print(state, type(exc).__name__, exc, flush=True)
+
+spark = local_spark("ctrl-c")
+blocked_write_then_ctrl_c("running")
+spark.stop()  # pyspark's SIGINT handler outlives its context
+blocked_write_then_ctrl_c("stopped")
 """
 
 
-@pytest.mark.parametrize("state", ["running", "stopped"])
-def test_ctrl_c_is_a_keyboard_interrupt_with_a_local_spark_running_or_stopped(
-    state: str, tmp_path: Path
+def test_ctrl_c_is_a_keyboard_interrupt_with_a_local_spark_running_and_stopped(
+    tmp_path: Path,
 ) -> None:
     # The state a full test run is in after its first Spark test: pyspark's own SIGINT handler
     # (cancel the jobs over py4j, then KeyboardInterrupt) is installed, and stays installed
     # after the session stops. A blocked write on the main thread must still end in a
     # KeyboardInterrupt, in a fresh process where nothing else decides the handler.
     done = subprocess.run(
-        [sys.executable, "-c", CTRL_C_AFTER_STOP, state],
+        [sys.executable, "-c", CTRL_C_AFTER_STOP],
         capture_output=True,
         text=True,
         timeout=3 * WAIT,
@@ -357,7 +359,10 @@ def test_ctrl_c_is_a_keyboard_interrupt_with_a_local_spark_running_or_stopped(
         env={**os.environ, "TMPDIR": str(tmp_path)},
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == "KeyboardInterrupt", done.stdout
+    got = [line.split()[:2] for line in done.stdout.strip().splitlines()]
+    assert got[-2:] == [["running", "KeyboardInterrupt"], ["stopped", "KeyboardInterrupt"]], (
+        done.stdout
+    )
 
 
 def test_jvm_logs_of_exited_processes_are_pruned_and_others_kept(
