@@ -79,6 +79,7 @@ def crash_and_restart(tmp: Path, step: str, epoch: int, executor: bool) -> dict[
     return exactly_once(tmp / "out.lance")
 
 
+@pytest.mark.timeout(600)  # five Spark starts in a row: 80 s idle here, twice that under load
 def test_a_crash_at_every_step_in_turn_keeps_rows_exactly_once(tmp_path: Path) -> None:
     # Epoch k crashes at step k: before Arrow, before the commit (fragments written), after
     # the commit (the replay must be skipped), after the live push (Spark never recorded it).
@@ -118,6 +119,7 @@ def crash_and_restart_upserts(tmp: Path, step: str, epoch: int) -> None:
     check_upserts(tmp / "out.lance")
 
 
+@pytest.mark.timeout(600)  # three Spark starts in a row
 def test_crashes_of_an_upserting_query_before_and_after_a_commit(tmp_path: Path) -> None:
     crash_chain(tmp_path, [("before_commit", 1), ("after_commit", 2)], "update")
     check_upserts(tmp_path / "out.lance")

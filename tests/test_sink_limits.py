@@ -192,6 +192,59 @@ def test_ctrl_c_reaches_a_main_thread_writer_that_keeps_being_woken(
     assert sink.stats.waiting_writers == 0
 
 
+ASYNCIO_CTRL_C = textwrap.dedent(
+    """
+    import asyncio, signal, sys, threading, time
+    import pyarrow as pa
+    from pushtable import SessionContext
+
+    schema = pa.schema([("k", pa.int32())])
+    one = pa.record_batch([pa.array([1], pa.int32())], schema=schema)
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table("t", schema, capacity=1)
+    sink.write(one)
+
+    def press():
+        deadline = time.monotonic() + 60
+        while sink.stats.waiting_writers == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    async def blocked_write():
+        sink.write(one, timeout=60)  # a blocking write inside a coroutine: it holds the loop
+
+    async def main():
+        if sys.argv[1] == "main task":
+            await blocked_write()
+        else:
+            await asyncio.gather(asyncio.sleep(60), blocked_write())
+
+    threading.Thread(target=press, daemon=True).start()
+    try:
+        asyncio.run(main())
+        print("returned")
+    except BaseException as exc:
+        print(type(exc).__name__, sink.stats.waiting_writers, sink.stats.batches)
+    """
+)
+
+
+@pytest.mark.parametrize("where", ["main task", "child task"])
+def test_ctrl_c_ends_a_blocking_write_inside_asyncio_run(where: str) -> None:
+    # asyncio.run's SIGINT handler only cancels the main task and returns; the task cannot
+    # see that while a blocking write holds its loop, so the write itself must end (as an
+    # await would, with CancelledError, which asyncio.run turns into KeyboardInterrupt).
+    # A fresh process: asyncio installs its handler only over Python's default one.
+    done = subprocess.run(
+        [sys.executable, "-c", ASYNCIO_CTRL_C, where],
+        capture_output=True,
+        text=True,
+        timeout=3 * WAIT,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["KeyboardInterrupt", "0", "1"], done.stdout + done.stderr
+
+
 # --- interpreter exit -----------------------------------------------------------------------
 
 

@@ -4,6 +4,7 @@
 //!   and the sideband failure slot.
 //! - [`schema`]: checking batches against the registered schema.
 //! - [`provider`]: the single-scan `StreamingTable` and its FFI export to datafusion-python.
+//! - [`ctrl_c`]: what a write blocked on Python's main thread checks while it waits.
 //!
 //! This file is the Python face of the sender side: importing Arrow data, releasing the GIL
 //! while blocked, and raising one exception class per failure kind (the `pushtable`
@@ -11,6 +12,7 @@
 
 mod channel;
 mod clock;
+mod ctrl_c;
 mod engine;
 mod order;
 mod provider;
@@ -217,7 +219,7 @@ impl Sink {
         let result = py.detach(|| {
             // Only Python's main thread receives Ctrl-C: other producers never take the GIL
             // while they wait.
-            let mut check = || Python::attach(|py| py.check_signals());
+            let mut check = || Python::attach(ctrl_c::check);
             let tick: Option<&mut dyn FnMut() -> PyResult<()>> = if interruptible {
                 Some(&mut check)
             } else {
