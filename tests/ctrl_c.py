@@ -47,6 +47,35 @@ def _c_sigint_handler() -> int | None:
 PYTHON_C_HANDLER = _c_sigint_handler()
 
 
+#: The start of a child script (a fresh process, where no earlier test decided the SIGINT
+#: handler): ``full_sink()`` gives a table whose queue is full (kept with its context: a
+#: dropped context drops its tables) and ``ctrl_c_once_blocked(sink)`` sends a real SIGINT
+#: to the main thread once a write waits there.
+BLOCKED_WRITE_CHILD = """
+import signal, sys, threading, time
+import pyarrow as pa
+from pushtable import SessionContext
+
+schema = pa.schema([("k", pa.int32())])
+one = pa.record_batch([pa.array([1], pa.int32())], schema=schema)
+
+def full_sink():
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table("t", schema, capacity=1)
+    sink.write(one)
+    return ctx, sink
+
+def ctrl_c_once_blocked(sink):
+    def press():
+        deadline = time.monotonic() + 60
+        while sink.stats.waiting_writers == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    threading.Thread(target=press, daemon=True).start()
+"""
+
+
 class CtrlC:
     """Interrupts the main thread once ``ready()`` holds (then ``after`` seconds more).
 

@@ -26,7 +26,7 @@ from pushtable import (
     _native,
 )
 from tests.conftest import SCHEMA, WAIT, Background, batch, query, wait_until
-from tests.ctrl_c import CtrlC
+from tests.ctrl_c import BLOCKED_WRITE_CHILD, CtrlC
 
 
 def _waiting(sink: TableSink, n: int) -> bool:
@@ -192,23 +192,11 @@ def test_ctrl_c_reaches_a_main_thread_writer_that_keeps_being_woken(
     assert sink.stats.waiting_writers == 0
 
 
-ASYNCIO_CTRL_C = textwrap.dedent(
+ASYNCIO_CTRL_C = BLOCKED_WRITE_CHILD + textwrap.dedent(
     """
-    import asyncio, signal, sys, threading, time
-    import pyarrow as pa
-    from pushtable import SessionContext
+    import asyncio
 
-    schema = pa.schema([("k", pa.int32())])
-    one = pa.record_batch([pa.array([1], pa.int32())], schema=schema)
-    ctx = SessionContext()
-    sink = ctx.register_streaming_table("t", schema, capacity=1)
-    sink.write(one)
-
-    def press():
-        deadline = time.monotonic() + 60
-        while sink.stats.waiting_writers == 0 and time.monotonic() < deadline:
-            time.sleep(0.001)
-        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+    ctx, sink = full_sink()
 
     async def blocked_write():
         sink.write(one, timeout=60)  # a blocking write inside a coroutine: it holds the loop
@@ -219,7 +207,7 @@ ASYNCIO_CTRL_C = textwrap.dedent(
         else:
             await asyncio.gather(asyncio.sleep(60), blocked_write())
 
-    threading.Thread(target=press, daemon=True).start()
+    ctrl_c_once_blocked(sink)
     try:
         asyncio.run(main())
         print("returned")

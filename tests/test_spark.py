@@ -21,6 +21,7 @@ from pushtable.lance_epochs import EpochCommitError, SchemaDriftError
 from pushtable.spark import ForeachBatchBridge
 from pushtable.spark.session import SPARK_LOG_KEPT, prune_spark_logs, spark_log_path
 from tests.conftest import WAIT, query
+from tests.ctrl_c import BLOCKED_WRITE_CHILD
 from tests.spark_support import (
     ARROW,
     DDL,
@@ -309,27 +310,14 @@ def test_spark_workers_default_to_this_interpreter(preset: str | None) -> None:
     assert done.stdout.strip() == (preset or sys.executable)
 
 
-CTRL_C_AFTER_STOP = """
-import signal, sys, threading, time
-import pyarrow as pa
-from pushtable import SessionContext
+CTRL_C_AFTER_STOP = (
+    BLOCKED_WRITE_CHILD
+    + """
 from pushtable.spark import local_spark
 
-schema = pa.schema([("k", pa.int64())])
-one = pa.record_batch([pa.array([1])], schema=schema)
-
 def blocked_write_then_ctrl_c(state):
-    ctx = SessionContext()  # kept: a dropped context drops its tables
-    sink = ctx.register_streaming_table("t", schema, capacity=1)
-    sink.write(one)
-
-    def press():
-        deadline = time.monotonic() + 60
-        while sink.stats.waiting_writers == 0 and time.monotonic() < deadline:
-            time.sleep(0.001)
-        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
-
-    threading.Thread(target=press, daemon=True).start()
+    ctx, sink = full_sink()
+    ctrl_c_once_blocked(sink)
     try:
         sink.write(one, timeout=60)  # blocked on the main thread until Ctrl-C
         print(state, "not interrupted", flush=True)
@@ -341,6 +329,7 @@ blocked_write_then_ctrl_c("running")
 spark.stop()  # pyspark's SIGINT handler outlives its context
 blocked_write_then_ctrl_c("stopped")
 """
+)
 
 
 def test_ctrl_c_is_a_keyboard_interrupt_with_a_local_spark_running_and_stopped(
