@@ -50,9 +50,13 @@ PYTHON_C_HANDLER = _c_sigint_handler()
 #: The start of a child script (a fresh process, where no earlier test decided the SIGINT
 #: handler): ``full_sink()`` gives a table whose queue is full (kept with its context: a
 #: dropped context drops its tables) and ``ctrl_c_once_blocked(sink)`` sends a real SIGINT
-#: to the main thread once a write waits there.
+#: to the main thread once a write waits there. A child inherits an *ignored* SIGINT (a
+#: suite started as a background job of a script, ``cmd &``, as some CI runners do), and
+#: Python then leaves it ignored: no Ctrl-C reaches it at all. So the child first puts
+#: back what a Python started from a terminal has.
 BLOCKED_WRITE_CHILD = """
 import signal, sys, threading, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import pyarrow as pa
 from pushtable import SessionContext
 

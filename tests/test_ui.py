@@ -95,6 +95,16 @@ def _browser() -> Any:
     return webdriver.Chrome(options=options, service=service)
 
 
+def text_of(browser: Any, selector: str) -> str:
+    """The text of the element ``selector`` names, read in one step inside the page ("" if
+    absent). The page re-renders its lists as data arrives, so an element found first and read
+    afterwards may be gone by then (Selenium's StaleElementReferenceException)."""
+    text = browser.execute_script(
+        "const e = document.querySelector(arguments[0]); return e ? e.innerText : '';", selector
+    )
+    return str(text)
+
+
 def test_rows_written_after_the_page_opened_appear_on_it(tmp_path: Path) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
@@ -121,8 +131,7 @@ def test_rows_written_after_the_page_opened_appear_on_it(tmp_path: Path) -> None
         browser.find_element(By.ID, "run").click()
         wait.until(
             lambda b: (
-                "row" in b.find_element(By.ID, "status").text
-                or b.find_elements(By.CSS_SELECTOR, "#grid thead th")
+                "row" in text_of(b, "#status") or b.find_elements(By.CSS_SELECTOR, "#grid thead th")
             )
         )
         # Now the page is open and its query runs: write, as a producer elsewhere would.
@@ -133,7 +142,7 @@ def test_rows_written_after_the_page_opened_appear_on_it(tmp_path: Path) -> None
             sink.flush(timeout=WAIT)
 
             def grid(b: Any) -> str:
-                return str(b.find_element(By.ID, "grid").text)
+                return text_of(b, "#grid")
 
             # Seconds 0..2 are closed (second s totals 4202 + s): their 3 rows are on the page.
             wait.until(lambda b: "4204" in grid(b))
@@ -151,12 +160,7 @@ def test_rows_written_after_the_page_opened_appear_on_it(tmp_path: Path) -> None
                     == 2
                 )
             )
-            wait.until(
-                lambda b: (
-                    b.find_element(By.CSS_SELECTOR, "#tables tr[data-table=events]").text.split()[2]
-                    == "13"
-                )
-            )
+            wait.until(lambda b: text_of(b, "#tables tr[data-table=events]").split()[2:3] == ["13"])
             shot = Path(os.environ.get("PUSHTABLE_UI_SCREENSHOT", tmp_path / "ui.png"))
             assert browser.save_screenshot(str(shot))
             sink.close()
