@@ -47,9 +47,10 @@ def run(
 
     out: dict[str, Any] = {"machine": machine.describe(), "quick": quick}
     say(f"machine: {out['machine']['cores']} cores, {out['machine']['memory_gb']} GB")
-    if "bandwidth" in suites:
-        out["bandwidth"] = machine.bandwidth(64 if quick else 256)
-        say(f"bandwidth: numpy copy {out['bandwidth']['copy_gb_per_s_median']:.1f} GB/s")
+    # Always: absolute figures from machines whose memory copies at different rates are
+    # not comparable without it (the ``bandwidth`` suite is this line alone).
+    out["bandwidth"] = machine.bandwidth(64 if quick else 256)
+    say(f"bandwidth: numpy copy {out['bandwidth']['copy_gb_per_s_median']:.1f} GB/s")
     if "memory" in suites:
         out["memory"] = memory.run(quick)
         for name, m in out["memory"].items():

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 from pushtable.errors import ServerStoppedError
 from pushtable.flight.auth import Grant, Tokens
-from pushtable.flight.client import Client, RemoteResult, RemoteSink, RemoteSinkStats, connect
+from pushtable.flight.client import Client, RemoteResult, connect
 from pushtable.flight.limits import Limits
+from pushtable.flight.remote_sink import RemoteSink, RemoteSinkStats
 from pushtable.flight.server import Server, serve
 
 __all__ = [

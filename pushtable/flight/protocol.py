@@ -105,6 +105,14 @@ LATER = b"pushtable:later"
 SYNC = b"pushtable:sync"
 
 
+def call(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run a client's Flight call, raising pushtable's error classes for the server's errors."""
+    try:
+        return fn(*args, **kwargs)
+    except (flight.FlightError, pa.ArrowException) as exc:
+        raise client_error(exc) from exc
+
+
 def ack(count: int) -> pa.Buffer:
     return pa.py_buffer(count.to_bytes(8, "little"))
 
