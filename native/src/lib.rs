@@ -17,6 +17,7 @@ mod channel;
 mod clock;
 mod ctrl_c;
 mod engine;
+mod import;
 mod order;
 mod provider;
 mod reorder;

@@ -7,7 +7,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arrow::array::RecordBatch;
-use arrow::ffi_stream::ArrowArrayStreamReader;
 use arrow::record_batch::RecordBatchReader;
 use arrow_pyarrow::{FromPyArrow, ToPyArrow};
 use pyo3::exceptions::PyValueError;
@@ -16,6 +15,7 @@ use pyo3::prelude::*;
 use crate::channel::{
     CancelToken, Channel, CursorWatch, Limits, OnSlow, Prelude, PushError, Start,
 };
+use crate::import::AlignedStreamReader;
 use crate::provider::{self, PyTableProvider};
 use crate::{ctrl_c, guarded, schema, schema_error};
 use crate::{Cancelled, ClosedError, InputError, OrderError, ReaderGoneError, WriteTimeout};
@@ -166,7 +166,7 @@ impl Sink {
         }
         if has("__arrow_c_stream__")? {
             let mut reader = guarded("cannot import the stream", || {
-                ArrowArrayStreamReader::from_pyarrow_bound(data)
+                AlignedStreamReader::from_pyarrow(data)
                     .map_err(|e| InputError::new_err(e.to_string()))
             })
             .map_err(|e| (e, 0))?;
@@ -338,7 +338,7 @@ impl Sink {
             Some(obj) => Some(Box::new(guarded(
                 "cannot import the history stream",
                 || {
-                    ArrowArrayStreamReader::from_pyarrow_bound(&obj)
+                    AlignedStreamReader::from_pyarrow(&obj)
                         .map_err(|e| InputError::new_err(e.to_string()))
                 },
             )?)),

@@ -105,7 +105,7 @@ class Ingest:
                     record.rows += batch.num_rows
             finally:
                 writer.done()
-            if metadata != protocol.LATER:
+            if not protocol.is_later(metadata):
                 acked = writer.send(count)
                 metrics.WRITE_ACK.observe(time.perf_counter() - arrived)
         if acked != count:  # the stream ended: everything it carried is queued

@@ -100,7 +100,15 @@ IDLE = pa.py_buffer(b"\xfe" * 8)
 #: A batch's ``app_metadata`` asking for no acknowledgement of its own: a later one (or
 #: ``SYNC``) covers it. One acknowledgement per half window spares both sides a gRPC message
 #: and a thread wake-up per batch.
-LATER = b"pushtable:later"
+#:
+#: Its length is part of the protocol: Flight frames ``app_metadata`` (2 bytes of framing plus
+#: the bytes) before the batch's body, so it shifts every buffer of the body as the server
+#: receives it. 14 bytes shift them by 16, keeping them 8-byte aligned wherever a batch sent
+#: with no metadata is; with 15 (the first version) every buffer landed at an odd address and
+#: the server's import copied the whole batch to align it (see ``tests/test_flight_wire.py``).
+LATER = b"pushtable:lazy"
+#: ``LATER`` as the first clients sent it (still understood).
+LATER_V1 = b"pushtable:later"
 #: A metadata-only DoPut message: acknowledge what is queued now (``flush``).
 SYNC = b"pushtable:sync"
 
@@ -184,9 +192,14 @@ def advance_metadata(ts: Any) -> bytes:
     raise TypeError(f"advance() takes an int or a datetime, got {type(ts).__name__}")
 
 
+def is_later(metadata: Any) -> bool:
+    """Whether a batch's ``app_metadata`` asks for no acknowledgement of its own."""
+    return metadata is not None and metadata in (LATER, LATER_V1)
+
+
 def advance_value(metadata: Any) -> Any:
     """The watermark an ``app_metadata`` carries, or None for an ordinary batch."""
-    if metadata is None or metadata.size == 0 or metadata == LATER:
+    if metadata is None or metadata.size == 0 or is_later(metadata):
         return None
     try:
         body = json.loads(metadata.to_pybytes())["advance"]

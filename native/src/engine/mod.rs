@@ -25,7 +25,6 @@ use std::ffi::CString;
 use std::fmt;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use arrow::ffi_stream::ArrowArrayStreamReader;
 use arrow::record_batch::RecordBatchReader;
 use arrow_pyarrow::FromPyArrow;
 use async_trait::async_trait;
@@ -47,6 +46,7 @@ use pyo3::exceptions::{PyKeyError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyCapsule;
 
+use crate::import::AlignedStreamReader;
 use crate::provider::{export_capsule, logical_codec, LiveScanExec, LiveTable, PyTableProvider};
 
 /// The engine's tokio runtime: plans are made and run on it (two workers, like the machine's
@@ -244,7 +244,7 @@ impl PyEngine {
 
     /// Register Arrow data (`__arrow_c_stream__`: a pyarrow Table, a reader) in memory.
     fn register_arrow(&self, name: &str, data: Bound<'_, PyAny>) -> PyResult<()> {
-        let reader = ArrowArrayStreamReader::from_pyarrow_bound(&data)?;
+        let reader = AlignedStreamReader::from_pyarrow(&data)?;
         let schema = reader.schema();
         let batches = reader
             .collect::<Result<Vec<_>, _>>()
