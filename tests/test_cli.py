@@ -150,8 +150,10 @@ def test_quick_bench_writes_json_with_every_suite(tmp_path: Path) -> None:
     ]
     assert all(r["remote_rows_per_s"] > 0 for r in data["flight"]["write"])
     assert all(r["raw_rows_per_s"] > 0 for r in data["flight"]["write"])  # the bare wire
-    assert data["flight"]["sql"]["raw_rows_per_s"] > 0
-    assert data["flight"]["sql"]["filled_rows_per_s"] > 0  # SQL out of a table written first
+    sql = {s["batch_rows"]: s for s in data["flight"]["sql"]}
+    assert sorted(sql) == [8_192, 65_536]
+    assert all(s["raw_rows_per_s"] > 0 for s in sql.values())
+    assert all(s["filled_rows_per_s"] > 0 for s in sql.values())  # SQL out of a table written first
     assert data["flight"]["spark"]["executors_vs_driver"] > 0
     assert 0 < data["flight"]["latency"]["p50_ms"] <= data["flight"]["latency"]["max_ms"]
     assert (tmp_path / "img" / "flight.png").stat().st_size > 0

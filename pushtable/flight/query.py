@@ -119,7 +119,7 @@ class Queries:
         """A worker thread pulls from the query; this generator forwards the batches and
         notices a client that left, or one that reads nothing for ``idle_timeout`` (then the
         query is dropped and its slot given back at once)."""
-        handoff: queue.Queue[Any] = queue.Queue(maxsize=1)
+        handoff: queue.Queue[Any] = queue.Queue(maxsize=HANDOFF)
         gone = threading.Event()
         idle = threading.Event()
         done = object()
@@ -171,7 +171,27 @@ class Queries:
                     return
                 if isinstance(item, BaseException):
                     raise query_error(item)
-                yield item
+                # What else the query has produced meanwhile goes out in the same message:
+                # one gRPC message and one thread wake-up for several small batches (a
+                # result's batch boundaries carry no meaning; nothing waits for more rows).
+                parts = [item]
+                rows = item.num_rows
+                end: Any = None
+                while rows < GROUP_ROWS:
+                    try:
+                        more = handoff.get_nowait()
+                    except queue.Empty:
+                        break
+                    if more is done or isinstance(more, BaseException):
+                        end = more
+                        break
+                    parts.append(more)
+                    rows += more.num_rows
+                yield parts[0] if len(parts) == 1 else pa.concat_batches(parts)
+                if end is done:
+                    return
+                if end is not None:
+                    raise query_error(end)
         finally:
             gone.set()
 
@@ -182,6 +202,11 @@ class Queries:
             return None
         return sql.prepared(action.body.to_pybytes(), lambda q: self._plan(context, q).schema())
 
+
+#: Result batches the query may run ahead of the client by (per call).
+HANDOFF = 8
+#: Result batches that queued up are sent together up to this many rows per message.
+GROUP_ROWS = 65_536
 
 _READ_ONLY = (
     datafusion.SQLOptions().with_allow_ddl(False).with_allow_dml(False).with_allow_statements(False)
