@@ -26,7 +26,6 @@ use std::fmt;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use arrow::record_batch::RecordBatchReader;
-use arrow_pyarrow::FromPyArrow;
 use async_trait::async_trait;
 use datafusion::catalog::{MemTable, Session, TableProvider};
 use datafusion::common::Result as DFResult;
