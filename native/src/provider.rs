@@ -106,6 +106,8 @@ struct ScanPartition {
     schema: SchemaRef,
     /// Without a predicate, the projection applied to each batch.
     projection: Option<Vec<usize>>,
+    /// False for the extra partitions of an ordered table's scan: they yield nothing.
+    reads: bool,
 }
 
 impl fmt::Debug for ScanPartition {
@@ -155,6 +157,12 @@ pub fn filtered(
 impl ScanPartition {
     fn execute(&self, markers: Option<Markers>) -> SendableRecordBatchStream {
         let schema = Arc::clone(&self.schema);
+        if !self.reads {
+            return Box::pin(RecordBatchStreamAdapter::new(
+                schema,
+                futures::stream::empty(),
+            ));
+        }
         let reader = match self.claim.reader() {
             Ok(Some(reader)) => reader,
             // The other partitions read the stream to its end (or stopped) before this one
@@ -432,13 +440,13 @@ impl LiveTable {
             expr,
             projection: projection.cloned(),
         });
-        // Several partitions read the queue in parallel (DataFusion then needs no round-robin
-        // repartition, which would hold rows back); an ordered table keeps one, in order.
-        let n = if self.sort_order.is_empty() {
-            state.config().target_partitions().max(1)
-        } else {
-            1
-        };
+        // The scan has as many partitions as the session wants: DataFusion then adds no
+        // round-robin repartition above it, which in DataFusion 54 gathers `batch_size` rows
+        // before it passes any on (small batches of a live table would wait for thousands
+        // more). They read the queue in parallel; an ordered table is read by the first alone,
+        // in order, and its other partitions are empty.
+        let n = state.config().target_partitions().max(1);
+        let readers = if self.sort_order.is_empty() { n } else { 1 };
         let claim = Arc::new(ScanClaim {
             source: Arc::clone(&self.source),
             state: Mutex::new(ClaimState {
@@ -448,7 +456,8 @@ impl LiveTable {
             }),
         });
         let partitions = (0..n)
-            .map(|_| ScanPartition {
+            .map(|i| ScanPartition {
+                reads: i < readers,
                 claim: Arc::clone(&claim),
                 predicate: predicate.clone(),
                 schema: Arc::clone(&projected),
