@@ -18,7 +18,7 @@ import datafusion
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from pushtable import _native, errors, metrics
+from pushtable import _native, metrics
 from pushtable.context import SessionContext
 from pushtable.errors import ResourceLimitError, StatementRefusedError, UnsupportedCallError
 from pushtable.flight import sql
@@ -88,15 +88,8 @@ class Queries:
             schema = df.schema()
             slot = held.enter_context(self.usage.query())
             held.enter_context(self._call(context))
-            # Only the worker thread keeps the query: when it lets go, the query ends. It reads
-            # the query as an Arrow C stream: batches come out as pyarrow's, with no Python
-            # object of DataFusion's to convert on the way.
-            try:
-                query_box = [pa.RecordBatchReader.from_stream(df)]
-            except Exception as exc:
-                if (public := errors.query_error(exc)) is None:
-                    raise
-                raise public from None
+            # Only the worker thread keeps the query: when it lets go, the query ends.
+            query_box = [df.execute_stream()]
             del df
             results = self._results(context, query_box, slot, held.pop_all(), record, started)
         # A generator that never starts never runs its finally: let go when it is collected.
@@ -137,7 +130,8 @@ class Queries:
         def pull() -> None:
             nonlocal stream
             try:
-                for item in stream:
+                for batch in stream:
+                    item = batch.to_pyarrow()
                     waited = 0.0
                     while not gone.is_set():
                         try:
