@@ -13,14 +13,17 @@ import sys
 import textwrap
 import threading
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
+from datafusion import SessionConfig
 
 from pushtable import (
     ReaderGoneError,
     SchemaMismatchError,
+    SessionContext,
     SinkClosedError,
     StreamFailedError,
     WriteTimeoutError,
@@ -173,6 +176,51 @@ def test_remote_results_stream_while_data_arrives(server: Server, client: Client
     assert first.join().to_pydict()["k"] == [7]  # before close: live, not collected
     sink.close()
     assert list(result) == []
+
+
+def test_result_batches_that_queued_up_go_out_together_and_an_error_after_them_comes_last() -> None:
+    """The DoGet side of remote SQL: batches the query produced while a message was going out
+    leave in one message (up to GROUP_ROWS rows), and an error raised after them is raised
+    only once they are out. The query is real; a gate holds its batches after the first so
+    that the rest are all queued before the next message is taken."""
+    from pushtable.errors import RemoteError
+    from pushtable.flight.limits import Limits, Slot, Usage
+    from pushtable.flight.query import GROUP_ROWS, Queries
+
+    ctx = SessionContext(SessionConfig().with_target_partitions(1))
+    schema = pa.schema([("k", pa.int64())])
+    sink = ctx.register_streaming_table("t", schema, capacity=8)
+    big = GROUP_ROWS * 5 // 8  # two of them pass the cap, one does not
+    for ks in ([1], [1] * big, [1] * big, [1] * big, [0]):  # 10 / 0 fails the last batch
+        sink.write(pa.record_batch([pa.array(ks, pa.int64())], schema=schema))
+    sink.close()
+    stream = ctx.sql("SELECT k, 10 / k AS q FROM t").execute_stream()
+    first_out = threading.Event()
+
+    def gated() -> Any:
+        for i, b in enumerate(stream):
+            if i == 1:
+                assert first_out.wait(WAIT)
+            yield b
+
+    class Call:
+        def is_cancelled(self) -> bool:
+            return False
+
+    queries = Queries.__new__(Queries)
+    queries.limits = Limits()
+    queries.usage = Usage(queries.limits)
+    messages = queries._forward(Call(), [gated()], Slot(queries.usage))
+    assert next(messages).num_rows == 1
+    first_out.set()
+    wait_until(
+        lambda: not any(t.name == "pushtable-sql" for t in threading.enumerate()),
+        "the query's worker to queue everything",
+    )
+    assert next(messages).num_rows == 2 * big  # two queued batches: at the cap, sent
+    assert next(messages).num_rows == big  # the last one before the error
+    with pytest.raises(RemoteError, match=r"(?i)divide by zero"):
+        next(messages)
 
 
 def test_cancelling_a_remote_query_stops_it_and_producers_learn(

@@ -303,16 +303,22 @@ def spark_epochs(uri: str, epochs: int, rows: int) -> dict[str, Any]:
         spark.stop()
 
 
+def _serve_config(folder: str) -> str:
+    """The bench server's config file, written in ``folder``: SQL out of a filled table holds
+    all 2,048 of the 8,192-row batches, above the default capacity cap."""
+    config = Path(folder) / "serve.json"
+    config.write_text(json.dumps({"limits": {"max_capacity": 4096}}))
+    return str(config)
+
+
 def run(quick: bool) -> dict[str, Any]:
     """The ``flight`` suite; each figure the median of the repeats."""
     repeats = 1 if quick else 3
     total_rows = 2_000_000 if quick else 16_777_216
     out: dict[str, Any] = {"write": [], "sql": [], "latency": {}, "spark": {}}
-    config = Path(tempfile.mkdtemp(prefix="pushtable-bench-")) / "serve.json"
-    # SQL out of a filled table holds all 2,048 of the 8,192-row batches: above the default cap
-    config.write_text(json.dumps({"limits": {"max_capacity": 4096}}))
     with (
-        server_process("pushtable", "serve", "--port", "0", "--config", str(config)) as uri,
+        tempfile.TemporaryDirectory(prefix="pushtable-bench-") as tmp,
+        server_process("pushtable", "serve", "--port", "0", "--config", _serve_config(tmp)) as uri,
         server_process("pushtable.bench.raw_flight") as raw_uri,
         connect(uri) as client,
     ):

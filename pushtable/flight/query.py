@@ -154,44 +154,38 @@ class Queries:
                     slot.release()
 
         threading.Thread(target=pull, name="pushtable-sql", daemon=True).start()
+        # What the query produced while a message was going out goes out in the next one:
+        # one gRPC message and one thread wake-up for several small batches (a result's batch
+        # boundaries carry no meaning; nothing waits for more rows than have queued).
+        parts: list[pa.RecordBatch] = []
+        rows = 0
         try:
             while True:
                 try:
-                    item = handoff.get(timeout=POLL_S)
+                    item = handoff.get_nowait() if parts else handoff.get(timeout=POLL_S)
                 except queue.Empty:
-                    if idle.is_set():
+                    if parts:
+                        yield _joined(parts)
+                        parts, rows = [], 0
+                    elif idle.is_set():
                         raise ResourceLimitError(
                             f"the query was dropped: its client read nothing for "
                             f"{idle_timeout:g}s (idle_timeout)"
                         ) from None
-                    if context.is_cancelled():
+                    elif context.is_cancelled():
                         return
                     continue
-                if item is done:
+                if item is done or isinstance(item, BaseException):
+                    if parts:
+                        yield _joined(parts)
+                    if isinstance(item, BaseException):
+                        raise query_error(item)
                     return
-                if isinstance(item, BaseException):
-                    raise query_error(item)
-                # What else the query has produced meanwhile goes out in the same message:
-                # one gRPC message and one thread wake-up for several small batches (a
-                # result's batch boundaries carry no meaning; nothing waits for more rows).
-                parts = [item]
-                rows = item.num_rows
-                end: Any = None
-                while rows < GROUP_ROWS:
-                    try:
-                        more = handoff.get_nowait()
-                    except queue.Empty:
-                        break
-                    if more is done or isinstance(more, BaseException):
-                        end = more
-                        break
-                    parts.append(more)
-                    rows += more.num_rows
-                yield parts[0] if len(parts) == 1 else pa.concat_batches(parts)
-                if end is done:
-                    return
-                if end is not None:
-                    raise query_error(end)
+                parts.append(item)
+                rows += item.num_rows
+                if rows >= GROUP_ROWS:
+                    yield _joined(parts)
+                    parts, rows = [], 0
         finally:
             gone.set()
 
@@ -212,6 +206,11 @@ _READ_ONLY = (
     datafusion.SQLOptions().with_allow_ddl(False).with_allow_dml(False).with_allow_statements(False)
 )
 _REFUSED = re.compile(r"(DDL|DML|Statement) not supported: (\w+)")
+
+
+def _joined(parts: list[pa.RecordBatch]) -> pa.RecordBatch:
+    """One batch of the batches that queued up (no copy for a single one)."""
+    return parts[0] if len(parts) == 1 else pa.concat_batches(parts)
 
 
 def _refusal(exc: BaseException) -> StatementRefusedError | None:
