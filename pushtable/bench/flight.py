@@ -7,7 +7,8 @@
 - **sql**: ``SELECT k, v`` results streamed back to a remote client while a remote producer
   writes 65,536-row batches: rows/s received.
 - **raw**: the wire alone, side by side: the same batches by bare pyarrow DoPut into a Flight
-  server that drops them, and a bare DoGet of as many batches served from memory
+  server that drops them, and a bare DoGet (pyarrow's `RecordBatchStream`) of as many distinct
+  batches held in the bare server's memory
   (:mod:`pushtable.bench.raw_flight`); ``remote/raw`` is pushtable's share of the wire.
 - **latency**: a remote producer writes one-row batches at 100/s; a remote ``SELECT k`` stamps
   each row as it arrives: write -> result time p50 / p99 / max.
@@ -31,15 +32,15 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 from datafusion import SessionConfig
 
 from pushtable import SessionContext
+from pushtable.bench.raw_flight import SCHEMA
+from pushtable.bench.raw_flight import batches as _batches
 from pushtable.flight import Client, connect
 
-SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.float64())])
 BYTES_PER_ROW = 16
 
 
@@ -67,12 +68,6 @@ def server_process(module: str = "pushtable", *args: str) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-
-
-def _batches(rows: int, count: int, seed: int) -> list[pa.RecordBatch]:
-    rng = np.random.default_rng(seed)
-    k = pa.array(np.arange(rows, dtype=np.int64))
-    return [pa.record_batch([k, pa.array(rng.random(rows))], schema=SCHEMA) for _ in range(count)]
 
 
 def _produce(write: Any, batches: list[pa.RecordBatch], producers: int) -> None:
@@ -148,11 +143,13 @@ def write_raw(uri: str, rows: int, batches: int, producers: int) -> float:
 
 
 def get_raw(uri: str, rows: int, batches: int) -> float:
-    """The wire alone: a bare DoGet of the same number of batches, served from memory."""
+    """The wire alone: a bare DoGet of as many distinct batches, held in the bare server's
+    memory before the clock starts (as the table holds them for remote SQL)."""
     client = flight.FlightClient(uri)
-    ticket = flight.Ticket(json.dumps({"rows": rows, "batches": batches}).encode())
+    ask = json.dumps({"rows": rows, "batches": batches}).encode()
+    list(client.do_action(flight.Action("hold", ask)))
     started = time.perf_counter()
-    received = sum(chunk.data.num_rows for chunk in client.do_get(ticket))
+    received = sum(chunk.data.num_rows for chunk in client.do_get(flight.Ticket(ask)))
     elapsed = time.perf_counter() - started
     client.close()
     assert received == rows * batches, received

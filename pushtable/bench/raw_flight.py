@@ -1,9 +1,11 @@
 """A bare pyarrow Flight server: the wire's own speed, for the ``flight`` suite to compare with.
 
 DoPut reads every chunk and drops it (what the wire and pyarrow's reader cost, nothing of
-pushtable's); DoGet serves the batches a ticket asks for (``{"rows": r, "batches": n}``) from
-memory. Run as ``python -m pushtable.bench.raw_flight``: it prints its location and serves
-until killed.
+pushtable's). DoGet serves the batches a ``hold`` action made beforehand
+(``{"rows": r, "batches": n}``: the same ``n`` distinct batches the suite writes into
+pushtable's table, so that both ways out read as much memory), through pyarrow's own
+``RecordBatchStream``. Run as ``python -m pushtable.bench.raw_flight``: it prints its location
+and serves until killed.
 """
 
 from __future__ import annotations
@@ -18,8 +20,19 @@ import pyarrow.flight as flight
 SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.float64())])
 
 
+def batches(rows: int, count: int, seed: int) -> list[pa.RecordBatch]:
+    """``count`` batches of ``rows`` rows: ``k`` = 0.. (one array shared), ``v`` random."""
+    rng = np.random.default_rng(seed)
+    k = pa.array(np.arange(rows, dtype=np.int64))
+    return [pa.record_batch([k, pa.array(rng.random(rows))], schema=SCHEMA) for _ in range(count)]
+
+
 class RawServer(flight.FlightServerBase):  # type: ignore[misc]
-    """DoPut: read and drop; DoGet: batches from memory."""
+    """DoPut: read and drop; DoGet: the batches the last ``hold`` action made."""
+
+    def __init__(self, location: str) -> None:
+        super().__init__(location)
+        self._held: tuple[Any, list[pa.RecordBatch]] = (None, [])
 
     def do_put(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
         while True:
@@ -28,13 +41,21 @@ class RawServer(flight.FlightServerBase):  # type: ignore[misc]
             except StopIteration:
                 return
 
+    def do_action(self, context: Any, action: Any) -> Any:
+        if action.type != "hold":
+            raise flight.FlightServerError(f"unknown action {action.type!r}: only 'hold'")
+        ask = json.loads(action.body.to_pybytes())
+        rows, count = int(ask["rows"]), int(ask["batches"])
+        self._held = (None, [])  # the old batches go before the new ones are made
+        self._held = ((rows, count), batches(rows, count, 1))
+        return []
+
     def do_get(self, context: Any, ticket: Any) -> Any:
         ask = json.loads(ticket.ticket)
-        rows, count = int(ask["rows"]), int(ask["batches"])
-        rng = np.random.default_rng(1)
-        k = pa.array(np.arange(rows, dtype=np.int64))
-        batch = pa.record_batch([k, pa.array(rng.random(rows))], schema=SCHEMA)
-        return flight.GeneratorStream(SCHEMA, (batch for _ in range(count)))
+        key, held = self._held
+        if key != (int(ask["rows"]), int(ask["batches"])):
+            raise flight.FlightServerError(f"no batches held for {ask}: call the 'hold' action")
+        return flight.RecordBatchStream(pa.Table.from_batches(held, schema=SCHEMA))
 
 
 def main() -> None:
