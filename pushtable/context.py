@@ -57,6 +57,17 @@ def check_new_table(
         raise ValueError(f"a table named {name!r} is already registered in this context")
 
 
+#: How much of each batch a write checks: see :func:`register_streaming_table`.
+Validate = Literal["basic", "full"]
+
+
+def check_validate(validate: str) -> str:
+    """``validate`` if it names a mode, else a ValueError that lists them."""
+    if validate not in ("basic", "full"):
+        raise ValueError(f"validate must be 'basic' or 'full', got {validate!r}")
+    return validate
+
+
 def order_columns(order_by: str | Sequence[str] | None, late: str) -> list[str]:
     """``order_by`` as a list of columns (``late`` checked alongside)."""
     if late not in ("reject", "drop"):
@@ -99,6 +110,7 @@ def register_streaming_table(
     late: Literal["reject", "drop"] = "reject",
     arrival_column: str | None = None,
     max_delay: timedelta | int | None = None,
+    validate: Validate = "basic",
 ) -> TableSink:
     """Register a single-scan table named ``name`` in ``ctx`` and return its :class:`TableSink`.
 
@@ -124,6 +136,12 @@ def register_streaming_table(
     them in order once the watermark — newest minus ``max_delay``, or ``advance(ts)`` — passes
     them; rows behind it are late (``late=``). ``close()`` releases the rest.
 
+    ``validate`` says how much of each batch a write checks (docs/semantics.md, "Trust"). A
+    producer in this process is trusted as DataFusion and DuckDB trust one: ``"basic"``
+    checks the schema, nullability and that each column's buffers fit its length, at a cost
+    per column, never per byte. ``"full"`` also reads every value (UTF-8, offsets,
+    dictionary keys): for batches built from raw buffers, at a cost per byte.
+
     Example:
         >>> import datafusion, pyarrow as pa
         >>> from pushtable import register_streaming_table
@@ -140,7 +158,16 @@ def register_streaming_table(
     order = order_columns(order_by, late)
     delay = delay_units(schema, order, max_delay)
     native, provider = _native.streaming_table(
-        name, schema, capacity, max_bytes, unbounded, order, late, arrival_column, delay
+        name,
+        schema,
+        capacity,
+        max_bytes,
+        unbounded,
+        order,
+        late,
+        arrival_column,
+        delay,
+        check_validate(validate),
     )
     ctx.register_table(name, provider)
     # `provider` handed its only reference to the session: from now on the session owns the
@@ -256,6 +283,7 @@ class SessionContext(datafusion.SessionContext):
         late: Literal["reject", "drop"] = "reject",
         arrival_column: str | None = None,
         max_delay: timedelta | int | None = None,
+        validate: Validate = "basic",
     ) -> TableSink:
         """Register a single-scan streaming table; see :func:`register_streaming_table`."""
         return register_streaming_table(
@@ -269,6 +297,7 @@ class SessionContext(datafusion.SessionContext):
             late=late,
             arrival_column=arrival_column,
             max_delay=max_delay,
+            validate=validate,
         )
 
     def sql(self, query: str, *args: Any, **kwargs: Any) -> DataFrame:

@@ -21,7 +21,24 @@ import datafusion
 from pushtable import _native
 from pushtable.errors import UnsupportedTableError
 
-__all__ = ["TableSources", "plan_live"]
+__all__ = ["TableSources", "engine_threads", "plan_live"]
+
+
+def engine_threads() -> int:
+    """The live engine's worker threads: ``PUSHTABLE_ENGINE_THREADS`` if set, else the cores
+    this process may use (``available_parallelism``: its CPU affinity and cgroup quota).
+
+    The engine starts its runtime when the first live query is planned, with this many
+    threads, for the life of the process; a setting that is not a whole number >= 1 raises
+    ``ValueError`` here and from every query the engine would run (threads the system refuses
+    to start: ``OSError``), rather than letting another engine answer instead.
+
+    Example:
+        >>> from pushtable.engine import engine_threads
+        >>> engine_threads() >= 1
+        True
+    """
+    return _native.engine_threads()
 
 
 @dataclass

@@ -18,7 +18,13 @@ import datafusion
 import pyarrow as pa
 
 from pushtable import _native, metrics
-from pushtable.context import check_new_table, delay_units, order_columns
+from pushtable.context import (
+    Validate,
+    check_new_table,
+    check_validate,
+    delay_units,
+    order_columns,
+)
 from pushtable.sink import SinkStats, _Producer
 
 __all__ = ["Subscription", "SubscriptionStats", "Topic", "TopicStats"]
@@ -81,7 +87,8 @@ class Topic(_Producer):
     ``retain`` (batches) and/or ``retain_bytes`` keep the newest batches for subscriptions that
     start at ``"earliest"`` (with both, both limits apply). A subscription taken after
     :meth:`close` reads what is retained, then ends; after :meth:`fail`, its query raises the
-    failure.
+    failure. ``validate`` is as for a table (:func:`~pushtable.register_streaming_table`):
+    ``"full"`` checks every value of every batch written.
 
     Example:
         >>> import pyarrow as pa
@@ -110,6 +117,7 @@ class Topic(_Producer):
         late: Literal["reject", "drop"] = "reject",
         arrival_column: str | None = None,
         max_delay: timedelta | int | None = None,
+        validate: Validate = "basic",
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string, got {name!r}")
@@ -123,7 +131,15 @@ class Topic(_Producer):
         order = order_columns(order_by, late)
         delay = delay_units(schema, order, max_delay)
         native = _native.topic(
-            name, schema, retain, retain_bytes, order, late, arrival_column, delay
+            name,
+            schema,
+            retain,
+            retain_bytes,
+            order,
+            late,
+            arrival_column,
+            delay,
+            check_validate(validate),
         )
         super().__init__(native, name, schema)
         self.retain = retain

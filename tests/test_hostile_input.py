@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as dt
 import decimal
 import os
+import struct
 from typing import Any
 
 import pyarrow as pa
@@ -13,7 +14,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pushtable import InvalidBatchError, PushTableError, SchemaMismatchError, SessionContext
+from pushtable import (
+    InvalidBatchError,
+    PushTableError,
+    SchemaMismatchError,
+    SessionContext,
+    Topic,
+)
 
 # "ci" runs in the default suite; HYPOTHESIS_PROFILE=sweep tries 20 times as many examples.
 settings.register_profile(
@@ -254,3 +261,79 @@ async def test_broken_producers_raise_invalid_batch_errors_from_awrite(hostile: 
     await sink.awrite(pa.record_batch([pa.array([7])], names=["a"]))
     await sink.aclose()
     assert ctx.sql("SELECT sum(a) AS s FROM t").to_pydict() == {"s": [7]}
+
+
+def _bad_utf8() -> pa.Array:
+    offsets = pa.py_buffer(struct.pack("<3i", 0, 2, 4))
+    return pa.Array.from_buffers(pa.string(), 2, [None, offsets, pa.py_buffer(b"ok\xff\xfe")])
+
+
+def _bad_offsets() -> pa.Array:
+    """Offsets that go backwards in the middle (first and last are in range)."""
+    offsets = pa.py_buffer(struct.pack("<4i", 0, 3, 1, 4))
+    return pa.Array.from_buffers(pa.string(), 3, [None, offsets, pa.py_buffer(b"abcd")])
+
+
+def _bad_dictionary_keys() -> pa.Array:
+    keys = pa.array([0, 7], pa.int32())  # 7: no such dictionary entry
+    return pa.DictionaryArray.from_arrays(keys, pa.array(["a", "b"]), safe=False)
+
+
+MALFORMED = {
+    "utf8": (_bad_utf8, pa.string()),
+    "offsets": (_bad_offsets, pa.string()),
+    "dictionary_keys": (_bad_dictionary_keys, pa.dictionary(pa.int32(), pa.string())),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(MALFORMED))
+@pytest.mark.parametrize("where", ["table", "topic"])
+def test_validate_full_refuses_a_malformed_batch_and_queues_nothing(kind: str, where: str) -> None:
+    """A batch built from raw buffers that lies in its values (what pyarrow's cheap check and
+    the default ``validate="basic"`` do not read) is refused under ``validate="full"`` with
+    an error naming the table and column; nothing is queued and the sink stays usable."""
+    make, data_type = MALFORMED[kind]
+    schema = pa.schema([("s", data_type)])
+    bad = pa.record_batch([make()], schema=schema)
+    bad.validate()  # passes the constant-time check: only the values are wrong
+    with pytest.raises(pa.ArrowInvalid):
+        bad.validate(full=True)
+    ctx = SessionContext()
+    if where == "table":
+        sink: Any = ctx.register_streaming_table("t", schema, capacity=4, validate="full")
+    else:
+        sink = Topic("t", schema, retain=4, validate="full")
+        sink.subscribe(ctx, "t", start="earliest")
+    with pytest.raises(InvalidBatchError, match=r"'t': column 's' of the batch is not valid"):
+        sink.write(bad, timeout=5)
+    assert sink.stats.batches == 0  # nothing was queued
+    good = pa.record_batch([pa.array(["x", "y"]).cast(data_type)], schema=schema)
+    sink.write(good, timeout=5)
+    sink.close()
+    assert ctx.sql("SELECT count(*) AS n FROM t").to_pydict() == {"n": [2]}
+
+
+def test_validate_basic_trusts_values_and_checks_schema_and_nulls() -> None:
+    """The default trusts a same-process producer's values as DataFusion and DuckDB do (no
+    work per byte), and still refuses what is cheap to catch: a wrong schema and nulls in a
+    NOT NULL column, each leaving the sink usable."""
+    schema = pa.schema([("s", pa.string()), pa.field("n", pa.int64(), nullable=False)])
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table("t", schema, capacity=4)
+    ints = pa.array([1, 2], pa.int64())
+    sink.write(pa.record_batch([_bad_utf8(), ints], schema=schema), timeout=5)  # trusted
+    with pytest.raises(PushTableError, match="'n'"):
+        sink.write(pa.record_batch([pa.array(["a", "b"]), pa.array([1, None])], ["s", "n"]))
+    with pytest.raises(SchemaMismatchError):
+        sink.write(pa.record_batch([pa.array([1.5]), pa.array([1])], ["s", "n"]))
+    assert sink.stats.batches == 1
+    sink.close()
+    assert ctx.sql("SELECT sum(n) AS n FROM t").to_pydict() == {"n": [3]}
+
+
+def test_validate_must_name_a_mode() -> None:
+    ctx = SessionContext()
+    with pytest.raises(ValueError, match="validate must be 'basic' or 'full'"):
+        ctx.register_streaming_table("t", pa.schema([("a", pa.int64())]), validate="all")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="validate must be 'basic' or 'full'"):
+        Topic("t", pa.schema([("a", pa.int64())]), validate="strict")  # type: ignore[arg-type]

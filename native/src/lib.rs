@@ -150,7 +150,7 @@ fn interpreter_finalizing() {
 /// Create a streaming table: returns `(sink, provider)`; register the provider with a
 /// datafusion-python `SessionContext` and keep the sink for the producers.
 #[pyfunction]
-#[pyo3(signature = (name, schema, capacity, max_bytes=None, unbounded=false, order_by=vec![], late="reject", arrival_column=None, max_delay=None))]
+#[pyo3(signature = (name, schema, capacity, max_bytes=None, unbounded=false, order_by=vec![], late="reject", arrival_column=None, max_delay=None, validate="basic"))]
 #[allow(clippy::too_many_arguments)]
 fn streaming_table(
     name: String,
@@ -162,8 +162,10 @@ fn streaming_table(
     late: &str,
     arrival_column: Option<String>,
     max_delay: Option<i64>,
+    validate: &str,
 ) -> PyResult<(Sink, PyTableProvider)> {
     check_limits(capacity, max_bytes)?;
+    let full_check = full_check(validate)?;
     let schema = Arc::new(Schema::from_pyarrow_bound(&schema)?);
     check_arrival(&schema, arrival_column.as_deref())?;
     let gate = order_gate(&schema, &order_by, late)?;
@@ -179,7 +181,10 @@ fn streaming_table(
         reorder,
     );
     let table = provider::live_table(reader, unbounded, &order_by);
-    Ok((Sink::new(channel, order_by), PyTableProvider::new(table)))
+    Ok((
+        Sink::new(channel, order_by, full_check),
+        PyTableProvider::new(table),
+    ))
 }
 
 /// The reorder buffer of a bounded-disorder table (`max_delay`), which needs one order column.
@@ -231,7 +236,7 @@ fn declared_order(order_by: Vec<String>, arrival: Option<&str>) -> Vec<String> {
 /// Create a topic: a sink whose `subscribe` adds readers at any time. `retain_batches` /
 /// `retain_bytes` keep recent batches for subscribers starting at the earliest.
 #[pyfunction]
-#[pyo3(signature = (name, schema, retain_batches=None, retain_bytes=None, order_by=vec![], late="reject", arrival_column=None, max_delay=None))]
+#[pyo3(signature = (name, schema, retain_batches=None, retain_bytes=None, order_by=vec![], late="reject", arrival_column=None, max_delay=None, validate="basic"))]
 #[allow(clippy::too_many_arguments)]
 fn topic(
     name: String,
@@ -242,7 +247,9 @@ fn topic(
     late: &str,
     arrival_column: Option<String>,
     max_delay: Option<i64>,
+    validate: &str,
 ) -> PyResult<Sink> {
+    let full_check = full_check(validate)?;
     let schema = Arc::new(Schema::from_pyarrow_bound(&schema)?);
     check_arrival(&schema, arrival_column.as_deref())?;
     let gate = order_gate(&schema, &order_by, late)?;
@@ -255,7 +262,19 @@ fn topic(
     Ok(Sink::new(
         Channel::topic(name, schema, arrival_column, gate, reorder, retention),
         order_by,
+        full_check,
     ))
+}
+
+/// `validate="basic"` (the default: O(columns) per write) or `"full"` (every value checked).
+fn full_check(validate: &str) -> PyResult<bool> {
+    match validate {
+        "basic" => Ok(false),
+        "full" => Ok(true),
+        other => Err(PyValueError::new_err(format!(
+            "validate must be 'basic' or 'full', got {other:?}"
+        ))),
+    }
 }
 
 #[pymodule]

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arrow::array::RecordBatch;
+use arrow::error::ArrowError;
 use arrow::record_batch::RecordBatchReader;
 use arrow_pyarrow::{FromPyArrow, ToPyArrow};
 use pyo3::exceptions::PyValueError;
@@ -45,6 +46,11 @@ impl PyCancelToken {
 pub struct Sink {
     channel: Arc<Channel>,
     order_by: Vec<String>,
+    /// `validate="full"`: every value of every batch is checked (UTF-8, offsets, dictionary
+    /// keys), work proportional to the batch's bytes. Otherwise a write checks what costs
+    /// O(columns): the schema, nullability, and that each column's buffers are as long as
+    /// its length says, as DataFusion and DuckDB do for data from the same process.
+    full_check: bool,
 }
 
 /// Reports one topic subscription's counters (it does not keep the subscription alive).
@@ -79,8 +85,12 @@ pub fn check_limits(capacity: usize, max_bytes: Option<usize>) -> PyResult<()> {
 }
 
 impl Sink {
-    pub fn new(channel: Arc<Channel>, order_by: Vec<String>) -> Self {
-        Self { channel, order_by }
+    pub fn new(channel: Arc<Channel>, order_by: Vec<String>, full_check: bool) -> Self {
+        Self {
+            channel,
+            order_by,
+            full_check,
+        }
     }
 
     fn push(
@@ -92,20 +102,22 @@ impl Sink {
         token: Option<&CancelToken>,
     ) -> PyResult<()> {
         let name = &self.channel.name;
-        // Check what the C Data Interface can carry a lie about: null counts, UTF-8, dictionary
-        // keys, offsets within the values. (It carries no buffer sizes: a batch whose lengths
-        // outrun its buffers must be checked before export, as the server does for the wire.)
+        // The C Data Interface carries no buffer sizes: the importer derives them from the
+        // lengths (a string column's values from its last offset), so `validate` (O(1) per
+        // column) catches a batch whose lengths contradict its buffers.
         for (field, column) in batch.schema().fields().iter().zip(batch.columns()) {
-            column.to_data().validate_full().map_err(|e| {
-                InputError::new_err(format!(
-                    "streaming table '{name}': column '{}' of the batch is not valid Arrow \
-                     data ({e}); nothing was queued",
-                    field.name()
-                ))
-            })?;
+            column
+                .to_data()
+                .validate()
+                .map_err(|e| invalid_column(name, field.name(), &e))?;
         }
         let batch = schema::conform(&self.channel.input_schema, batch)
             .map_err(|i| schema_error(py, name, &i))?;
+        if self.full_check {
+            // Every value (UTF-8, offsets, dictionary keys): work per byte, so without the GIL.
+            py.detach(|| check_values(&batch))
+                .map_err(|(column, e)| invalid_column(name, &column, &e))?;
+        }
         let channel = &self.channel;
         let result = py.detach(|| {
             // Only Python's main thread receives Ctrl-C: other producers never take the GIL
@@ -208,6 +220,25 @@ impl Sink {
             0,
         ))
     }
+}
+
+/// `validate="full"`'s check of every value of every column: the first column that fails.
+fn check_values(batch: &RecordBatch) -> Result<(), (String, ArrowError)> {
+    let schema = batch.schema();
+    for (field, column) in schema.fields().iter().zip(batch.columns()) {
+        column
+            .to_data()
+            .validate_full()
+            .map_err(|e| (field.name().clone(), e))?;
+    }
+    Ok(())
+}
+
+fn invalid_column(table: &str, column: &str, error: &ArrowError) -> PyErr {
+    InputError::new_err(format!(
+        "streaming table '{table}': column '{column}' of the batch is not valid Arrow data \
+         ({error}); nothing was queued"
+    ))
 }
 
 /// `timeout` seconds from now; None (no limit) for None, infinity, or a deadline too far

@@ -51,16 +51,13 @@ def error_text(exc: BaseException) -> str:
     return f"[pushtable:{type(exc).__name__}] {exc} [/pushtable]"
 
 
-def checked(table: str, number: int, batch: pa.RecordBatch, full: bool) -> pa.RecordBatch:
-    """A batch from the wire, validated: a message may lie about its lengths (longer than its
-    buffers) or offsets, and nothing unchecked may reach a query.
-
-    ``full=False`` makes only pyarrow's constant-time checks (lengths against buffer sizes,
-    which the C Data Interface cannot carry): for a batch written to a table at once, whose
-    write checks the values (offsets, UTF-8, dictionary keys) itself. ``full=True`` checks
-    everything here, for a batch held before it is written."""
+def checked(table: str, number: int, batch: pa.RecordBatch) -> pa.RecordBatch:
+    """A batch from the wire, validated in full: a message may lie about its lengths (longer
+    than its buffers), offsets, UTF-8 or dictionary keys, and nothing unchecked may reach a
+    query. Data from the network is untrusted: a table's own write trusts what it is given
+    (``validate="basic"``), so this is the check. pyarrow runs it without the GIL."""
     try:
-        batch.validate(full=full)
+        batch.validate(full=True)
     except pa.ArrowInvalid as exc:
         raise errors.InvalidBatchError(
             f"batch {number} for table {table!r} is not valid Arrow data ({exc}); it was refused"

@@ -41,24 +41,58 @@ use datafusion::physical_plan::{displayable, ExecutionPlan, InputOrderMode};
 use datafusion::prelude::{SQLOptions, SessionConfig, SessionContext};
 use datafusion_ffi::proto::logical_extension_codec::FFI_LogicalExtensionCodec;
 use datafusion_ffi::table_provider::FFI_TableProvider;
-use pyo3::exceptions::{PyKeyError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyKeyError, PyOSError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyCapsule;
 
 use crate::import::AlignedStreamReader;
 use crate::provider::{export_capsule, logical_codec, LiveScanExec, LiveTable, PyTableProvider};
 
-/// The engine's tokio runtime: plans are made and run on it (two workers, like the machine's
-/// cores; a query's own work runs in whichever thread polls it).
-pub fn runtime() -> &'static tokio::runtime::Runtime {
-    static RUNTIME: OnceLock<tokio::runtime::Runtime> = OnceLock::new();
-    RUNTIME.get_or_init(|| {
+/// The environment variable that sets the engine's worker threads (default: the cores this
+/// process may use, `available_parallelism`).
+pub const THREADS_VAR: &str = "PUSHTABLE_ENGINE_THREADS";
+
+/// How many worker threads the engine's runtime gets: `PUSHTABLE_ENGINE_THREADS` if set,
+/// else the cores this process may use (its CPU affinity and cgroup quota included).
+pub fn engine_threads() -> Result<usize, String> {
+    match std::env::var(THREADS_VAR) {
+        Ok(text) => match text.trim().parse::<usize>() {
+            Ok(n) if n >= 1 => Ok(n),
+            _ => Err(format!(
+                "{THREADS_VAR}={text:?}: expected a whole number of threads >= 1"
+            )),
+        },
+        Err(_) => Ok(std::thread::available_parallelism().map_or(1, |n| n.get())),
+    }
+}
+
+/// The engine's tokio runtime: plans are made and run on it (a query's own work runs in
+/// whichever thread polls it). Sized by [`engine_threads`] on first use. A runtime that
+/// cannot start is an error for every query that needs it, never a panic: `ValueError` for
+/// a bad setting, `OSError` when the threads cannot be started (neither is DataFusion's
+/// planning error, so no query falls back to another engine because of it).
+pub fn runtime() -> PyResult<&'static tokio::runtime::Runtime> {
+    enum Failure {
+        Setting(String),
+        Start(String),
+    }
+    static RUNTIME: OnceLock<Result<tokio::runtime::Runtime, Failure>> = OnceLock::new();
+    let built = RUNTIME.get_or_init(|| {
+        let threads = engine_threads().map_err(Failure::Setting)?;
         tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
+            .worker_threads(threads)
             .thread_name("pushtable-engine")
             .enable_all()
             .build()
-            .expect("cannot start the engine's runtime")
+            .map_err(|e| {
+                Failure::Start(format!(
+                    "cannot start the live engine's runtime ({threads} threads): {e}"
+                ))
+            })
+    });
+    built.as_ref().map_err(|failure| match failure {
+        Failure::Setting(msg) => PyValueError::new_err(msg.clone()),
+        Failure::Start(msg) => PyOSError::new_err(msg.clone()),
     })
 }
 
@@ -97,7 +131,7 @@ impl TableProvider for EngineTable {
     }
 }
 
-fn session(batch_size: usize, memory_limit: Option<usize>) -> SessionContext {
+fn session(batch_size: usize, memory_limit: Option<usize>) -> DFResult<SessionContext> {
     let config = SessionConfig::new()
         .with_target_partitions(1)
         .with_batch_size(batch_size)
@@ -120,18 +154,15 @@ fn session(batch_size: usize, memory_limit: Option<usize>) -> SessionContext {
             .with_disk_manager_builder(
                 DiskManagerBuilder::default().with_mode(DiskManagerMode::Disabled),
             )
-            .build_arc();
-        match runtime {
-            Ok(runtime) => builder = builder.with_runtime_env(runtime),
-            Err(e) => panic!("cannot build the engine's runtime: {e}"),
-        }
+            .build_arc()?;
+        builder = builder.with_runtime_env(runtime);
     }
     let state = builder
         .with_config(config)
         .with_default_features()
         .with_physical_optimizer_rules(rules)
         .build();
-    SessionContext::new_with_state(state)
+    Ok(SessionContext::new_with_state(state))
 }
 
 /// Why a plan needs the engine: the operators in it that use a live table's order.
@@ -197,10 +228,10 @@ fn py_err(e: impl fmt::Display) -> PyErr {
 impl PyEngine {
     #[new]
     #[pyo3(signature = (batch_size=8192, memory_limit=None))]
-    fn new(batch_size: usize, memory_limit: Option<usize>) -> Self {
-        Self {
-            ctx: Arc::new(session(batch_size.max(1), memory_limit)),
-        }
+    fn new(batch_size: usize, memory_limit: Option<usize>) -> PyResult<Self> {
+        let ctx = session(batch_size.max(1), memory_limit)
+            .map_err(|e| py_err(format!("cannot build the live engine's session: {e}")))?;
+        Ok(Self { ctx: Arc::new(ctx) })
     }
 
     /// Register a live table (a streaming table or a topic subscription) under `name`.
@@ -259,8 +290,9 @@ impl PyEngine {
     fn plan(&self, py: Python<'_>, sql: &str) -> PyResult<PyLivePlan> {
         let ctx = Arc::clone(&self.ctx);
         let text = sql.to_string();
+        let runtime = runtime()?;
         let planned = py.detach(move || {
-            runtime().block_on(async move {
+            runtime.block_on(async move {
                 let options = SQLOptions::new()
                     .with_allow_ddl(false)
                     .with_allow_dml(false)
@@ -320,8 +352,14 @@ impl PyLiveQuery {
             .unwrap_or_else(|p| p.into_inner())
             .take()
             .ok_or_else(|| PyRuntimeError::new_err("this live query was already read"))?;
-        export_capsule(py, table, codec, Some(runtime().handle().clone()))
+        export_capsule(py, table, codec, Some(runtime()?.handle().clone()))
     }
+}
+
+/// The live engine's worker threads (see [`engine_threads`]); a bad setting raises.
+#[pyfunction(name = "engine_threads")]
+fn threads() -> PyResult<usize> {
+    engine_threads().map_err(PyValueError::new_err)
 }
 
 /// The tables `sql` reads (names as written, CTEs excluded); empty when it does not parse.
@@ -345,6 +383,7 @@ fn table_references(sql: &str) -> Vec<String> {
 /// Add the engine's classes to the module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(table_references, m)?)?;
+    m.add_function(wrap_pyfunction!(threads, m)?)?;
     m.add_class::<PyEngine>()?;
     m.add_class::<PyLivePlan>()?;
     m.add_class::<PyLiveQuery>()?;
