@@ -182,7 +182,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if out.exists() and any(out.iterdir()):
             parser().error(f"--out {out} exists and is not empty; pick a fresh directory")
         runner = demo.run_connect if args.connect else demo.run
-        result = runner(out, args.epochs, args.rows_per_epoch, args.sql, args.capacity)
+        try:
+            result = runner(out, args.epochs, args.rows_per_epoch, args.sql, args.capacity)
+        except demo.LiveQueryFailed as exc:
+            print(f"pushtable demo: {exc}", file=sys.stderr)
+            return 1
         if result.interrupted:
             return 130
         return 0 if result.matched else 1

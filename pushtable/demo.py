@@ -37,6 +37,11 @@ DEFAULT_SQL = (
 )
 
 
+class LiveQueryFailed(RuntimeError):
+    """The demo's live query failed (a bad ``--sql``, say): raised as soon as it does, with
+    Spark's query stopped, instead of after Spark's last epoch."""
+
+
 @dataclass(frozen=True)
 class DemoResult:
     epochs: int
@@ -112,10 +117,14 @@ def run(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity: int) ->
     try:
         with Live(console=console, refresh_per_second=8, transient=False) as live:
             # Until Spark is done and the live query has printed its last batch.
-            while query.isActive or reader.is_alive():
+            while (query.isActive or reader.is_alive()) and not live_error:
                 live.update(_progress_line(sink, bridge, epochs, started))
                 reader.join(0.25)  # ends once Spark is done and the live query printed
             live.update(_progress_line(sink, bridge, epochs, started))
+        if live_error:  # the live query failed: say so now, not after Spark's last epoch
+            sink.close()
+            query.stop()
+            raise _failed(live_error[0])
         query.awaitTermination()  # raises if the streaming query failed
     except KeyboardInterrupt:
         interrupted = True
@@ -124,7 +133,7 @@ def run(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity: int) ->
         sink.close()
     reader.join(60)
     if live_error and not interrupted:
-        raise live_error[0]
+        raise _failed(live_error[0])
 
     ds = lance.dataset(str(uri))
     ctx.register_table("persisted", ds)
@@ -143,53 +152,76 @@ def run(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity: int) ->
         f"{verdict}: {result.live_rows:,} rows live, {result.lance_rows:,} rows in {uri} "
         f"(version {result.lance_version})"
     )
-    if result.first_result_after_epochs is not None:
-        console.print(
-            f"first live result after {result.first_result_after_epochs} of {result.epochs} "
-            "epochs committed (results stream while Spark runs)"
-        )
+    _say_first_result(console, result)
     return result
 
 
 def run_connect(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity: int) -> DemoResult:
     """The demo over the network: Spark Connect (``remote("local[2]")``) runs the stream; its
     server-side ``foreachBatch`` worker and the executors push each epoch to a ``pushtable
-    serve`` server (:class:`~pushtable.spark.RemoteBridge`), and the live SQL result streams
-    back to this process over Arrow Flight."""
+    serve`` server (:class:`~pushtable.spark.RemoteBridge`), which stamps it with its epoch
+    and advances the table's watermark as it publishes it, and the live SQL result streams
+    back to this process over Arrow Flight, one epoch at a time."""
     import lance
-    from pyspark.sql import SparkSession
     from rich.console import Console
     from rich.live import Live
 
     from pushtable.flight import Server, connect
-    from pushtable.spark import RemoteBridge
+    from pushtable.spark import RemoteBridge, query_id_from_checkpoint
+    from pushtable.spark.session import local_spark_connect
 
     console = Console()
     generate(out / "source", epochs, rows_per_epoch)
     server = Server()  # loopback; Spark's Python workers connect to it
     client = connect(server.location)
-    client.create_table("events", SCHEMA, capacity=capacity)
+    client.create_table("events", LIVE_SCHEMA, capacity=capacity, order_by="epoch", unbounded=True)
     console.print(
         f"[bold]pushtable demo --connect[/] → {out}  ({epochs} epochs x {rows_per_epoch:,} rows)"
         f"\npushtable server: {server.location}; starting Spark Connect (local[2])…"
     )
-    spark = (
-        SparkSession.builder.remote("local[2]")
-        .config("spark.sql.shuffle.partitions", "2")
-        .getOrCreate()
-    )
+    spark = local_spark_connect("pushtable-demo-connect")
     uri, checkpoint = out / "events.lance", out / "checkpoint"
-    bridge = RemoteBridge(server.location, "events", lance_uri=uri, checkpoint=checkpoint)
-    reader, live_error = _print_live(lambda: client.sql(sql), console, "live result (remote)")
+    bridge = RemoteBridge(
+        server.location, "events", lance_uri=uri, checkpoint=checkpoint, epoch_column="epoch"
+    )
+    returned: list[pa.RecordBatch] = []
+    first_after: list[int] = []
+
+    def published() -> int:
+        """Epochs the server has published (the query's id is in its checkpoint)."""
+        try:
+            return client.published("events", query_id_from_checkpoint(checkpoint)) + 1
+        except ValueError:  # the query has not written its checkpoint yet
+            return 0
+
+    def live_batches() -> Iterable[pa.RecordBatch]:
+        for b in client.sql(sql):
+            if not first_after:
+                first_after.append(published())
+            returned.append(b)
+            yield b
+
+    reader, live_error = _print_live(live_batches, console, "live result (remote)")
     query = _start(spark, out, bridge, checkpoint)
     sink = client.sink("events")
     interrupted = False
     try:
         with Live(console=console, refresh_per_second=4, transient=False) as live:
-            while query.isActive:
+            while query.isActive and not live_error:
                 s = sink.stats.table
-                live.update(f"rows {s.rows:,} · queue {s.queued_batches}/{capacity}")
-                time.sleep(0.25)
+                live.update(
+                    f"epochs {published()}/{epochs} · rows {s.rows:,} · "
+                    f"queue {s.queued_batches}/{capacity}"
+                )
+                query.awaitTermination(0.25)
+            s = sink.stats.table
+            live.update(f"epochs {published()}/{epochs} · rows {s.rows:,}")
+        if live_error:
+            # The live query failed: nothing reads the table, so the next publish would wait
+            # for good. Closing the table ends that wait; Spark's query then stops.
+            sink.close()
+            query.stop()
+            raise _failed(live_error[0])
         query.awaitTermination()  # raises if the streaming query failed
     except KeyboardInterrupt:
         interrupted = True
@@ -197,15 +229,18 @@ def run_connect(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity:
     bridge.close()  # end of stream: the live query gives its final answer
     reader.join(60)
     if live_error and not interrupted:
-        raise live_error[0]
-    live_rows = sink.stats.table.rows
+        raise _failed(live_error[0])
     ds = lance.dataset(str(uri))
+    ctx = SessionContext()
+    ctx.register_table("persisted", ds)
+    live_rows, lance_rows = _compare(ctx, console, returned, sink.stats.table.rows)
     result = DemoResult(
-        epochs=epochs,
+        epochs=published(),
         live_rows=live_rows,
-        lance_rows=ds.count_rows(),
+        lance_rows=lance_rows,
         lance_version=ds.version,
         interrupted=interrupted,
+        first_result_after_epochs=first_after[0] if first_after else None,
     )
     spark.stop()
     client.close()
@@ -215,7 +250,22 @@ def run_connect(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity:
         f"{verdict}: {result.live_rows:,} rows live on the server, {result.lance_rows:,} rows "
         f"in {uri} (version {result.lance_version})"
     )
+    _say_first_result(console, result)
     return result
+
+
+def _failed(error: BaseException) -> LiveQueryFailed:
+    failed = LiveQueryFailed(f"the live query failed: {error}")
+    failed.__cause__ = error
+    return failed
+
+
+def _say_first_result(console: Any, result: DemoResult) -> None:
+    if result.first_result_after_epochs is not None:
+        console.print(
+            f"first live result after {result.first_result_after_epochs} of {result.epochs} "
+            "epochs committed (results stream while Spark runs)"
+        )
 
 
 def _compare(

@@ -196,6 +196,13 @@ class _Producer(ProducerScope):
                 raise _public_error(exc) from None
         await _wait_off_loop(self._native, data, timeout)
 
+    @property
+    def watermark_type(self) -> pa.DataType | None:
+        """The type :meth:`advance` takes (the first ``order_by`` column's), or None where the
+        table has no watermark (no integer, date or timestamp ``order_by`` column)."""
+        data_type: pa.DataType | None = self._native.watermark_type()
+        return data_type
+
     def advance(self, ts: Any) -> None:
         """Declare a watermark: no row whose first ``order_by`` column is below ``ts`` will come.
 
@@ -206,7 +213,7 @@ class _Producer(ProducerScope):
         timestamp column is in the column's unit. A watermark at or below the current one
         changes nothing. Raises ``ValueError`` for a table without ``order_by``.
         """
-        data_type = self._native.watermark_type()
+        data_type = self.watermark_type
         if data_type is None:
             raise ValueError(
                 f"'{self.name}' declares no integer, date or timestamp order_by column, so it "

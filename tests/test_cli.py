@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -52,10 +53,13 @@ def test_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -> None
         assert option in out
 
 
-def _pushtable(*args: str, cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
+def _pushtable(
+    *args: str, cwd: Path, timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "pushtable", *args],
         cwd=cwd,
+        env=None if env is None else {**os.environ, **env},
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -92,24 +96,64 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
 
 
 @pytest.mark.spark
-@pytest.mark.slow  # a Spark Connect server start; the Connect path itself is in the default run
+@pytest.mark.timeout(330)  # the command's own bound (300 s) applies
 def test_demo_over_spark_connect(tmp_path: Path) -> None:
+    """``demo --connect`` as a new user runs it: more epochs than the table's queue holds
+    (it hung at the 4th epoch when the live query could not run), a live result per epoch
+    while Spark runs, the same level-by-level check as the local demo, and a quiet terminal."""
     done = _pushtable(
         "demo",
         "--connect",
         "--epochs",
-        "2",
+        "6",
         "--rows-per-epoch",
         "500",
+        "--capacity",
+        "2",
         "--out",
         str(tmp_path / "run"),
         cwd=tmp_path,
         timeout=300,
+        env={"SPARK_TESTING": "1"},  # an ephemeral Spark Connect port (SPARK-42272)
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "counts match: 1,000 rows live on the server, 1,000 rows" in " ".join(
-        done.stdout.split()
+    said = " ".join(done.stdout.split())
+    assert "counts match: 3,000 rows live on the server, 3,000 rows" in said
+    assert "live_query" in said  # the level-by-level comparison ran on what the query returned
+    first = re.search(r"first live result after (\d+) of 6 epochs", said)
+    assert first is not None, said
+    assert int(first.group(1)) < 6, said  # an epoch's result came while Spark ran
+    assert said.count("live result (remote)") >= 6, said  # one result per epoch at least
+    for noise in ("WARN", "Warning", "fork-safe", "NativeCodeLoader", "loopback address"):
+        assert noise not in done.stdout + done.stderr, done.stdout + done.stderr
+
+
+@pytest.mark.spark
+@pytest.mark.timeout(330)
+def test_demo_over_spark_connect_stops_at_once_when_the_live_query_fails(tmp_path: Path) -> None:
+    """A live query that cannot run (a column the table lacks) ends the demo with its error
+    while Spark still has epochs to send, instead of a hang behind a full queue."""
+    done = _pushtable(
+        "demo",
+        "--connect",
+        "--epochs",
+        "30",
+        "--rows-per-epoch",
+        "100",
+        "--capacity",
+        "1",
+        "--sql",
+        "SELECT shard, count(*) FROM events GROUP BY shard",
+        "--out",
+        str(tmp_path / "run"),
+        cwd=tmp_path,
+        timeout=300,
+        env={"SPARK_TESTING": "1"},
     )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "pushtable demo: the live query failed" in done.stderr, done.stderr
+    assert "shard" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
 
 
 @pytest.mark.spark

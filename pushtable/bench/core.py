@@ -15,7 +15,7 @@ import queue
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -26,19 +26,140 @@ import pyarrow.compute as pc
 
 from pushtable import ReaderGoneError, SessionContext, TableSink
 
-SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.float64())])
-QUERIES = {
-    "agg": "SELECT count(*) AS n, sum(v) AS s FROM t",
-    "filter": "SELECT count(*) AS n, sum(v) AS s FROM t WHERE v > 0.5",
-}
 BATCH_ROWS = (1024, 8192, 65536)
 PRODUCERS = (1, 4)
-CAPACITIES = (4, 64)
+CAPACITIES = (64,)
+#: Distinct batches per configuration, cycled to the run's rows (as a live source repeats
+#: shapes, and so memory stays bounded however many rows a run pushes).
+DISTINCT = 16
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A schema users have, its batch maker, and the numeric column the queries read."""
+
+    name: str
+    schema: pa.Schema
+    make: Callable[[int, int, np.random.Generator], list[pa.Array]]
+    value: str
+    threshold: float
+
+    @property
+    def queries(self) -> dict[str, str]:
+        v = self.value
+        return {
+            "agg": f"SELECT count(*) AS n, sum({v}) AS s FROM t",
+            "filter": f"SELECT count(*) AS n, sum({v}) AS s FROM t WHERE {v} > {self.threshold}",
+        }
+
+    def batches(self, batch_rows: int) -> list[pa.RecordBatch]:
+        rng = np.random.default_rng(42)
+        return [
+            pa.record_batch(self.make(i * batch_rows, batch_rows, rng), schema=self.schema)
+            for i in range(DISTINCT)
+        ]
+
+
+def _numbers(start: int, n: int, rng: np.random.Generator) -> list[pa.Array]:
+    return [pa.array(np.arange(start, start + n, dtype=np.int64)), pa.array(rng.random(n))]
+
+
+def _strings(start: int, n: int, rng: np.random.Generator) -> list[pa.Array]:
+    users = np.char.add("user-", rng.integers(0, 100_000, n).astype(str))
+    return [*_numbers(start, n, rng), pa.array(users)]
+
+
+LEVELS = np.array(["debug", "info", "warn", "error", "fatal"])
+SERVICES = pa.array([f"svc-{name}" for name in ("api", "auth", "billing", "search", "cart")])
+WORDS = np.array(["request", "served", "from", "cache", "miss", "upstream", "slow", "retry"])
+
+
+def _events(start: int, n: int, rng: np.random.Generator) -> list[pa.Array]:
+    ts = (np.int64(1_767_225_600_000_000) + np.arange(start, start + n) * 1000).astype(
+        "datetime64[us]"
+    )
+    words = WORDS[rng.integers(0, len(WORDS), (n, 6))]
+    ids = rng.integers(10**11, 10**12, n).astype(str)
+    message = np.char.add(np.char.add(ids, " "), [" ".join(w) for w in words])
+    service = pa.DictionaryArray.from_arrays(
+        pa.array(rng.integers(0, len(SERVICES), n), pa.int32()), SERVICES
+    )
+    return [
+        pa.array(ts, pa.timestamp("us", tz="UTC")),
+        service,
+        pa.array(LEVELS[rng.integers(0, len(LEVELS), n)]),
+        pa.array(rng.gamma(2.0, 15.0, n)),
+        pa.array(message),
+    ]
+
+
+def _wide(start: int, n: int, rng: np.random.Generator) -> list[pa.Array]:
+    cols: list[pa.Array] = [pa.array(rng.random(n)) for _ in range(6)]
+    cols += [pa.array(rng.integers(0, 1 << 40, n)) for _ in range(6)]
+    cols += [pa.array(np.char.add("tag-", rng.integers(0, 5000, n).astype(str))) for _ in range(4)]
+    cols += [pa.array(rng.random(n) > 0.5) for _ in range(2)]
+    ts = (np.int64(1_767_225_600_000_000) + np.arange(start, start + n)).astype("datetime64[us]")
+    cols.append(pa.array(ts, pa.timestamp("us", tz="UTC")))
+    cols.append(
+        pa.DictionaryArray.from_arrays(
+            pa.array(rng.integers(0, len(SERVICES), n), pa.int32()), SERVICES
+        )
+    )
+    return cols
+
+
+WORKLOADS: dict[str, Workload] = {
+    w.name: w
+    for w in (
+        Workload(
+            "numbers", pa.schema([("k", pa.int64()), ("v", pa.float64())]), _numbers, "v", 0.5
+        ),
+        Workload(
+            "strings",
+            pa.schema([("k", pa.int64()), ("v", pa.float64()), ("s", pa.string())]),
+            _strings,
+            "v",
+            0.5,
+        ),
+        Workload(
+            "events",
+            pa.schema(
+                [
+                    ("ts", pa.timestamp("us", tz="UTC")),
+                    ("service", pa.dictionary(pa.int32(), pa.string())),
+                    ("level", pa.string()),
+                    ("latency_ms", pa.float64()),
+                    ("message", pa.string()),
+                ]
+            ),
+            _events,
+            "latency_ms",
+            25.0,
+        ),
+        Workload(
+            "wide",
+            pa.schema(
+                [(f"f{i}", pa.float64()) for i in range(6)]
+                + [(f"i{i}", pa.int64()) for i in range(6)]
+                + [(f"s{i}", pa.string()) for i in range(4)]
+                + [(f"b{i}", pa.bool_()) for i in range(2)]
+                + [("ts", pa.timestamp("us", tz="UTC"))]
+                + [("service", pa.dictionary(pa.int32(), pa.string()))]
+            ),
+            _wide,
+            "f0",
+            0.5,
+        ),
+    )
+}
+#: The two-column workload: what ``reader_gone_latency`` and older figures use.
+SCHEMA = WORKLOADS["numbers"].schema
 
 
 @dataclass(frozen=True)
 class Result:
     engine: str
+    workload: str
     query: str
     batch_rows: int
     producers: int
@@ -50,13 +171,12 @@ class Result:
 
 
 def make_batches(total_rows: int, batch_rows: int) -> list[pa.RecordBatch]:
+    """``total_rows`` of the ``numbers`` workload (distinct batches, for one-off uses)."""
     rng = np.random.default_rng(42)
-    out = []
-    for start in range(0, total_rows, batch_rows):
-        n = min(batch_rows, total_rows - start)
-        k = np.arange(start, start + n, dtype=np.int64)
-        out.append(pa.record_batch([pa.array(k), pa.array(rng.random(n))], schema=SCHEMA))
-    return out
+    return [
+        pa.record_batch(_numbers(s, min(batch_rows, total_rows - s), rng), schema=SCHEMA)
+        for s in range(0, total_rows, batch_rows)
+    ]
 
 
 def _producers(
@@ -98,10 +218,10 @@ def _queue_source(
 
 
 def run_pushtable(
-    batches: list[pa.RecordBatch], producers: int, capacity: int, sql: str
+    work: Workload, batches: list[pa.RecordBatch], producers: int, capacity: int, query: str
 ) -> tuple[float, int]:
     ctx = SessionContext()
-    sink = ctx.register_streaming_table("t", SCHEMA, capacity=capacity)
+    sink = ctx.register_streaming_table("t", work.schema, capacity=capacity)
     remaining = [producers]
     lock = threading.Lock()
 
@@ -115,37 +235,36 @@ def run_pushtable(
     start = time.perf_counter()
     for t in threads:
         t.start()
-    n = int(ctx.sql(sql).to_pydict()["n"][0])
+    n = int(ctx.sql(work.queries[query]).to_pydict()["n"][0])
     return time.perf_counter() - start, n
 
 
 def run_duckdb(
-    batches: list[pa.RecordBatch], producers: int, capacity: int, sql: str
+    work: Workload, batches: list[pa.RecordBatch], producers: int, capacity: int, query: str
 ) -> tuple[float, int]:
     con = duckdb.connect()
     threads, drained = _queue_source(batches, producers, capacity)
-    t = pa.RecordBatchReader.from_batches(SCHEMA, drained)  # noqa: F841 - found by name
+    t = pa.RecordBatchReader.from_batches(work.schema, drained)  # noqa: F841 - found by name
     start = time.perf_counter()
     for th in threads:
         th.start()
-    row = con.execute(sql).fetchone()
+    row = con.execute(work.queries[query]).fetchone()
     assert row is not None
     return time.perf_counter() - start, int(row[0])
 
 
 def run_python(
-    batches: list[pa.RecordBatch], producers: int, capacity: int, sql: str
+    work: Workload, batches: list[pa.RecordBatch], producers: int, capacity: int, query: str
 ) -> tuple[float, int]:
     threads, drained = _queue_source(batches, producers, capacity)
     start = time.perf_counter()
     for t in threads:
         t.start()
     n, total = 0, 0.0
-    filtered = "WHERE" in sql
     for b in drained:
-        v = b.column(1)
-        if filtered:
-            v = pc.filter(v, pc.greater(v, 0.5))
+        v = b.column(work.value)
+        if query == "filter":
+            v = pc.filter(v, pc.greater(v, work.threshold))
         n += len(v)
         total += pc.sum(v).as_py() or 0.0
     return time.perf_counter() - start, n
@@ -153,7 +272,8 @@ def run_python(
 
 # Each returns (seconds from the producers' start to the answer, row count); setup such as
 # creating a context or connection is excluded for every engine alike.
-ENGINES: dict[str, Callable[[list[pa.RecordBatch], int, int, str], tuple[float, int]]] = {
+Engine = Callable[[Workload, list[pa.RecordBatch], int, int, str], tuple[float, int]]
+ENGINES: dict[str, Engine] = {
     "pushtable": run_pushtable,
     "duckdb": run_duckdb,
     "python": run_python,
@@ -163,53 +283,69 @@ ENGINES: dict[str, Callable[[list[pa.RecordBatch], int, int, str], tuple[float, 
 def measure(
     total_rows: int,
     reps: int,
+    workloads: Sequence[str] = tuple(WORKLOADS),
     batch_sizes: tuple[int, ...] = BATCH_ROWS,
     producer_counts: tuple[int, ...] = PRODUCERS,
     capacities: tuple[int, ...] = CAPACITIES,
 ) -> list[Result]:
-    """Every engine on every configuration; each figure the median of ``reps`` runs."""
-    results = []
-    for batch_rows in batch_sizes:
-        batches = make_batches(total_rows, batch_rows)
-        expected = {
-            "agg": total_rows,
-            "filter": sum(int(pc.sum(pc.greater(b["v"], 0.5)).as_py()) for b in batches),
-        }
-        for producers in producer_counts:
-            for capacity in capacities:
-                for qname, sql in QUERIES.items():
-                    for engine, run in ENGINES.items():
-                        rates = []
+    """Every engine on every configuration; each figure the median of ``reps`` runs, the
+    engines' runs alternating (one of each per round) so that drift hits them alike."""
+    results: list[Result] = []
+    for name in workloads:
+        work = WORKLOADS[name]
+        for batch_rows in batch_sizes:
+            distinct = work.batches(batch_rows)
+            count = max(1, total_rows // batch_rows)
+            batches = [distinct[i % DISTINCT] for i in range(count)]
+            rows = count * batch_rows
+            expected = {
+                "agg": rows,
+                "filter": sum(
+                    int(pc.sum(pc.greater(b[work.value], work.threshold)).as_py()) for b in batches
+                ),
+            }
+            for producers in producer_counts:
+                for capacity in capacities:
+                    for query in work.queries:
+                        rates: dict[str, list[float]] = {e: [] for e in ENGINES}
                         for _ in range(reps):
-                            elapsed, n = run(batches, producers, capacity, sql)
-                            rates.append(total_rows / elapsed)
-                            assert n == expected[qname], f"{engine} {qname}: {n}"
-                        results.append(
+                            for engine, run_one in ENGINES.items():
+                                elapsed, n = run_one(work, batches, producers, capacity, query)
+                                assert n == expected[query], f"{engine} {name} {query}: {n}"
+                                rates[engine].append(rows / elapsed)
+                        results.extend(
                             Result(
                                 engine,
-                                qname,
+                                name,
+                                query,
                                 batch_rows,
                                 producers,
                                 capacity,
-                                total_rows,
-                                statistics.median(rates),
-                                min(rates),
-                                max(rates),
+                                rows,
+                                statistics.median(r),
+                                min(r),
+                                max(r),
                             )
+                            for engine, r in rates.items()
                         )
     return results
 
 
+def _key(r: Result | dict[str, Any]) -> tuple[Any, ...]:
+    d = asdict(r) if isinstance(r, Result) else r
+    return (d["workload"], d["query"], d["batch_rows"], d["producers"], d["capacity"])
+
+
 def ratios(results: list[Result]) -> list[dict[str, Any]]:
     """pushtable / other engine, per configuration, from the same run."""
-    by_key = {(r.engine, r.query, r.batch_rows, r.producers, r.capacity): r for r in results}
+    by_key = {(r.engine,) + _key(r): r for r in results}
     out = []
     for r in results:
         if r.engine != "pushtable":
             continue
-        key = (r.query, r.batch_rows, r.producers, r.capacity)
+        key = _key(r)
         row: dict[str, Any] = dict(
-            zip(("query", "batch_rows", "producers", "capacity"), key, strict=True)
+            zip(("workload", "query", "batch_rows", "producers", "capacity"), key, strict=True)
         )
         for other in ("duckdb", "python"):
             row[f"vs_{other}"] = r.median_rows_per_s / by_key[(other,) + key].median_rows_per_s
@@ -255,10 +391,13 @@ def _write_expecting_gone(sink: TableSink, b: pa.RecordBatch, raised_at: list[fl
 def run(quick: bool, reps: int = 5) -> dict[str, Any]:
     """The ``core`` suite as a JSON-ready dict."""
     rows = 1 << 18 if quick else 1 << 24
-    results = measure(rows, reps)
+    results = measure(rows, 3 if quick else reps)
     return {
         "rows_per_run": rows,
-        "reps": reps,
+        "reps": 3 if quick else reps,
+        "duckdb_version": duckdb.__version__,
+        "pyarrow_version": pa.__version__,
+        "schemas": {name: str(w.schema) for name, w in WORKLOADS.items()},
         "results": [asdict(r) for r in results],
         "ratios": ratios(results),
         "reader_gone": reader_gone_latency(5 if quick else 20),
@@ -267,19 +406,18 @@ def run(quick: bool, reps: int = 5) -> dict[str, Any]:
 
 def table(suite: dict[str, Any]) -> str:
     """The ratio table as text."""
-    by_key = {
-        (r["engine"], r["query"], r["batch_rows"], r["producers"], r["capacity"]): r
-        for r in suite["results"]
-    }
+    by_key = {(r["engine"],) + _key(r): r for r in suite["results"]}
     lines = [
-        f"{'query':<7}{'batch':>7}{'prod':>5}{'cap':>4}  {'pushtable':>10}{'duckdb':>9}"
-        f"{'python':>9}  {'vs duckdb':>9}{'vs python':>10}   (Mrows/s, median)"
+        f"DuckDB {suite.get('duckdb_version', '?')}; M rows/s, median of {suite['reps']} "
+        "alternating runs",
+        f"{'workload':<9}{'query':<7}{'batch':>7}{'prod':>5}  {'pushtable':>10}{'duckdb':>9}"
+        f"{'python':>9}  {'vs duckdb':>9}{'vs python':>10}",
     ]
     for r in suite["ratios"]:
-        key = (r["query"], r["batch_rows"], r["producers"], r["capacity"])
+        key = _key(r)
         rates = [by_key[(e,) + key]["median_rows_per_s"] / 1e6 for e in ENGINES]
         lines.append(
-            f"{r['query']:<7}{r['batch_rows']:>7}{r['producers']:>5}{r['capacity']:>4}  "
+            f"{r['workload']:<9}{r['query']:<7}{r['batch_rows']:>7}{r['producers']:>5}  "
             f"{rates[0]:>10.0f}{rates[1]:>9.0f}{rates[2]:>9.0f}  "
             f"{r['vs_duckdb']:>8.2f}x{r['vs_python']:>9.2f}x"
         )

@@ -14,31 +14,33 @@ import matplotlib.pyplot as plt
 def core_throughput(
     suite: dict[str, Any], cores: int, path: Path, limit_mrows: float | None = None
 ) -> Path:
-    """Throughput vs batch size per engine, one panel per (query, producers), capacity 64.
+    """Throughput vs batch size per engine: a row per workload (schema), a panel per
+    (query, producers), at the suite's largest capacity.
 
     ``limit_mrows`` draws the machine's copy rate (float64 values per second) as the
     physical limit of a one-column scan.
     """
     capacity = max(r["capacity"] for r in suite["results"])
     results = [r for r in suite["results"] if r["capacity"] == capacity]
-    queries = sorted({r["query"] for r in results})
-    producer_counts = sorted({r["producers"] for r in results})
+    workloads = list(dict.fromkeys(r.get("workload", "numbers") for r in results))
+    panels = sorted({(r["query"], r["producers"]) for r in results})
     fig, axes = plt.subplots(
-        len(queries),
-        len(producer_counts),
-        figsize=(5 * len(producer_counts), 3.4 * len(queries)),
+        len(workloads),
+        len(panels),
+        figsize=(4.2 * len(panels), 3.0 * len(workloads)),
         sharex=True,
         squeeze=False,
     )
-    for row, query in enumerate(queries):
-        for col, producers in enumerate(producer_counts):
+    for row, workload in enumerate(workloads):
+        for col, (query, producers) in enumerate(panels):
             ax = axes[row][col]
             for engine in sorted({r["engine"] for r in results}):
                 points = sorted(
                     (
                         r
                         for r in results
-                        if (r["engine"], r["query"], r["producers"]) == (engine, query, producers)
+                        if (r["engine"], r.get("workload", "numbers"), r["query"], r["producers"])
+                        == (engine, workload, query, producers)
                     ),
                     key=lambda r: r["batch_rows"],
                 )
@@ -49,22 +51,26 @@ def core_throughput(
                     [r["max_rows_per_s"] / 1e6 - m for m, r in zip(y, points, strict=True)],
                 ]
                 ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=engine)
-            if limit_mrows:
+            if limit_mrows and workload == "numbers":
                 ax.axhline(
                     limit_mrows, color="grey", linestyle="--", linewidth=1, label="memory copy"
                 )
             ax.set_xscale("log", base=2)
             ax.set_xticks([1024, 8192, 65536], ["1K", "8K", "64K"])
-            ax.set_title(f"{query}: {producers} producer(s), capacity {capacity}")
+            ax.set_title(f"{workload}: {query}, {producers} producer(s)", fontsize=9)
             ax.grid(alpha=0.3)
-            if row == len(queries) - 1:
+            if row == len(workloads) - 1:
                 ax.set_xlabel("rows per batch")
             if col == 0:
                 ax.set_ylabel(f"M rows/s ({cores} cores)")
     axes[0][0].legend(fontsize=8)
-    fig.suptitle("Live-table throughput (median of 5, bars: min-max)")
+    duckdb = suite.get("duckdb_version", "?")
+    fig.suptitle(
+        f"Live-table throughput, capacity {capacity} (median of {suite.get('reps', 5)}, "
+        f"bars: min-max; DuckDB {duckdb})"
+    )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 

@@ -21,8 +21,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from pushtable import SessionContext
+from pushtable import SessionContext, Topic
 from pushtable.bench.peer_workload import percentiles
+from pushtable.engine import engine_threads
 
 SCHEMA = pa.schema([("ts", pa.timestamp("ms", tz="UTC")), ("k", pa.int64()), ("v", pa.int64())])
 SQL = "SELECT date_bin(INTERVAL '1 second', ts) AS w, count(*) AS n, sum(v) AS s FROM t GROUP BY 1"
@@ -145,6 +146,120 @@ def close_latency(
     return percentiles(batch_rows, ms)
 
 
+#: Live window queries run at once over one topic in the ``concurrent`` part of the suite.
+CONCURRENT = (1, 4, 16, 64)
+
+
+def concurrent(
+    queries: int, rows: int = 1_000_000, samples: int = 100, interval: float = 0.02
+) -> dict[str, Any]:
+    """``queries`` live window queries over one ordered :class:`~pushtable.Topic`.
+
+    Throughput: ``rows`` rows in 8,192-row batches written flat out (the slowest query paces
+    the producer); rows/s is every query's rows over the time to the last query's last window
+    (all results verified). Window close: one batch every ``interval`` seconds, each closing
+    the previous second, and the time from that write to the window's row in each query
+    (p50/p99 over every query's windows). Peak RSS over the process's RSS before the topic.
+    """
+    import gc
+
+    import psutil
+
+    proc = psutil.Process()
+    gc.collect()
+    baseline = proc.memory_info().rss
+    peak = [baseline]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.01):
+            peak[0] = max(peak[0], proc.memory_info().rss)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        seconds, verified = _concurrent_throughput(queries, rows)
+        ms = _concurrent_close(queries, samples, interval)
+    finally:
+        stop.set()
+        sampler.join()
+    latency = percentiles(1, ms)
+    return {
+        "queries": queries,
+        "rows": rows,
+        "rows_per_s_total": queries * rows / seconds,
+        "verified": verified,
+        "close_p50_ms": latency.get("p50_ms", float("nan")),
+        "close_p99_ms": latency.get("p99_ms", float("nan")),
+        "close_samples": latency["samples"],
+        "baseline_rss_mb": baseline / 2**20,
+        "peak_rss_growth_mb": (peak[0] - baseline) / 2**20,
+    }
+
+
+def _subscribed(queries: int) -> tuple[Topic, list[Any]]:
+    """A topic ordered by ``ts`` and ``queries`` live window queries over it, planned."""
+    topic = Topic("events", SCHEMA, order_by="ts")
+    ctx = SessionContext()
+    for i in range(queries):
+        topic.subscribe(ctx, f"t{i}", capacity=16, unbounded=True)
+    streams = [
+        ctx.sql(SQL.replace("FROM t ", f"FROM t{i} ")).execute_stream() for i in range(queries)
+    ]
+    return topic, streams
+
+
+def _concurrent_throughput(queries: int, rows: int) -> tuple[float, bool]:
+    topic, streams = _subscribed(queries)
+    batches = _throughput_batches(rows, 8192)
+    totals = [0] * queries
+
+    def read(i: int) -> None:
+        for b in streams[i]:
+            totals[i] += sum(b.to_pyarrow().column("n").to_pylist())
+
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(queries)]
+    start = time.perf_counter()
+    for r in readers:
+        r.start()
+    with topic:
+        for b in batches:
+            topic.write(b)
+    for r in readers:
+        r.join(600)
+    seconds = time.perf_counter() - start
+    return seconds, all(t == rows for t in totals)
+
+
+def _concurrent_close(queries: int, samples: int, interval: float) -> list[float]:
+    topic, streams = _subscribed(queries)
+    arrived: list[dict[int, float]] = [{} for _ in range(queries)]
+
+    def read(i: int) -> None:
+        for b in streams[i]:
+            now = time.perf_counter()
+            for w in TIMESTAMPS.window_of(b.to_pyarrow().column("w")):
+                arrived[i].setdefault(w, now)
+
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(queries)]
+    for r in readers:
+        r.start()
+    written: list[float] = []
+    start = time.perf_counter()
+    for i in range(samples + 1):
+        time.sleep(max(0.0, start + i * interval - time.perf_counter()))
+        b = TIMESTAMPS.latency_batch(i, 1)
+        written.append(time.perf_counter())
+        topic.write(b, timeout=30)
+    time.sleep(interval)
+    topic.close()
+    for r in readers:
+        r.join(60)
+    return sorted(
+        (got[i] - written[i + 1]) * 1e3 for got in arrived for i in range(samples) if i in got
+    )
+
+
 def run(quick: bool) -> dict[str, Any]:
     """The ``windows`` suite (pushtable's figures)."""
     rows = 200_000 if quick else 2_000_000
@@ -153,7 +268,15 @@ def run(quick: bool) -> dict[str, Any]:
     runs = [throughput(rows) for _ in range(1 if quick else 5)]
     best = sorted(runs, key=lambda r: r["rows_per_s"])[len(runs) // 2]
     latency = [close_latency(rows, 20 if quick else 200) for rows in BATCH_ROWS]
-    return {"throughput": best, "throughput_runs": runs, "close_latency": latency}
+    counts = CONCURRENT[:2] if quick else CONCURRENT
+    many = [concurrent(n, 100_000 if quick else 1_000_000, 20 if quick else 100) for n in counts]
+    return {
+        "throughput": best,
+        "throughput_runs": runs,
+        "close_latency": latency,
+        "engine_threads": engine_threads(),
+        "concurrent": many,
+    }
 
 
 def table(suite: dict[str, Any]) -> str:
@@ -169,4 +292,18 @@ def table(suite: dict[str, Any]) -> str:
             f"{c['batch_rows']:10d} {c['samples']:4d} {c['p50_ms']:8.2f} {c['p99_ms']:8.2f} "
             f"{c['max_ms']:8.2f}"
         )
+    if suite.get("concurrent"):
+        lines.append(
+            f"concurrent live window queries over one topic ({suite['engine_threads']} engine "
+            "threads):"
+        )
+        lines.append(
+            f"{'queries':>8s} {'M rows/s total':>15s} {'close p50 ms':>13s} {'close p99 ms':>13s} "
+            f"{'RSS growth MB':>14s}"
+        )
+        for c in suite["concurrent"]:
+            lines.append(
+                f"{c['queries']:8d} {c['rows_per_s_total'] / 1e6:15.1f} {c['close_p50_ms']:13.2f} "
+                f"{c['close_p99_ms']:13.2f} {c['peak_rss_growth_mb']:14.1f}"
+            )
     return "\n".join(lines)

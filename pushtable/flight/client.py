@@ -234,12 +234,22 @@ class Client:
         parts: Sequence[tuple[int, int]],
         *,
         timeout: float | None = None,
+        advance: int | None = None,
     ) -> bool:
         """Write the staged ``(partition, attempt)`` shares of ``epoch`` into ``table``, once:
         False if the server published this epoch (or a later one) of ``query`` before.
-        ``timeout`` bounds the wait for the table's reader to make room (None: no bound)."""
+        ``timeout`` bounds the wait for the table's reader to make room (None: no bound).
+        ``advance``: then move an ordered table's watermark there (an unordered table has
+        none: nothing to move)."""
         options = self._stream_options if timeout is None else self._options(timeout)
-        body = {"table": table, "query": query, "epoch": epoch, "parts": [list(p) for p in parts]}
+        body: dict[str, Any] = {
+            "table": table,
+            "query": query,
+            "epoch": epoch,
+            "parts": [list(p) for p in parts],
+        }
+        if advance is not None:
+            body["advance"] = int(advance)
         result = self._action("publish", body, options)
         return bool(result["published"])
 

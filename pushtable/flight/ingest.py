@@ -100,7 +100,7 @@ class Ingest:
                 if (watermark := protocol.advance_value(metadata)) is not None:
                     producer.advance(watermark)
                 else:
-                    batch = protocol.checked(path[0], count, batch, full=False)
+                    batch = protocol.checked(path[0], count, batch)
                     self._write(context, producer, batch)
                     record.rows += batch.num_rows
             finally:
@@ -137,7 +137,7 @@ class Ingest:
         try:
             for batch in protocol.batches(reader.read_chunk):
                 protocol.check_batch_schema(table, producer.schema, batch.schema)
-                share.add(protocol.checked(table, len(share.batches) + 1, batch, full=True))
+                share.add(protocol.checked(table, len(share.batches) + 1, batch))
                 writer.send(len(share.batches))
         except BaseException:
             share.release()
@@ -193,6 +193,9 @@ class Ingest:
                     for batch in share.batches if share is not None else []:
                         producer.write(batch)
                         written += 1
+                advance = body.get("advance")
+                if advance is not None and producer.watermark_type is not None:
+                    producer.advance(int(advance))  # the epoch is whole: its windows close
             except PushTableError as exc:
                 if not isinstance(exc, (errors.SinkClosedError, errors.ReaderGoneError)):
                     producer.fail(exc)

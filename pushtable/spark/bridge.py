@@ -365,22 +365,14 @@ class ForeachBatchBridge:
                 self._detach(sink, error, str(exc))
 
     def _stamped_schema(self, schema: pa.Schema) -> pa.Schema:
-        """An epoch's schema as the live tables see it (with the epoch column, if any)."""
-        if self.epoch_column is None or self.epoch_column in schema.names:
-            return schema
-        return schema.append(pa.field(self.epoch_column, pa.int64(), nullable=False))
+        return stamped_schema(schema, self.epoch_column)
 
     def _stamped(self, table: pa.Table, epoch_id: int) -> pa.Table:
-        """``table`` with its epoch id in the epoch column (when there is one)."""
-        if self.epoch_column is None or self.epoch_column in table.schema.names:
-            return table
-        ids = pa.repeat(pa.scalar(epoch_id, pa.int64()), table.num_rows)
-        field = pa.field(self.epoch_column, pa.int64(), nullable=False)
-        return table.append_column(field, ids)
+        return stamp_epoch(table, self.epoch_column, epoch_id)
 
     def _advance(self, sink: TableSink | Topic, epoch_id: int) -> None:
         """After epoch ``epoch_id``: no row of an earlier epoch will come (ordered sinks)."""
-        if self.epoch_column is not None and sink._native.watermark_type() is not None:
+        if self.epoch_column is not None and sink.watermark_type is not None:
             sink.advance(epoch_id + 1)
 
     def _push(self, table: pa.Table, epoch_id: int) -> None:
@@ -661,6 +653,22 @@ class ForeachBatchBridge:
                 producer.fail(StreamingQueryFailedError(exception))
             elif last:
                 producer.close()
+
+
+def stamped_schema(schema: pa.Schema, epoch_column: str | None) -> pa.Schema:
+    """An epoch's schema as live tables see it: with ``epoch_column`` (``int64``) appended,
+    unless there is none or the epoch has that column already."""
+    if epoch_column is None or epoch_column in schema.names:
+        return schema
+    return schema.append(pa.field(epoch_column, pa.int64(), nullable=False))
+
+
+def stamp_epoch(table: pa.Table, epoch_column: str | None, epoch_id: int) -> pa.Table:
+    """``table`` with ``epoch_id`` in every row of ``epoch_column`` (see :func:`stamped_schema`)."""
+    if epoch_column is None or epoch_column in table.schema.names:
+        return table
+    ids = pa.repeat(pa.scalar(epoch_id, pa.int64()), table.num_rows)
+    return table.append_column(pa.field(epoch_column, pa.int64(), nullable=False), ids)
 
 
 def _termination_listener(settle: Callable[[str, str | None], None]) -> Any:

@@ -36,7 +36,7 @@ from pushtable.lance_epochs import (
     SchemaDriftError,
     conform_to,
 )
-from pushtable.spark.bridge import EpochReport
+from pushtable.spark.bridge import EpochReport, stamp_epoch, stamped_schema
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -89,6 +89,11 @@ class RemoteBridge:
         push: ``"executors"`` (each task sends its partition) or ``"driver"``.
         publish_timeout: seconds the publish may wait for the live table's reader to make
             room; None (default): wait, so the reader paces the query (backpressure).
+        epoch_column: stamp every row sent to the live table with its epoch id in this
+            ``int64`` column (not persisted to Lance), as :class:`ForeachBatchBridge` does.
+            A table the bridge creates is then ``order_by=epoch_column``, and the server
+            advances an ordered table's watermark as it publishes each epoch, so a live
+            ``GROUP BY epoch`` answers each epoch as it lands.
 
     Example:
         >>> from pushtable.spark import RemoteBridge
@@ -113,6 +118,7 @@ class RemoteBridge:
         push: Push = "executors",
         publish_timeout: float | None = None,
         storage_options: dict[str, str] | None = None,
+        epoch_column: str | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
@@ -125,6 +131,8 @@ class RemoteBridge:
             raise ValueError(f"push must be 'executors' or 'driver', got {push!r}")
         if not table:
             raise ValueError("table must name the server's table")
+        if epoch_column is not None and not epoch_column:
+            raise ValueError("epoch_column must name a column or be None")
         if query_id is not None and not query_id:
             raise ValueError("query_id must be a non-empty string or None")
         if isinstance(tls_root_certs, (str, Path)):
@@ -140,6 +148,7 @@ class RemoteBridge:
         self.push: Push = push
         self.publish_timeout = publish_timeout
         self.storage_options = storage_options
+        self.epoch_column = epoch_column
         self.last_report: EpochReport | None = None
         #: test hook: (partition, step) at which attempt 0 of that partition's task fails
         self.fail_first_attempt: tuple[int, str] | None = None
@@ -196,6 +205,7 @@ class RemoteBridge:
             lance_uri=self.lance_uri,
             storage_options=self.storage_options,
             fail_first_attempt=self.fail_first_attempt,
+            epoch_column=self.epoch_column,
         )
         out = batch_df.mapInArrow(
             task, "partition int, attempt int, rows long, fragments string"
@@ -222,7 +232,8 @@ class RemoteBridge:
                 plan.writer.replayed(plan.epoch) if done else plan.writer.commit(plan.epoch, table)
             )
         if not plan.live_done:
-            data = conform_to(table, plan.live_schema).to_batches()
+            stamped = stamp_epoch(table, self.epoch_column, plan.epoch)
+            data = conform_to(stamped, plan.live_schema).to_batches()
             self._connect().stage(
                 self.table, plan.query_id, plan.epoch, 0, 0, data, plan.live_schema
             )
@@ -233,7 +244,12 @@ class RemoteBridge:
         """After the Lance commit: the staged shares of ``parts`` into the live table, once."""
         if not plan.live_done:
             self._connect().publish(
-                self.table, plan.query_id, plan.epoch, parts, timeout=self.publish_timeout
+                self.table,
+                plan.query_id,
+                plan.epoch,
+                parts,
+                timeout=self.publish_timeout,
+                advance=None if self.epoch_column is None else plan.epoch + 1,
             )
 
     # -- helpers ------------------------------------------------------------------------
@@ -278,10 +294,13 @@ class RemoteBridge:
 
     def _live_schema(self, client: Client, epoch_schema: pa.Schema) -> pa.Schema:
         """The server table's schema; the table is created from the epoch's if absent."""
+        epoch_schema = stamped_schema(epoch_schema, self.epoch_column)
         try:
             schema = client.schema(self.table)
         except UnknownTableError:
-            client.create_table(self.table, epoch_schema, if_not_exists=True)
+            client.create_table(
+                self.table, epoch_schema, if_not_exists=True, order_by=self.epoch_column
+            )
             schema = client.schema(self.table)
         try:  # on the driver, before any task runs: a clear error, not an executor trace
             conform_to(epoch_schema.empty_table(), schema)
@@ -323,6 +342,7 @@ class _PartitionTask:
     lance_uri: str | None
     storage_options: dict[str, str] | None
     fail_first_attempt: tuple[int, str] | None
+    epoch_column: str | None
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from pyspark import TaskContext
@@ -347,7 +367,10 @@ class _PartitionTask:
                     rows += batch.num_rows
                     if stager is not None:
                         assert self.live_schema is not None
-                        live = conform_to(pa.Table.from_batches([batch]), self.live_schema)
+                        stamped = stamp_epoch(
+                            pa.Table.from_batches([batch]), self.epoch_column, self.epoch
+                        )
+                        live = conform_to(stamped, self.live_schema)
                         for part in live.to_batches():
                             stager.write(part)
                     yield batch

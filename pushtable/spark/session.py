@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-__all__ = ["local_spark", "prune_spark_logs", "quiet_spark_start", "spark_log_path"]
+__all__ = [
+    "local_spark",
+    "local_spark_connect",
+    "prune_spark_logs",
+    "quiet_spark_start",
+    "spark_log_path",
+]
 
 # Spark starts workers with whatever `python3` is on PATH unless told otherwise; outside an
 # activated venv that interpreter lacks pyarrow ("No module named 'pyarrow'").
@@ -79,37 +85,77 @@ def local_spark(app: str, **conf: str) -> SparkSession:
     Example: ``spark = local_spark("my-app"); spark.range(3).count()`` gives ``3``; the
     Spark tests run it for real (``tests/spark_support.py``).
     """
-    from pyspark import SparkConf, SparkContext
-    from pyspark.java_gateway import launch_gateway
     from pyspark.sql import SparkSession
 
-    quiet_spark_start()
-    settings = {
-        "spark.master": "local[2]",
-        "spark.app.name": app,
-        "spark.ui.enabled": "false",
-        "spark.ui.showConsoleProgress": "false",
-        "spark.driver.bindAddress": "127.0.0.1",
-        "spark.driver.host": "127.0.0.1",
-        "spark.sql.shuffle.partitions": "2",
-        "spark.sql.session.timeZone": "UTC",
-        **conf,
-    }
-    spark_conf = SparkConf().setAll(list(settings.items()))
+    settings = {"spark.master": "local[2]", "spark.app.name": app, **_QUIET, **conf}
     with warnings.catch_warnings():
         # Starting the JVM forks and at once execs spark-submit: Lance's fork-safety warning
         # (raised before any fork) does not apply to it.
         warnings.filterwarnings("ignore", message="lance is not fork-safe")
-        if SparkContext._active_spark_context is None:  # a new JVM: its output to the log
-            prune_spark_logs()
-            with open(spark_log_path(), "ab") as out:
-                gateway = launch_gateway(  # type: ignore[no-untyped-call]
-                    spark_conf, popen_kwargs={"stdout": out, "stderr": out}
-                )
-            SparkContext(conf=spark_conf, gateway=gateway)
+        _launch_jvm(settings, context=True)
         builder = SparkSession.builder
         for key, value in settings.items():
             builder = builder.config(key, value)
         session = builder.getOrCreate()
     session.sparkContext.setLogLevel("ERROR")
     return session
+
+
+def local_spark_connect(app: str, **conf: str) -> SparkSession:
+    """A Spark Connect session on a local Spark Connect server (``remote("local[2]")``), as
+    quiet as :func:`local_spark`: the server's JVM, and the Python workers it starts (the
+    server-side ``foreachBatch`` among them), write to :func:`spark_log_path`.
+
+    pyspark starts the local server through ``SparkContext.getOrCreate``, which takes a JVM
+    gateway launched beforehand: this launches it with its output sent to the log.
+    ``SPARK_TESTING=1`` in the environment makes the server take an ephemeral port instead
+    of 15002 (Spark's own switch for parallel runs).
+    """
+    from pyspark.sql import SparkSession
+
+    settings = {"spark.app.name": app, **_QUIET, **conf}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="lance is not fork-safe")
+        # Every setting goes to the JVM's launch, where the server's SparkContext reads it as
+        # a default; a Connect session may set only runtime SQL settings (others warn).
+        _launch_jvm({"spark.master": "local[2]", **settings}, context=False)
+        builder = SparkSession.builder.remote("local[2]")
+        for key, value in settings.items():
+            if key.startswith("spark.sql."):
+                builder = builder.config(key, value)
+        return builder.getOrCreate()
+
+
+#: Settings of every local session: loopback, no UI, no progress bars, UTC, 2 shuffle parts.
+_QUIET = {
+    "spark.ui.enabled": "false",
+    "spark.ui.showConsoleProgress": "false",
+    "spark.driver.bindAddress": "127.0.0.1",
+    "spark.driver.host": "127.0.0.1",
+    "spark.sql.shuffle.partitions": "2",
+    "spark.sql.session.timeZone": "UTC",
+    # The JVM's log4j threshold (Spark's WARN lines at start-up go to the log file anyway).
+    "spark.log.level": "ERROR",
+}
+
+
+def _launch_jvm(settings: dict[str, str], *, context: bool) -> None:
+    """Launch this process's Spark JVM with its output in :func:`spark_log_path`, unless one
+    runs; with ``context``, also create the SparkContext on it (a classic session)."""
+    from pyspark import SparkConf, SparkContext
+    from pyspark.java_gateway import launch_gateway
+
+    quiet_spark_start()
+    if SparkContext._gateway is not None or SparkContext._active_spark_context is not None:
+        return
+    prune_spark_logs()
+    spark_conf = SparkConf().setAll(list(settings.items()))
+    with open(spark_log_path(), "ab") as out:
+        gateway = launch_gateway(  # type: ignore[no-untyped-call]
+            spark_conf, popen_kwargs={"stdout": out, "stderr": out}
+        )
+    if context:
+        SparkContext(conf=spark_conf, gateway=gateway)
+    else:  # SparkContext.getOrCreate (pyspark's local Connect server) takes it from here
+        SparkContext._gateway = gateway
+        SparkContext._jvm = gateway.jvm
