@@ -15,6 +15,10 @@ from __future__ import annotations
 
 from importlib.metadata import version as _version
 
+from pushtable import cpu as _cpu
+
+_cpu.check()  # before the native core loads: a clear ImportError, not SIGILL
+
 from pushtable.context import SessionContext, register_streaming_table
 from pushtable.dataframe import DataFrame
 from pushtable.errors import (
