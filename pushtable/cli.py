@@ -169,6 +169,14 @@ def parser() -> argparse.ArgumentParser:
         help="JSON file: scoped tokens (read / write / admin, limited to table patterns), "
         "resource limits, tables and topics (example below; docs/network.md, 'Security')",
     )
+    serve.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="directory of durable topics (one Lance dataset each, <name>.lance): their "
+        "acknowledgements mean committed, and a server started on it again reopens them "
+        "(docs/network.md, 'Durability')",
+    )
     return top
 
 
@@ -207,6 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             config=args.config,
             metrics_port=args.metrics_port,
             ui_port=args.ui_port,
+            data_dir=args.data_dir,
             say=_say,
         )
         return 0

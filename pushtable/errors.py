@@ -12,12 +12,14 @@ import threading
 from collections import OrderedDict
 
 __all__ = [
+    "CommitFailedError",
     "InvalidBatchError",
     "OrderViolationError",
     "PushTableError",
     "ReaderGoneError",
     "RemoteError",
     "SchemaMismatchError",
+    "SequenceError",
     "ServerStoppedError",
     "ServerUnavailableError",
     "SinkClosedError",
@@ -136,6 +138,18 @@ class ServerUnavailableError(PushTableError, ConnectionError):
 
 class ServerStoppedError(PushTableError):
     """The ``pushtable serve`` server stopped: its tables were failed with this error."""
+
+
+class CommitFailedError(PushTableError, OSError):
+    """A durable topic could not store batches (a full disk, a read-only data dir, a failed
+    Lance commit): the batches it covers are not acknowledged. The message names the topic,
+    the dataset, the offsets and the cause. Nothing unacknowledged counts as stored; an
+    idempotent producer may send them again."""
+
+
+class SequenceError(PushTableError, ValueError):
+    """An idempotent producer's batch skips sequence numbers (the server last stored an
+    earlier one): a batch in between was never sent. The message names both numbers."""
 
 
 class RemoteError(PushTableError):

@@ -12,6 +12,7 @@ import atexit
 import math
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
@@ -68,6 +69,23 @@ def _check_timeout(timeout: float | None) -> float | None:
     if math.isnan(timeout) or timeout < 0:
         raise ValueError(f"timeout must be a number >= 0 or None, got {timeout}")
     return None if math.isinf(timeout) else float(timeout)
+
+
+def arrow_batches(data: Any) -> Iterator[pa.RecordBatch]:
+    """The record batches of ``data``: a batch, a table, or any Arrow PyCapsule object."""
+    if isinstance(data, pa.RecordBatch):
+        yield data
+    elif isinstance(data, pa.Table):
+        yield from data.to_batches()
+    elif hasattr(data, "__arrow_c_array__"):
+        yield pa.record_batch(data)
+    elif hasattr(data, "__arrow_c_stream__"):
+        yield from pa.RecordBatchReader.from_stream(data)
+    else:
+        raise InvalidBatchError(
+            "expected Arrow data (a pyarrow RecordBatch or Table, or an object with "
+            f"__arrow_c_array__ / __arrow_c_stream__), got {type(data).__name__}"
+        )
 
 
 def _on_main_thread() -> bool:

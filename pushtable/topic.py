@@ -4,14 +4,21 @@ A streaming table has one reader. A topic has *subscriptions*: each one is a sin
 table in any session, taken at any time, that sees every batch written after it (or from
 the oldest batch still retained) exactly once, in order. Batches are stored once and shared
 by every subscription; memory grows with queued and retained batches, not with subscribers.
+
+A topic made with ``persist=`` is *durable* (:mod:`pushtable.durable`): every batch gets an
+offset and is stored in a Lance dataset by group commits; ``flush()``/``close()`` return once
+what was written is committed, and subscriptions start at any offset or time.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import datafusion
@@ -25,7 +32,10 @@ from pushtable.context import (
     delay_units,
     order_columns,
 )
-from pushtable.sink import SinkStats, _Producer
+from pushtable.durable import DurableLog, Start
+from pushtable.durable.store import describe
+from pushtable.errors import PushTableError
+from pushtable.sink import SinkStats, _check_timeout, _Producer, arrow_batches
 
 __all__ = ["Subscription", "SubscriptionStats", "Topic", "TopicStats"]
 
@@ -36,11 +46,20 @@ class TopicStats(SinkStats):
 
     ``queued_batches``/``queued_bytes`` count what the topic holds (batches some subscriber
     has still to read, plus the retention window); ``subscribers`` are the live ones;
-    ``detached`` counts subscribers cut loose for falling behind.
+    ``detached`` counts subscribers cut loose for falling behind. A durable topic adds its
+    offsets (``next_offset``; every offset below ``committed_offset`` is stored), what waits
+    for a commit (``pending_batches``/``pending_bytes``), ``commits`` and ``commit_failures``.
     """
 
     subscribers: int = 0
     detached: int = 0
+    durable: bool = False
+    next_offset: int = 0
+    committed_offset: int = 0
+    pending_batches: int = 0
+    pending_bytes: int = 0
+    commits: int = 0
+    commit_failures: int = 0
 
 
 @dataclass(frozen=True)
@@ -90,6 +109,15 @@ class Topic(_Producer):
     failure. ``validate`` is as for a table (:func:`~pushtable.register_streaming_table`):
     ``"full"`` checks every value of every batch written.
 
+    ``persist="path/to/x.lance"`` makes it durable: each batch written gets an offset and
+    goes to subscribers at once, and a committer stores everything written within
+    ``commit_interval`` seconds in one Lance transaction. ``write`` returns once the batch is
+    accepted; :meth:`flush` and :meth:`close` return once everything written is stored (or
+    raise :class:`~pushtable.CommitFailedError`). A topic made again on the same path
+    continues its offsets. ``retain``/``retain_bytes`` then bound the committed batches also
+    kept in memory (history is read from Lance); ``upkeep_interval`` seconds apart, small
+    fragments are compacted and versions older than ten minutes removed, while writes go on.
+
     Example:
         >>> import pyarrow as pa
         >>> from pushtable import SessionContext, Topic
@@ -118,6 +146,9 @@ class Topic(_Producer):
         arrival_column: str | None = None,
         max_delay: timedelta | int | None = None,
         validate: Validate = "basic",
+        persist: str | Path | None = None,
+        commit_interval: float = 0.1,
+        upkeep_interval: float | None = 60.0,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string, got {name!r}")
@@ -130,11 +161,12 @@ class Topic(_Producer):
             schema = pa.schema(schema)
         order = order_columns(order_by, late)
         delay = delay_units(schema, order, max_delay)
+        durable = persist is not None
         native = _native.topic(
             name,
             schema,
-            retain,
-            retain_bytes,
+            0 if durable else retain,  # a durable topic's history is read from Lance
+            None if durable else retain_bytes,
             order,
             late,
             arrival_column,
@@ -144,7 +176,126 @@ class Topic(_Producer):
         super().__init__(native, name, schema)
         self.retain = retain
         self.retain_bytes = retain_bytes
+        #: the log of a durable topic (None for a topic in memory only)
+        self.durable: DurableLog | None = None
+        if persist is not None:
+            config = {
+                "retain": retain,
+                "retain_bytes": retain_bytes,
+                "order_by": order or None,
+                "late": late,
+                "arrival_column": arrival_column,
+                "validate": validate,
+                "commit_interval": commit_interval,
+                **_delay_config(max_delay),
+            }
+            self.durable = DurableLog(
+                name,
+                schema,
+                persist,
+                self._live_write,
+                config=config,
+                commit_interval=commit_interval,
+                retain=retain,
+                retain_bytes=retain_bytes,
+                upkeep_interval=upkeep_interval,
+            )
         metrics.track(self)
+
+    @classmethod
+    def reopen(cls, persist: str | Path, name: str | None = None, **options: Any) -> Topic:
+        """The durable topic stored at ``persist``, with the schema and options it was made
+        with (``options`` override them): its offsets continue where the last commit left.
+
+        Example:
+            >>> import tempfile, pyarrow as pa
+            >>> path = tempfile.mkdtemp() + "/events.lance"
+            >>> topic = Topic("events", pa.schema([("v", pa.int64())]), persist=path)
+            >>> topic.write(pa.record_batch({"v": [1, 2]}))
+            >>> topic.close()
+            >>> again = Topic.reopen(path)
+            >>> again.offsets()
+            {'earliest': 0, 'committed': 1, 'next': 1}
+            >>> again.close()
+        """
+        schema, config = describe(persist)
+        if "max_delay_us" in config:
+            config["max_delay"] = timedelta(microseconds=config.pop("max_delay_us"))
+        config.update(options)
+        topic_name = name if name is not None else Path(persist).name.removesuffix(".lance")
+        return cls(topic_name, schema, persist=persist, **config)
+
+    def _live_write(self, batch: pa.RecordBatch, timeout: float | None) -> None:
+        _Producer.write(self, batch, timeout)
+
+    def write(self, data: Any, timeout: float | None = None) -> None:
+        """As :meth:`TableSink.write`; on a durable topic each batch also gets the next
+        offset, and is stored by a commit within ``commit_interval`` (:meth:`flush` waits
+        for it). A durable topic whose last commit failed refuses writes with
+        :class:`~pushtable.CommitFailedError` until a commit succeeds."""
+        if self.durable is None:
+            return super().write(data, timeout)
+        timeout = _check_timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        written = 0
+        try:
+            for batch in arrow_batches(data):
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                self.durable.append(batch, left)
+                written += 1
+        except PushTableError as exc:
+            exc.batches_written = written
+            raise
+        return None
+
+    async def awrite(self, data: Any, timeout: float | None = None) -> None:
+        if self.durable is None:
+            return await super().awrite(data, timeout)
+        await asyncio.to_thread(self.write, data, timeout)
+        return None
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Return once every batch written so far is stored (a durable topic); raises
+        :class:`~pushtable.CommitFailedError` if a commit holding one failed. A topic in
+        memory has nothing to wait for."""
+        if self.durable is not None:
+            self.durable.flush(_check_timeout(timeout))
+
+    def close(self) -> None:
+        """End of stream; a durable topic first stores what is pending (and raises
+        :class:`~pushtable.CommitFailedError` if it cannot: the stream still ends)."""
+        try:
+            if self.durable is not None:
+                self.durable.close()
+        finally:
+            super().close()
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.close)
+
+    def fail(self, exc: BaseException) -> None:
+        """As :meth:`TableSink.fail`; a durable topic stores what was written before it."""
+        if self.durable is not None:
+            try:
+                self.durable.close(timeout=10.0)
+            except PushTableError:
+                self.durable.abandon()
+        super().fail(exc)
+
+    def offsets(self) -> dict[str, int]:
+        """A durable topic's ``earliest`` offset, ``committed`` (every offset below it is
+        stored) and ``next`` (the next batch's offset)."""
+        return self._log("offsets").offsets()
+
+    def read(self, start: int, end: int) -> pa.RecordBatchReader:
+        """The stored batches of offsets ``[start, end)`` of a durable topic: the same rows
+        every time (``end`` at most ``offsets()["committed"]``)."""
+        return self._log("read").read(start, end)
+
+    def _log(self, what: str) -> DurableLog:
+        if self.durable is None:
+            raise ValueError(f"{what}() needs a durable topic (Topic(..., persist=...))")
+        return self.durable
 
     def __repr__(self) -> str:
         s = self.stats
@@ -154,7 +305,8 @@ class Topic(_Producer):
     @property
     def stats(self) -> TopicStats:
         """Current counters (see :class:`TopicStats`)."""
-        return TopicStats(**self._native.stats())
+        extra = self.durable.stats if self.durable is not None else {}
+        return TopicStats(**self._native.stats(), **extra)
 
     def subscribe(
         self,
@@ -163,7 +315,7 @@ class Topic(_Producer):
         capacity: int = 16,
         *,
         max_bytes: int | None = None,
-        start: Literal["now", "earliest"] = "now",
+        start: Start = "now",
         on_slow: Literal["block", "detach"] = "block",
         slow_timeout: float = 5.0,
         unbounded: bool = False,
@@ -180,6 +332,10 @@ class Topic(_Producer):
         on. A query that ends early (LIMIT, cancel, error) detaches only its subscription.
         ``history`` (an Arrow stream, e.g. a ``pa.RecordBatchReader``) is read first.
 
+        On a durable topic ``start`` may also be ``"latest"`` (as ``"now"``), an offset, or a
+        ``datetime`` (the first batch that arrived then or later): the query reads the stored
+        history from there (Lance), then the live batches, with no gap and no duplicate.
+
         Example:
             >>> import pyarrow as pa
             >>> from pushtable import SessionContext, Topic
@@ -190,8 +346,11 @@ class Topic(_Producer):
             'waiting for a query'
         """
         check_new_table(ctx, name, capacity, max_bytes)
-        if start not in ("now", "earliest"):
-            raise ValueError(f"start must be 'now' or 'earliest', got {start!r}")
+        if self.durable is None and start not in ("now", "latest", "earliest"):
+            raise ValueError(
+                f"start must be 'now', 'latest' or 'earliest', got {start!r} (an offset or a "
+                "time needs a durable topic: Topic(..., persist=...))"
+            )
         if on_slow not in ("block", "detach"):
             raise ValueError(f"on_slow must be 'block' or 'detach', got {on_slow!r}")
         if (
@@ -205,10 +364,32 @@ class Topic(_Producer):
             got = type(history).__name__
             raise TypeError(f"history must be an Arrow stream (__arrow_c_stream__), got {got}")
         timeout = float(slow_timeout) if on_slow == "detach" else None
-        native, provider = self._native.subscribe(
-            capacity, max_bytes, start, timeout, history, unbounded
-        )
+        if self.durable is not None:
+            if history is not None:
+                raise ValueError("a durable topic reads its own history: pass start=, not history=")
+            native, provider = self.durable.subscribe(
+                start,
+                lambda prelude: self._native.subscribe(
+                    capacity, max_bytes, "now", timeout, prelude, unbounded
+                ),
+            )
+        else:
+            native, provider = self._native.subscribe(
+                capacity,
+                max_bytes,
+                "now" if start == "latest" else str(start),
+                timeout,
+                history,
+                unbounded,
+            )
         ctx.register_table(name, provider)
         subscription = Subscription(native, name, self)
         metrics.track(subscription, session=ctx.session_id())
         return subscription
+
+
+def _delay_config(max_delay: timedelta | int | None) -> dict[str, Any]:
+    """``max_delay`` as a durable topic's stored option (JSON has no timedelta)."""
+    if isinstance(max_delay, timedelta):
+        return {"max_delay_us": round(max_delay / timedelta(microseconds=1))}
+    return {} if max_delay is None else {"max_delay": max_delay}

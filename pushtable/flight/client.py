@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ from pushtable.errors import (
     UnknownTableError,
 )
 from pushtable.flight import protocol
+from pushtable.flight.idempotent import IdempotentSink
 from pushtable.flight.remote_sink import RemoteSink, Stager
 
 __all__ = ["Client", "RemoteResult", "connect"]
@@ -128,20 +129,30 @@ class Client:
         retain_bytes: int | None = None,
         order_by: str | list[str] | None = None,
         if_not_exists: bool = False,
+        durable: bool = False,
+        commit_interval: float | None = None,
     ) -> None:
-        """Declare a topic on the server (see :class:`pushtable.Topic`)."""
-        self._action(
-            "create_table",
-            {
-                "name": name,
-                "schema": protocol.schema_bytes(schema),
-                "topic": True,
-                "retain": retain,
-                "retain_bytes": retain_bytes,
-                "order_by": order_by,
-                "if_not_exists": if_not_exists,
-            },
-        )
+        """Declare a topic on the server (see :class:`pushtable.Topic`).
+
+        ``durable=True`` (an ``admin`` call) stores it in the server's data dir as
+        ``<name>.lance``: each acknowledgement then means committed, it survives a restart,
+        and subscriptions and :meth:`read` start at any offset. ``commit_interval``
+        (seconds, default 0.1) is how long its group commits gather batches.
+        """
+        body: dict[str, Any] = {
+            "name": name,
+            "schema": protocol.schema_bytes(schema),
+            "topic": True,
+            "retain": retain,
+            "retain_bytes": retain_bytes,
+            "order_by": order_by,
+            "if_not_exists": if_not_exists,
+        }
+        if durable:
+            body["durable"] = True
+        if commit_interval is not None:
+            body["commit_interval"] = commit_interval
+        self._action("create_table", body)
 
     def subscribe(
         self,
@@ -149,18 +160,20 @@ class Client:
         name: str,
         capacity: int = 16,
         *,
-        start: str = "now",
+        start: str | int | datetime = "now",
         on_slow: str = "block",
         slow_timeout: float = 5.0,
     ) -> None:
-        """Register a subscription of ``topic`` as table ``name`` on the server."""
+        """Register a subscription of ``topic`` as table ``name`` on the server; on a
+        durable topic ``start`` may be ``"earliest"``, ``"latest"``, an offset or a
+        ``datetime`` (history from the dataset, then the live batches)."""
         self._action(
             "subscribe",
             {
                 "topic": topic,
                 "name": name,
                 "capacity": capacity,
-                "start": start,
+                "start": protocol.start_option(start),
                 "on_slow": on_slow,
                 "slow_timeout": slow_timeout,
             },
@@ -178,6 +191,20 @@ class Client:
         """The live counters of table or topic ``name`` (its ``stats``, as a dict)."""
         return dict(self._action("stats", {"name": name}))
 
+    def offsets(self, topic: str) -> dict[str, int]:
+        """A durable topic's ``earliest`` offset, ``committed`` (every offset below it is
+        stored) and ``next``."""
+        return {k: int(v) for k, v in self._action("offsets", {"name": topic}).items()}
+
+    def read(self, topic: str, start: int, end: int) -> RemoteResult:
+        """The committed batches of offsets ``[start, end)`` of a durable topic, from its
+        dataset: the same rows each time (``end`` at most ``offsets(topic)["committed"]``)."""
+        ticket = {"topic": topic, "start": int(start), "end": int(end)}
+        reader = protocol.call(
+            self._flight.do_get, flight.Ticket(json.dumps(ticket).encode()), self._stream_options
+        )
+        return RemoteResult(reader)
+
     def schema(self, name: str) -> pa.Schema:
         for t in self.tables():
             if t["name"] == name:
@@ -186,9 +213,27 @@ class Client:
 
     # -- producing and querying ---------------------------------------------------------
 
-    def sink(self, name: str, *, window: int = 8) -> RemoteSink:
-        """A producer for table (or topic) ``name``; ``window`` bounds unacknowledged batches."""
-        sink = RemoteSink(self, name, self.schema(name), window=window)
+    def sink(
+        self,
+        name: str,
+        *,
+        window: int = 8,
+        producer_id: str | None = None,
+        retry: float = 60.0,
+    ) -> RemoteSink:
+        """A producer for table (or topic) ``name``; ``window`` bounds unacknowledged batches.
+
+        With ``producer_id`` (a durable topic), an :class:`IdempotentSink`: its batches are
+        numbered, kept until stored, and sent again after an outage of up to ``retry``
+        seconds without being stored twice.
+        """
+        sink: RemoteSink
+        if producer_id is not None:
+            sink = IdempotentSink(
+                self, name, self.schema(name), producer_id, window=window, retry=retry
+            )
+        else:
+            sink = RemoteSink(self, name, self.schema(name), window=window)
         self._sinks.add(sink)
         return sink
 

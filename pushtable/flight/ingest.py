@@ -1,9 +1,10 @@
 """DoPut on ``pushtable serve``: remote producers' batches into tables (with backpressure end
-to end), Spark task attempts' shares staged until their epoch is published, and idle streams
-told to end."""
+to end), into durable topics (acknowledged once committed, idempotent producers), Spark task
+attempts' shares staged until their epoch is published, and idle streams told to end."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 import time
@@ -13,6 +14,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from pushtable import errors, metrics
+from pushtable.durable import DurableLog
 from pushtable.errors import PushTableError, WriteTimeoutError
 from pushtable.flight import protocol
 from pushtable.flight.auth import ADMIN, WRITE, caller
@@ -78,14 +80,24 @@ class Ingest:
             grant.require(ADMIN, "stage Spark shares for", [path[0]])
             record.rows = self._stage(context, path, reader, writer)
             return
-        if len(path) != 1:
+        identity = protocol.producer_path(path)
+        if len(path) != 1 and identity is None:
             raise ValueError(
-                f"unexpected DoPut path {path!r}: expected [table] or "
+                f"unexpected DoPut path {path!r}: expected [table], "
+                "[table, 'producer', producer_id, first_sequence] or "
                 "[table, 'stage', query, epoch, partition, attempt]"
             )
         record.table = path[0]
-        grant.require(WRITE, "push to", path)
+        grant.require(WRITE, "push to", path[:1])
         producer = self._table(path[0])
+        if isinstance(producer, Topic) and producer.durable is not None:
+            record.rows = self._durable_put(context, producer, identity, reader, writer)
+            return
+        if identity is not None:
+            raise ValueError(
+                f"'{path[0]}' is not a durable topic: a producer_id (idempotent producer) needs "
+                "one (create_topic(..., durable=True))"
+            )
         count = acked = 0
         for batch, metadata in protocol.chunks(reader.read_chunk):
             if batch is None:  # a metadata-only message: the client asks where we are
@@ -112,6 +124,75 @@ class Ingest:
                 acked = writer.send(count)
         if acked != count:  # the stream ended: everything it carried is queued
             writer.send(count)
+
+    def _durable_put(
+        self,
+        context: Any,
+        topic: Topic,
+        identity: tuple[str, int] | None,
+        reader: Any,
+        writer: _Acks,
+    ) -> int:
+        """A producer's stream into a durable topic: each batch is acknowledged once a commit
+        stores it (the committer sends the counts). A producer with an id numbers its batches
+        from ``identity``'s first sequence: one stored already is acknowledged, not appended.
+        Returns the rows appended."""
+        log = topic.durable
+        assert log is not None
+        acks = _CommitAcks(writer)
+        log.listen(acks.on_commit)
+        rows = count = 0
+        producer_id, sequence = identity if identity is not None else (None, None)
+        try:
+            for batch, metadata in protocol.chunks(reader.read_chunk):
+                acks.raise_failure()
+                if batch is None:  # SYNC: the client waits for acknowledgements: commit now
+                    if metadata != protocol.SYNC:
+                        raise ValueError(f"unexpected DoPut app_metadata: {metadata!r}")
+                    log.commit_soon()
+                    continue
+                count += 1
+                writer.writing = True
+                try:
+                    if (watermark := protocol.advance_value(metadata)) is not None:
+                        topic.advance(watermark)
+                        ticket = log.offsets()["next"] - 1
+                    else:
+                        batch = protocol.checked(topic.name, count, batch)
+                        ticket = self._append(context, log, batch, producer_id, sequence)
+                        rows += batch.num_rows
+                        if sequence is not None:
+                            sequence += 1
+                finally:
+                    writer.done()
+                if not protocol.is_later(metadata):  # the client waits for this one: group
+                    log.commit_soon()  # everything pending into the next commit, now
+                acks.expect(count, ticket, log.committed)
+            while not log.wait_committed(acks.last_ticket, POLL_S):  # the stream ended
+                if context.is_cancelled() or self._stopping.is_set():
+                    raise errors.ServerStoppedError("the pushtable server stopped")
+            acks.on_commit(log.committed, None)
+            acks.raise_failure()
+            return rows
+        finally:
+            log.unlisten(acks.on_commit)
+            acks.done()
+
+    def _append(
+        self,
+        context: Any,
+        log: DurableLog,
+        batch: pa.RecordBatch,
+        producer_id: str | None,
+        sequence: int | None,
+    ) -> int:
+        """Append, waiting for room without end, unless the client left or the server stops."""
+        while True:
+            try:
+                return log.append(batch, POLL_S, producer=producer_id, sequence=sequence)
+            except WriteTimeoutError:
+                if context.is_cancelled() or self._stopping.is_set():
+                    raise
 
     def _write(self, context: Any, producer: TableSink | Topic, batch: pa.RecordBatch) -> None:
         """Write, waiting for room without end, unless the client left or the server stops."""
@@ -230,8 +311,18 @@ class _Acks:
             self._writer.write(protocol.ack(count))
         return count
 
+    def send_if_open(self, count: int) -> None:
+        """Acknowledge ``count`` batches from another thread (nothing once the call ended)."""
+        with self._lock, contextlib.suppress(flight.FlightError, pa.ArrowException, OSError):
+            if not self._closed:
+                self.last_active = time.monotonic()
+                self._writer.write(protocol.ack(count))
+
     def stopping(self) -> None:
         self._notice(protocol.STOPPING)
+
+    def failed(self) -> None:
+        self._notice(protocol.FAILED)
 
     def idle(self) -> None:
         self.told_idle = True
@@ -245,6 +336,50 @@ class _Acks:
     def close(self) -> None:
         with self._lock:
             self._closed = True
+
+
+class _CommitAcks:
+    """A durable stream's acknowledgements: each batch's count is sent once the commit that
+    holds its offset is done (from the committer's thread); a failed commit ends the stream
+    with its error."""
+
+    def __init__(self, writer: _Acks) -> None:
+        self._writer = writer
+        self._lock = threading.Lock()
+        self._waiting: collections.deque[tuple[int, int]] = collections.deque()
+        self._sent = 0
+        self._finished = False
+        self.failure: BaseException | None = None
+        self.last_ticket = -1
+
+    def expect(self, count: int, ticket: int, committed: int) -> None:
+        """Batch ``count`` of the stream is acknowledged once offset ``ticket`` is stored."""
+        with self._lock:
+            self._waiting.append((count, ticket))
+            self.last_ticket = max(self.last_ticket, ticket)
+        self.on_commit(committed, None)
+
+    def on_commit(self, committed: int, failure: BaseException | None) -> None:
+        with self._lock:
+            if self._finished:
+                return
+            count = self._sent
+            while self._waiting and self._waiting[0][1] < committed:
+                count = self._waiting.popleft()[0]
+            if count > self._sent:
+                self._sent = count
+                self._writer.send_if_open(count)
+            if failure is not None and self._waiting and self.failure is None:
+                self.failure = failure
+                self._writer.failed()  # the client ends its side: the error reaches it
+
+    def raise_failure(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def done(self) -> None:
+        with self._lock:
+            self._finished = True
 
 
 class _Share:

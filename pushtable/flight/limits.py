@@ -11,8 +11,10 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
+from pushtable.durable.store import directory_bytes
 from pushtable.errors import ResourceLimitError
 
 __all__ = ["Limits"]
@@ -53,6 +55,9 @@ class Limits:
     max_table_bytes: int = 1 * GiB
     #: seconds a remote query may wait on a client that reads nothing before it is dropped.
     idle_timeout: float = 300.0
+    #: bytes the durable topics of ``--data-dir`` may take on disk (a write past it is
+    #: refused; what is stored stays readable).
+    max_data_bytes: int = 64 * GiB
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -227,6 +232,35 @@ class Usage:
         """Count a refusal decided elsewhere (a table option, a statement kind, a role)."""
         with self._lock:
             self.refusals[reason] = self.refusals.get(reason, 0) + 1
+
+
+class DataBudget:
+    """The data dir's disk use against ``max_data_bytes``: each durable write reserves its
+    bytes (the Arrow size, a bound on what Lance stores for it); near the limit the directory
+    is measured again, since upkeep removes old versions."""
+
+    def __init__(self, path: Path, limit: int, usage: Usage) -> None:
+        self.path = path
+        self.limit = limit
+        self._usage = usage
+        self._lock = threading.Lock()
+        self.used = directory_bytes(path)
+
+    def reserve(self, nbytes: int) -> None:
+        with self._lock:
+            if self.used + nbytes > self.limit:
+                self.used = directory_bytes(self.path)
+            if self.used + nbytes > self.limit:
+                raise self._usage._refuse(
+                    _refused(
+                        f"bytes in the data dir {self.path}",
+                        self.used + nbytes,
+                        self.limit,
+                        "max_data_bytes",
+                    ),
+                    "max_data_bytes",
+                )
+            self.used += nbytes
 
 
 class Slot:

@@ -7,11 +7,21 @@
   ends. An empty batch whose ``app_metadata`` is ``{"advance": ...}`` (JSON) is a watermark,
   in order with the batches around it (``RemoteSink.advance``); it is acknowledged like a
   batch.
+- **DoPut** ``path=[topic, "producer", producer_id, first_sequence]``: an idempotent
+  producer's stream into a durable topic; its batches are numbered from ``first_sequence``
+  and a batch the topic stored before is acknowledged, not appended again. On a durable
+  topic every acknowledgement means *committed* (stored in its Lance dataset); the server
+  sends ``FAILED`` when a commit holding the stream's batches failed (the stream then ends
+  with that error).
 - **DoPut** ``path=[table, "stage", query, epoch, partition, attempt]``: one Spark task's
   share of an epoch, held until the driver publishes the epoch (``publish`` action).
 - **DoGet** ticket ``{"sql": ...}``: the query's result batches as the query produces them.
+- **DoGet** ticket ``{"topic": ..., "start": s, "end": e}``: a durable topic's committed
+  batches of offsets ``[s, e)``, the same rows every time.
 - **Actions** (JSON bodies and results): ``create_table``, ``subscribe``, ``close``, ``fail``,
-  ``stats``, ``tables``, ``publish``, ``published``.
+  ``stats``, ``tables``, ``publish``, ``published``, ``offsets`` (a durable topic's
+  ``earliest``/``committed``/``next``), ``producer`` (an idempotent producer's last stored
+  sequence).
 - **Errors**: a pushtable error crosses as ``[pushtable:ClassName] message [/pushtable]`` inside
   Flight's error text, and is raised again on the client as the same class.
 - **Auth**: ``authorization: Bearer <token>`` on every call.
@@ -39,8 +49,11 @@ ACTIONS = (
     "tables",
     "publish",
     "published",
+    "offsets",
+    "producer",
 )
 STAGE = "stage"
+PRODUCER = "producer"
 AUTH_HEADER = "authorization"
 
 _ERROR = re.compile(r"\[pushtable:(?P<cls>\w+)\] (?P<msg>.*?) \[/pushtable\]", re.DOTALL)
@@ -92,6 +105,46 @@ STOPPING = pa.py_buffer(b"\xff" * 8)
 #: The metadata a server sends on a DoPut stream idle for ``idle_timeout``: end it; the
 #: client's next write opens a new one.
 IDLE = pa.py_buffer(b"\xfe" * 8)
+#: The metadata a server sends on a durable topic's DoPut stream when a commit holding its
+#: batches failed: end it; the call then ends with the commit's error.
+FAILED = pa.py_buffer(b"\xfd" * 8)
+
+
+def producer_path(path: list[str]) -> tuple[str, int] | None:
+    """``(producer_id, first_sequence)`` of an idempotent producer's DoPut path, else None."""
+    if len(path) != 4 or path[1] != PRODUCER:
+        return None
+    try:
+        first = int(path[3])
+    except ValueError:
+        raise ValueError(f"DoPut path {path!r}: the first sequence must be an integer") from None
+    if not path[2] or first < 0:
+        raise ValueError(f"DoPut path {path!r}: a producer id and a sequence >= 0 are needed")
+    return path[2], first
+
+
+def retriable(exc: BaseException) -> bool:
+    """Whether an idempotent producer should reconnect and resend after ``exc``: the server
+    is unreachable, stopped, or the connection broke (not: a refusal of the data itself)."""
+    if isinstance(exc, (errors.ServerUnavailableError, errors.ServerStoppedError)):
+        return True
+    if isinstance(exc, errors.PushTableError) and not isinstance(
+        exc, (errors.SinkClosedError, errors.RemoteError)
+    ):
+        return False
+    text = str(exc).lower()
+    return any(
+        k in text
+        for k in (
+            "unavailable",
+            "socket closed",
+            "connection",
+            "rst_stream",
+            "ended the stream before",
+            "server stopped",
+            "broken pipe",
+        )
+    )
 
 
 #: A batch's ``app_metadata`` asking for no acknowledgement of its own: a later one (or
@@ -178,6 +231,27 @@ def delay_option(max_delay: Any) -> dict[str, Any]:
     if isinstance(max_delay, timedelta):
         return {"max_delay_us": round(max_delay / timedelta(microseconds=1))}
     return {"max_delay": max_delay}
+
+
+def start_option(start: Any) -> Any:
+    """A subscription's ``start`` for an action body: a name, ``{"offset": n}`` or
+    ``{"time": iso}``."""
+    if isinstance(start, datetime):
+        return {"time": start.isoformat()}
+    if isinstance(start, int) and not isinstance(start, bool):
+        return {"offset": start}
+    return start
+
+
+def start_value(option: Any) -> Any:
+    """What :func:`start_option` encoded."""
+    if isinstance(option, dict):
+        if "offset" in option:
+            return int(option["offset"])
+        if "time" in option:
+            return datetime.fromisoformat(str(option["time"]))
+        raise ValueError(f"unknown start {option!r}: expected an offset or a time")
+    return option
 
 
 def advance_metadata(ts: Any) -> bytes:

@@ -26,6 +26,9 @@ from pushtable.flight.auth import READ, caller
 from pushtable.flight.calls import POLL_S, audit, query_error, wire_errors
 from pushtable.flight.limits import Limits, Slot, Usage
 
+if TYPE_CHECKING:
+    from pushtable.topic import Topic
+
 
 class Queries:
     """The server's remote-SQL side (a part of :class:`pushtable.flight.Server`)."""
@@ -37,6 +40,8 @@ class Queries:
     if TYPE_CHECKING:
 
         def _call(self, context: Any) -> contextlib.AbstractContextManager[None]: ...
+
+        def _durable(self, name: str) -> Topic: ...
 
     def _plan(self, context: Any, query: str) -> datafusion.DataFrame:
         """Plan a remote query: queries only (no DDL, DML, COPY or SET: refused before
@@ -79,11 +84,17 @@ class Queries:
         with wire_errors(), held:
             record = held.enter_context(call)
             try:
-                query = json.loads(ticket.ticket)["sql"]
-            except (ValueError, KeyError, TypeError):
-                query = None
+                body = json.loads(ticket.ticket)
+                query = body.get("sql")
+            except (ValueError, AttributeError):
+                body, query = {}, None
+            if isinstance(body, dict) and "topic" in body:
+                return self._range(context, body, record)
             if not isinstance(query, str):
-                raise ValueError('a DoGet ticket is JSON: {"sql": "<query>"}')
+                raise ValueError(
+                    'a DoGet ticket is JSON: {"sql": "<query>"} or '
+                    '{"topic": "<durable topic>", "start": <offset>, "end": <offset>}'
+                )
             df = self._plan(context, query)
             schema = df.schema()
             slot = held.enter_context(self.usage.query())
@@ -95,6 +106,14 @@ class Queries:
         # A generator that never starts never runs its finally: let go when it is collected.
         weakref.finalize(results, held.close)
         return flight.GeneratorStream(schema, results)
+
+    def _range(self, context: Any, body: dict[str, Any], record: Any) -> Any:
+        """A durable topic's committed offsets ``[start, end)``, read from its dataset."""
+        name = str(body["topic"])
+        record.table = name
+        caller(context).require(READ, "read", [name])
+        reader = self._durable(name).read(int(body["start"]), int(body["end"]))
+        return flight.RecordBatchStream(reader)
 
     def _results(
         self,

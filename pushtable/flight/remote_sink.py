@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -21,14 +20,13 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from pushtable.errors import (
-    InvalidBatchError,
     PushTableError,
     ServerStoppedError,
     SinkClosedError,
     WriteTimeoutError,
 )
 from pushtable.flight import protocol
-from pushtable.sink import ProducerScope, SinkStats, _check_timeout
+from pushtable.sink import ProducerScope, SinkStats, _check_timeout, arrow_batches
 from pushtable.topic import TopicStats
 
 if TYPE_CHECKING:
@@ -103,6 +101,11 @@ class _Put:
                     # The server is stopping: end our side, so it need not wait for a write.
                     with self.changed:
                         self.error = ServerStoppedError("the pushtable server stopped")
+                    with self.io, contextlib.suppress(flight.FlightError, pa.ArrowException):
+                        self.writer.done_writing()
+                    continue
+                if buf.equals(protocol.FAILED):
+                    # A commit failed: end our side; the call's error names it.
                     with self.io, contextlib.suppress(flight.FlightError, pa.ArrowException):
                         self.writer.done_writing()
                     continue
@@ -239,21 +242,6 @@ class RemoteSink(ProducerScope):
     def __repr__(self) -> str:
         return f"RemoteSink(name={self.name!r}, server={self._client.uri!r})"
 
-    def _batches(self, data: Any) -> Iterator[pa.RecordBatch]:
-        if isinstance(data, pa.RecordBatch):
-            yield data
-        elif isinstance(data, pa.Table):
-            yield from data.to_batches()
-        elif hasattr(data, "__arrow_c_array__"):
-            yield pa.record_batch(data)
-        elif hasattr(data, "__arrow_c_stream__"):
-            yield from pa.RecordBatchReader.from_stream(data)
-        else:
-            raise InvalidBatchError(
-                "expected Arrow data (a pyarrow RecordBatch or Table, or an object with "
-                f"__arrow_c_array__ / __arrow_c_stream__), got {type(data).__name__}"
-            )
-
     def _stream(self) -> _Put:
         if self._put is not None and self._put.idle:  # the server ended it: start anew
             self._end_stream_locked()
@@ -299,7 +287,7 @@ class RemoteSink(ProducerScope):
             if self._closed:
                 raise SinkClosedError(f"remote sink for '{self.name}' is closed")
             try:
-                for data_batch in self._batches(data):
+                for data_batch in arrow_batches(data):
                     batch = protocol.to_wire(self.name, self.schema, self._wire_schema, data_batch)
                     put = self._stream()
                     if not put.wait(self.window - 1, deadline):

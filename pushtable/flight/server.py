@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -28,6 +29,7 @@ import pyarrow.flight as flight
 from pushtable import errors, metrics
 from pushtable.context import SessionContext
 from pushtable.errors import (
+    PermissionDeniedError,
     ResourceLimitError,
     ServerStoppedError,
     UnknownTableError,
@@ -36,7 +38,7 @@ from pushtable.flight import protocol, sql
 from pushtable.flight.auth import ADMIN, READ, WRITE, BearerAuth, Grant, Tokens, caller
 from pushtable.flight.calls import POLL_S, audit, client_of, table_named, wire_errors
 from pushtable.flight.ingest import Ingest, _Acks, _Share
-from pushtable.flight.limits import Limits, Usage
+from pushtable.flight.limits import DataBudget, Limits, Usage
 from pushtable.flight.query import Queries
 from pushtable.sink import TableSink
 from pushtable.topic import Topic
@@ -44,6 +46,9 @@ from pushtable.topic import Topic
 __all__ = ["Server", "serve"]
 
 log = logging.getLogger(__name__)
+
+#: a durable topic's name, which is also its dataset's file name under the data dir
+_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
 def _tls_pairs(tls: tuple[str | Path, str | Path] | None) -> list[Any] | None:
@@ -83,7 +88,22 @@ class Server(Ingest, Queries, flight.FlightServerBase):  # type: ignore[misc]
         tls: tuple[str | Path, str | Path] | None = None,
         ctx: SessionContext | None = None,
         limits: Limits | None = None,
+        data_dir: str | Path | None = None,
     ) -> None:
+        self.limits = limits if limits is not None else Limits()
+        self.usage = Usage(self.limits)
+        self._tables: dict[str, TableSink | Topic] = {}
+        #: where durable topics are stored (``DIR/<name>.lance``); None: no durable topics
+        self.data_dir = None if data_dir is None else Path(data_dir)
+        self._budget: DataBudget | None = None
+        if self.data_dir is not None:  # every durable topic is back before calls arrive
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            self._budget = DataBudget(self.data_dir, self.limits.max_data_bytes, self.usage)
+            for path in sorted(self.data_dir.glob("*.lance")):
+                topic = Topic.reopen(path)
+                assert topic.durable is not None
+                topic.durable.reserve = self._budget.reserve
+                self._tables[topic.name] = topic
         if tls is not None and location.startswith("grpc://"):
             location = "grpc+tls://" + location.removeprefix("grpc://")
         self.tokens = _tokens(token, tokens)
@@ -92,12 +112,9 @@ class Server(Ingest, Queries, flight.FlightServerBase):  # type: ignore[misc]
         scheme, _, rest = location.partition("://")
         host = rest.rsplit(":", 1)[0]
         self.location = f"{scheme}://{host}:{self.port}"
-        self.limits = limits if limits is not None else Limits()
-        self.usage = Usage(self.limits)
         #: The operator's session (full power from Python); remote SQL runs queries only, in
         #: its memory pool when the server made it.
         self.ctx = ctx if ctx is not None else _remote_session(self.limits)
-        self._tables: dict[str, TableSink | Topic] = {}
         self._staged: dict[tuple[str, str, int], dict[tuple[int, int], _Share]] = {}
         self._published: dict[tuple[str, str], int] = {}
         #: staged shares never written: task attempts Spark did not keep, replayed epochs
@@ -137,22 +154,42 @@ class Server(Ingest, Queries, flight.FlightServerBase):  # type: ignore[misc]
         schema: pa.Schema,
         *,
         topic: bool = False,
+        durable: bool = False,
         if_not_exists: bool = False,
         **options: Any,
     ) -> TableSink | Topic:
-        """Declare a streaming table (or, with ``topic=True``, a topic) named ``name``."""
+        """Declare a streaming table (or, with ``topic=True``, a topic) named ``name``;
+        ``durable=True`` stores a topic in ``data_dir/<name>.lance``."""
         with self._lock:
             existing = self._tables.get(name)
             if existing is not None:
                 if if_not_exists and existing.schema.equals(schema):
                     return existing
                 raise ValueError(f"a table named {name!r} already exists on this server")
-            if topic:
-                producer: TableSink | Topic = Topic(name, schema, **options)
+            if durable:
+                producer: TableSink | Topic = self._durable_topic(name, schema, options)
+            elif topic:
+                producer = Topic(name, schema, **options)
             else:
                 producer = self.ctx.register_streaming_table(name, schema, **options)
             self._tables[name] = producer
             return producer
+
+    def _durable_topic(self, name: str, schema: pa.Schema, options: dict[str, Any]) -> Topic:
+        if self.data_dir is None or self._budget is None:
+            raise ValueError(
+                "durable topics need a data dir: start the server with --data-dir DIR "
+                "(Server(..., data_dir=DIR))"
+            )
+        if not _FILE_NAME.fullmatch(name):
+            raise ValueError(
+                f"a durable topic's name is its dataset's file name: letters, digits, '_', "
+                f"'-' and '.', not starting with '.' or '-'; got {name!r}"
+            )
+        topic = Topic(name, schema, persist=self.data_dir / f"{name}.lance", **options)
+        assert topic.durable is not None
+        topic.durable.reserve = self._budget.reserve
+        return topic
 
     @classmethod
     def from_config(
@@ -187,7 +224,15 @@ class Server(Ingest, Queries, flight.FlightServerBase):  # type: ignore[misc]
                 schema = pa.schema(
                     [(n, pa.type_for_alias(t)) for n, t in spec.pop("schema").items()]
                 )
+                if spec.get("durable"):  # a restart found it in the data dir already
+                    spec.setdefault("if_not_exists", True)
                 self.create_table(spec.pop("name"), schema, topic=is_topic, **spec)
+
+    def _durable(self, name: str) -> Topic:
+        topic = self._table(name)
+        if not isinstance(topic, Topic) or topic.durable is None:
+            raise ValueError(f"'{name}' is not a durable topic (create_topic(..., durable=True))")
+        return topic
 
     def _table(self, name: str) -> TableSink | Topic:
         with self._lock:
@@ -222,6 +267,12 @@ class Server(Ingest, Queries, flight.FlightServerBase):  # type: ignore[misc]
         if kind == "create_table":
             name = str(body.pop("name"))
             grant.require(ADMIN, "create", [name])
+            for key in ("persist", "upkeep_interval"):
+                if key in body:
+                    raise PermissionDeniedError(
+                        f"a remote client cannot set {key!r}: the server places durable topics "
+                        "under its data dir (create_topic(..., durable=True))"
+                    )
             schema = protocol.schema_from(body.pop("schema"))
             if (us := body.pop("max_delay_us", None)) is not None:
                 body["max_delay"] = timedelta(microseconds=int(us))
@@ -244,8 +295,17 @@ class Server(Ingest, Queries, flight.FlightServerBase):  # type: ignore[misc]
             except ResourceLimitError:
                 self.usage.refused("table_options")
                 raise
+            options["start"] = protocol.start_value(options.get("start", "now"))
             topic.subscribe(self.ctx, options.pop("name"), **options)
             return {}
+        if kind == "offsets":
+            grant.require((READ, WRITE), "read the offsets of", [str(body["name"])])
+            return self._durable(body["name"]).offsets()
+        if kind == "producer":
+            grant.require(WRITE, "push to", [str(body["name"])])
+            log = self._durable(body["name"]).durable
+            assert log is not None
+            return {"sequence": log.last_sequence(str(body["producer_id"]))}
         if kind == "close":
             grant.require(WRITE, "close", [str(body["name"])])
             self._table(body["name"]).close()
@@ -269,6 +329,7 @@ class Server(Ingest, Queries, flight.FlightServerBase):  # type: ignore[misc]
                             {
                                 "name": n,
                                 "topic": isinstance(p, Topic),
+                                "durable": isinstance(p, Topic) and p.durable is not None,
                                 "schema": protocol.schema_bytes(p.schema),
                                 "bound_batches": batches,  # for a queue's fill
                                 "bound_bytes": nbytes,
@@ -357,25 +418,30 @@ def serve(
     config: str | Path | None = None,
     metrics_port: int | None = None,
     ui_port: int | None = None,
+    data_dir: str | Path | None = None,
     block: bool = True,
     say: Any = print,
 ) -> Server:
     """Start a server on ``host:port`` (127.0.0.1 by default: not reachable from other machines).
 
     ``metrics_port`` serves Prometheus metrics; ``ui_port`` serves the browser view (tables,
-    rates, a live query; see :mod:`pushtable.flight.ui`) and ``/metrics`` too.
+    rates, a live query; see :mod:`pushtable.flight.ui`) and ``/metrics`` too. ``data_dir``
+    holds durable topics; a server started on it again reopens each of them.
     With ``block=True`` (the command) it serves until Ctrl-C or SIGTERM, then stops cleanly;
     with ``block=False`` it returns the running :class:`Server` (call ``stop()``).
     """
     scheme = "grpc+tls" if tls else "grpc"
     location = f"{scheme}://{host}:{port}"
     if config is not None:
-        server = Server.from_config(config, location, token=token, tls=tls)
+        server = Server.from_config(config, location, token=token, tls=tls, data_dir=data_dir)
     else:
-        server = Server(location, token=token, tls=tls)
+        server = Server(location, token=token, tls=tls, data_dir=data_dir)
     names = server.tokens.names
     auth = f"bearer tokens required: {', '.join(names)}" if names else "no auth"
     say(f"pushtable serve: listening on {server.location} ({auth})")
+    if server.data_dir is not None:
+        durable = [n for n, t in server._tables.items() if isinstance(t, Topic) and t.durable]
+        say(f"pushtable serve: data dir {server.data_dir} ({len(durable)} durable topic(s))")
     if metrics_port is not None:
         import prometheus_client
 

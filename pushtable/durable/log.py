@@ -1,0 +1,452 @@
+"""A durable topic's log: offsets, group commits to Lance, idempotent producers, and reads
+from any offset with no gap and no duplicate.
+
+A batch appended here gets the next offset and goes to the topic's live subscribers at
+once (their queries see it in milliseconds); it is *acknowledged* only once a Lance commit
+holds it. A committer thread gathers everything appended within ``commit_interval`` (or
+sooner, when a producer waits: ``commit_soon``) into one transaction. A failed commit keeps
+its batches pending (they are retried at the next interval; nothing is acknowledged and new
+appends are refused until a commit succeeds), so a producer that sends them again after the
+error is deduplicated, not appended twice.
+
+Reads start at any offset: what is committed and no longer in memory comes from Lance, the
+committed tail kept in memory (``retain``/``retain_bytes``) and the pending batches follow,
+then the live stream. All of it is taken between two appends, so nothing is missed or seen
+twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from pushtable.durable.store import LogStore, StoredBatch, micros, now_us
+from pushtable.errors import (
+    CommitFailedError,
+    SequenceError,
+    SinkClosedError,
+    WriteTimeoutError,
+)
+
+__all__ = ["DurableLog", "Start"]
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+
+#: where a read starts: "earliest", "latest" (alias "now"), an offset, or an arrival time
+Start = str | int | datetime
+
+#: called after each commit attempt with the committed offset and the failure, if any
+Listener = Callable[[int, "CommitFailedError | None"], None]
+
+
+@dataclass(frozen=True)
+class _Entry:
+    offset: int
+    time_us: int
+    batch: pa.RecordBatch
+    nbytes: int
+    producer: str | None
+    sequence: int | None
+
+
+class DurableLog:
+    """The log behind ``Topic(..., persist=...)`` and a server's durable topics."""
+
+    def __init__(
+        self,
+        name: str,
+        schema: pa.Schema,
+        uri: str | Path,
+        live: Callable[[pa.RecordBatch, float | None], None],
+        *,
+        config: dict[str, Any] | None = None,
+        commit_interval: float = 0.1,
+        retain: int | None = None,
+        retain_bytes: int | None = None,
+        max_pending_bytes: int = 256 * MiB,
+        upkeep_interval: float | None = 60.0,
+        keep_versions: timedelta = timedelta(minutes=10),
+        reserve: Callable[[int], None] | None = None,
+        storage_options: dict[str, str] | None = None,
+    ) -> None:
+        if commit_interval <= 0:
+            raise ValueError(f"commit_interval must be > 0 seconds, got {commit_interval!r}")
+        self.name = name
+        self.schema = schema
+        self.store = LogStore(uri, schema, config, storage_options=storage_options)
+        recovered = self.store.recover()
+        self._live = live
+        self.commit_interval = float(commit_interval)
+        self.retain = retain
+        self.retain_bytes = retain_bytes
+        self.max_pending_bytes = max_pending_bytes
+        #: called with each batch's size before it is appended; raises to refuse it (a
+        #: server's data dir budget)
+        self.reserve = reserve
+        self._order = threading.Lock()  # appends in offset order; reads start between two
+        self._cond = threading.Condition()  # everything below
+        self._next = recovered.next_offset
+        self._committed = recovered.next_offset
+        self._version = recovered.version
+        self._accepted = dict(recovered.producers)  # producer -> last sequence appended
+        self._stored = dict(recovered.producers)  # producer -> last sequence committed
+        self._pending: deque[_Entry] = deque()
+        self._pending_bytes = 0
+        self._tail: deque[_Entry] = deque()  # committed batches kept in memory
+        self._tail_bytes = 0
+        self._failure: CommitFailedError | None = None
+        self._urgent = False
+        self._closing = False
+        self._closed = False
+        self._listeners: list[Listener] = []
+        self.commits = 0
+        self.commit_failures = 0
+        self._committer = threading.Thread(
+            target=self._commit_loop, name=f"pushtable-commit-{name}", daemon=True
+        )
+        self._committer.start()
+        self._upkeep_stop = threading.Event()
+        self._keep_versions = keep_versions
+        if upkeep_interval is not None:
+            threading.Thread(
+                target=self._upkeep_loop,
+                args=(upkeep_interval,),
+                name=f"pushtable-upkeep-{name}",
+                daemon=True,
+            ).start()
+
+    # -- appending ----------------------------------------------------------------------
+
+    def append(
+        self,
+        batch: pa.RecordBatch,
+        timeout: float | None = None,
+        *,
+        producer: str | None = None,
+        sequence: int | None = None,
+    ) -> int:
+        """Give ``batch`` the next offset and send it live; returns the offset whose commit
+        acknowledges it (-1: already stored). A ``(producer, sequence)`` seen before is not
+        appended again: its acknowledgement is that of everything appended so far."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._order.acquire(timeout=-1 if timeout is None else timeout):
+            raise WriteTimeoutError(f"write to durable topic '{self.name}' timed out")
+        try:
+            with self._cond:
+                if self._closing:
+                    raise SinkClosedError(f"durable topic '{self.name}' is closed")
+                if self._failure is not None:
+                    raise self._failure
+                if producer is not None:
+                    assert sequence is not None
+                    last = self._accepted.get(producer, -1)
+                    if sequence <= last:
+                        return self._next - 1 if self._pending else -1
+                    if sequence != last + 1:
+                        raise SequenceError(
+                            f"producer {producer!r} of topic '{self.name}' sent sequence "
+                            f"{sequence}, but the last one stored is {last}: batches "
+                            f"{last + 1}..{sequence - 1} were never received"
+                        )
+                nbytes = batch.get_total_buffer_size()
+                while self._pending and self._pending_bytes + nbytes > self.max_pending_bytes:
+                    self._urgent = True
+                    self._cond.notify_all()
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise WriteTimeoutError(
+                            f"write to durable topic '{self.name}' timed out with "
+                            f"{self._pending_bytes:,} bytes waiting for their commit"
+                        )
+                    self._cond.wait(left)
+                    if self._failure is not None:
+                        raise self._failure
+            if self.reserve is not None:
+                self.reserve(nbytes)  # ResourceLimitError over the data dir's limit
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._live(batch, left)  # checks the batch; raises before anything is appended
+            with self._cond:
+                offset = self._next
+                self._pending.append(_Entry(offset, now_us(), batch, nbytes, producer, sequence))
+                self._pending_bytes += nbytes
+                self._next += 1
+                if producer is not None:
+                    assert sequence is not None
+                    self._accepted[producer] = sequence
+                if len(self._pending) == 1:
+                    self._cond.notify_all()  # the committer starts its interval
+                return offset
+        finally:
+            self._order.release()
+
+    def last_sequence(self, producer: str) -> int:
+        """The last sequence number of ``producer`` appended (-1: none)."""
+        with self._cond:
+            return self._accepted.get(producer, -1)
+
+    # -- acknowledgements ---------------------------------------------------------------
+
+    @property
+    def committed(self) -> int:
+        """The offset after the last committed batch: every offset below it is stored."""
+        with self._cond:
+            return self._committed
+
+    def commit_soon(self) -> None:
+        """Commit what is pending now, not at the end of the interval (a producer waits)."""
+        with self._cond:
+            if self._pending:
+                self._urgent = True
+                self._cond.notify_all()
+
+    def wait_committed(self, offset: int, timeout: float | None = None) -> bool:
+        """Wait until ``offset`` is stored (False: ``timeout`` passed first). Raises the
+        :class:`CommitFailedError` of a failed commit that held it."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            if offset >= self._committed and self._pending:
+                self._urgent = True
+                self._cond.notify_all()
+            while offset >= self._committed:
+                if self._failure is not None:
+                    raise self._failure
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cond.wait(left)
+            return True
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until everything appended so far is stored."""
+        with self._cond:
+            target = self._next - 1
+        if target >= 0 and not self.wait_committed(target, timeout):
+            raise WriteTimeoutError(
+                f"flush of durable topic '{self.name}' timed out before offset {target} was stored"
+            )
+
+    def listen(self, listener: Listener) -> None:
+        """Call ``listener(committed, failure)`` after each commit attempt (on the committer's
+        thread: it must not block)."""
+        with self._cond:
+            self._listeners.append(listener)
+
+    def unlisten(self, listener: Listener) -> None:
+        with self._cond:
+            if listener in self._listeners:
+                self._listeners.remove(listener)
+
+    # -- the committer ------------------------------------------------------------------
+
+    def _commit_loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._pending and not self._closing:
+                    self._cond.wait()
+                if not self._pending:
+                    return  # closing with nothing left
+                due = time.monotonic() + self.commit_interval
+                while not (self._urgent or self._closing) and time.monotonic() < due:
+                    self._cond.wait(max(0.0, due - time.monotonic()))
+                self._urgent = False
+                entries = list(self._pending)
+                stored = dict(self._stored)
+            for e in entries:
+                if e.producer is not None:
+                    assert e.sequence is not None
+                    stored[e.producer] = e.sequence
+            try:
+                version = self.store.append(
+                    [StoredBatch(e.offset, e.time_us, e.batch) for e in entries], stored
+                )
+            except BaseException as exc:  # I/O, a full disk, a read-only dir, a Lance panic
+                if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                    raise
+                self._failed(entries, exc)
+                with self._cond:  # retry after an interval, or at close
+                    self._cond.wait_for(lambda: self._closed, self.commit_interval)
+                    if self._closed:
+                        return
+                continue
+            self._succeeded(entries, stored, version)
+
+    def _failed(self, entries: list[_Entry], exc: BaseException) -> None:
+        error = CommitFailedError(
+            f"durable topic '{self.name}': storing offsets {entries[0].offset}.."
+            f"{entries[-1].offset} in {self.store.uri} failed ({type(exc).__name__}: {exc}); "
+            "they are not acknowledged"
+        )
+        error.__cause__ = exc
+        log.warning("%s", error)
+        with self._cond:
+            self._failure = error
+            self.commit_failures += 1
+            self._cond.notify_all()
+            listeners = list(self._listeners)
+        for listener in listeners:
+            listener(self._committed, error)
+
+    def _succeeded(self, entries: list[_Entry], stored: dict[str, int], version: int) -> None:
+        with self._cond:
+            for _ in entries:
+                entry = self._pending.popleft()
+                self._pending_bytes -= entry.nbytes
+                self._keep(entry)
+            self._committed = entries[-1].offset + 1
+            self._stored = stored
+            self._version = version
+            self._failure = None
+            self.commits += 1
+            self._cond.notify_all()
+            committed, listeners = self._committed, list(self._listeners)
+        for listener in listeners:
+            listener(committed, None)
+
+    def _keep(self, entry: _Entry) -> None:
+        """Keep a committed batch in the in-memory tail, within ``retain``/``retain_bytes``."""
+        if self.retain == 0 or self.retain_bytes == 0:
+            return
+        if self.retain is None and self.retain_bytes is None:
+            return
+        self._tail.append(entry)
+        self._tail_bytes += entry.nbytes
+        while self._tail and (
+            (self.retain is not None and len(self._tail) > self.retain)
+            or (self.retain_bytes is not None and self._tail_bytes > self.retain_bytes)
+        ):
+            self._tail_bytes -= self._tail.popleft().nbytes
+
+    def _upkeep_loop(self, interval: float) -> None:
+        while not self._upkeep_stop.wait(interval):
+            try:
+                self.store.upkeep(self._keep_versions)
+            except Exception as exc:  # noqa: BLE001 (best effort: the next round tries again)
+                log.warning("upkeep of durable topic '%s' failed: %s", self.name, exc)
+
+    def upkeep(self) -> None:
+        """Compact and clean up now (it also runs every ``upkeep_interval`` seconds)."""
+        self.store.upkeep(self._keep_versions)
+
+    # -- reading ------------------------------------------------------------------------
+
+    def offsets(self) -> dict[str, int]:
+        """``earliest`` (the first stored offset), ``committed`` (every offset below it is
+        stored) and ``next`` (the offset the next batch gets)."""
+        with self._cond:
+            return {"earliest": 0, "committed": self._committed, "next": self._next}
+
+    def start_offset(self, start: Start) -> int:
+        """The offset a read from ``start`` begins at."""
+        with self._cond:
+            nxt, version, committed = self._next, self._version, self._committed
+            recent = [*self._tail, *self._pending]
+        if start == "earliest":
+            return 0
+        if start in ("latest", "now"):
+            return nxt
+        if isinstance(start, datetime):
+            if start.tzinfo is None:
+                raise ValueError(f"a start time needs a time zone (e.g. UTC), got {start!r}")
+            us = micros(start)
+            if recent and recent[0].time_us <= us:
+                return next((e.offset for e in recent if e.time_us >= us), nxt)
+            found = self.store.offset_at(start, version) if committed else None
+            return found if found is not None else next((e.offset for e in recent), nxt)
+        if isinstance(start, int) and not isinstance(start, bool):
+            if not 0 <= start <= nxt:
+                raise ValueError(
+                    f"offset {start} is outside durable topic '{self.name}': offsets 0..{nxt} "
+                    "(the next batch's) can be read from"
+                )
+            return start
+        raise ValueError(
+            f"start must be 'earliest', 'latest', an offset or a datetime, got {start!r}"
+        )
+
+    def subscribe(self, start: Start, then: Callable[[pa.RecordBatchReader | None], Any]) -> Any:
+        """Call ``then(history)`` between two appends: ``history`` holds every batch from
+        ``start`` up to the newest appended (None when that is nothing), and ``then`` starts
+        the live reader for what comes after."""
+        with self._order:
+            first = self.start_offset(start)
+            return then(self._history(first))
+
+    def _history(self, first: int) -> pa.RecordBatchReader | None:
+        with self._cond:  # the caller holds _order: no append moves these meanwhile
+            committed, version, nxt = self._committed, self._version, self._next
+            memory = [e for e in (*self._tail, *self._pending) if e.offset >= first]
+        if first >= nxt:
+            return None
+        # The tail ends where the pending batches begin: memory is contiguous up to nxt.
+        stored: pa.RecordBatchReader | None = None
+        if not (memory and memory[0].offset == first):
+            stored = self.store.read(first, committed, version)
+            memory = [e for e in memory if e.offset >= committed]
+
+        def batches() -> Iterator[pa.RecordBatch]:
+            if stored is not None:
+                yield from stored
+            for e in memory:
+                yield pa.RecordBatch.from_arrays(e.batch.columns, schema=self.schema)
+
+        return pa.RecordBatchReader.from_batches(self.schema, batches())
+
+    def read(self, start: int, end: int) -> pa.RecordBatchReader:
+        """Committed offsets ``[start, end)``: the same rows each time they are read."""
+        with self._cond:
+            committed, version = self._committed, self._version
+            tail = [e for e in self._tail if start <= e.offset < end]
+        if not 0 <= start <= end <= committed:
+            raise ValueError(
+                f"durable topic '{self.name}': offsets [{start}, {end}) cannot be read; "
+                f"offsets 0..{committed} are committed"
+            )
+        if tail and tail[0].offset == start and len(tail) == end - start:
+            arrays = [pa.RecordBatch.from_arrays(e.batch.columns, schema=self.schema) for e in tail]
+            return pa.RecordBatchReader.from_batches(self.schema, arrays)
+        return self.store.read(start, end, version)
+
+    # -- ending -------------------------------------------------------------------------
+
+    def close(self, timeout: float | None = None) -> None:
+        """Store what is pending, then stop the committer (raises if the commit fails)."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self.flush(timeout)
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._upkeep_stop.set()
+
+    def abandon(self) -> None:
+        """Stop without waiting for pending batches (a failed topic, a stopping server)."""
+        with self._cond:
+            self._closing = True
+            self._closed = True
+            self._cond.notify_all()
+        self._upkeep_stop.set()
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        with self._cond:
+            return {
+                "durable": True,
+                "next_offset": self._next,
+                "committed_offset": self._committed,
+                "pending_batches": len(self._pending),
+                "pending_bytes": self._pending_bytes,
+                "commits": self.commits,
+                "commit_failures": self.commit_failures,
+            }

@@ -1,0 +1,201 @@
+"""An idempotent producer for a durable topic: :class:`IdempotentSink`.
+
+Each batch gets the producer's next sequence number and stays in the sink until the server
+acknowledges it, which on a durable topic means a Lance commit holds it. If the server
+becomes unreachable (killed, restarting, the network cut), the sink reconnects and sends
+every unacknowledged batch again, in order; the server stores a ``(producer, sequence)``
+once, so a batch whose acknowledgement was lost is acknowledged again, not appended twice
+(Kafka's idempotent producer, for one topic). ``retry`` bounds how long it keeps trying.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from pushtable.errors import (
+    PushTableError,
+    ServerUnavailableError,
+    SinkClosedError,
+    WriteTimeoutError,
+)
+from pushtable.flight import protocol
+from pushtable.flight.remote_sink import RemoteSink, _Put
+from pushtable.sink import _check_timeout, arrow_batches
+
+if TYPE_CHECKING:
+    from pushtable.flight.client import Client
+
+__all__ = ["IdempotentSink"]
+
+
+class IdempotentSink(RemoteSink):
+    """A :class:`RemoteSink` that numbers its batches and rides out server outages.
+
+    ``write`` returns once the batch is sent with at most ``window`` unacknowledged (it
+    keeps them to send again); ``flush`` returns once all are stored. While the server is
+    unreachable, either call reconnects and resends for up to ``retry`` seconds, then raises
+    :class:`~pushtable.ServerUnavailableError` naming the sequences not acknowledged (they
+    stay in the sink: a later call tries again). Made again with the same ``producer_id``
+    (e.g. after the producer restarted), it continues after the last sequence stored.
+
+    Example:
+        >>> import tempfile, pyarrow as pa
+        >>> from pushtable.flight import Server, connect
+        >>> server = Server(data_dir=tempfile.mkdtemp())
+        >>> client = connect(server.location)
+        >>> client.create_topic("t", pa.schema([("v", pa.int64())]), durable=True)
+        >>> sink = client.sink("t", producer_id="sensor-7")
+        >>> sink.write(pa.record_batch({"v": [1, 2]}))
+        >>> sink.flush()  # stored in the topic's Lance dataset
+        >>> client.offsets("t")["committed"]
+        1
+        >>> server.stop()
+        0
+    """
+
+    def __init__(
+        self,
+        client: Client,
+        name: str,
+        schema: pa.Schema,
+        producer_id: str,
+        *,
+        window: int = 8,
+        retry: float = 60.0,
+    ) -> None:
+        super().__init__(client, name, schema, window=window)
+        if not isinstance(producer_id, str) or not producer_id:
+            raise ValueError(f"producer_id must be a non-empty string, got {producer_id!r}")
+        self.producer_id = producer_id
+        self.retry = _check_timeout(retry)
+        last = client._action("producer", {"name": name, "producer_id": producer_id})
+        self._next_sequence = int(last["sequence"]) + 1
+        self._unacked: collections.deque[tuple[int, pa.RecordBatch]] = collections.deque()
+        self._first = 0  # the sequence of the open stream's first batch
+        self._sent_upto = -1  # the last sequence sent on the open stream
+
+    def __repr__(self) -> str:
+        return f"IdempotentSink(name={self.name!r}, producer_id={self.producer_id!r})"
+
+    @property
+    def unacknowledged(self) -> int:
+        """Batches sent (or to send) that the server has not acknowledged yet."""
+        with self._lock:
+            self._trim()
+            return len(self._unacked)
+
+    def _stream(self) -> _Put:
+        if self._put is not None and self._put.idle:
+            self._end_stream_locked()
+        if self._put is None:
+            self._first = self._unacked[0][0] if self._unacked else self._next_sequence
+            self._sent_upto = self._first - 1
+            path = [self.name, protocol.PRODUCER, self.producer_id, str(self._first)]
+            descriptor = flight.FlightDescriptor.for_path(*path)
+            self._put = _Put(self._client, descriptor, self._wire_schema)
+        return self._put
+
+    def _trim(self) -> None:
+        """Forget the batches the open stream's acknowledgements cover."""
+        if self._put is not None:
+            done = self._first + self._put.acked
+            while self._unacked and self._unacked[0][0] < done:
+                self._unacked.popleft()
+
+    def _pump(self, most_unacked: int | None, deadline: float | None) -> None:
+        """Send what the open stream has not carried yet (reconnecting when the server is
+        unreachable), then wait until at most ``most_unacked`` are unacknowledged."""
+        give_up: float | None = None
+        pause = 0.05
+        while True:
+            try:
+                put = self._stream()
+                for sequence, batch in list(self._unacked):
+                    if sequence <= self._sent_upto:
+                        continue
+                    if not put.wait(self.window - 1, deadline):
+                        raise WriteTimeoutError(
+                            f"write to remote topic '{self.name}' timed out with "
+                            f"{self.window} batch(es) unacknowledged"
+                        )
+                    self._trim()
+                    put.send(batch, ack_every=max(1, self.window // 2))
+                    self._sent_upto = sequence
+                if most_unacked == 0 and put.sent > put.acked:
+                    put._sync()  # a flush: the server commits what is pending now
+                if most_unacked is not None and not put.wait(most_unacked, deadline):
+                    raise WriteTimeoutError(f"flush of remote topic '{self.name}' timed out")
+                self._trim()
+                return
+            except PushTableError as exc:
+                if self._put is not None and (self._put.error is not None or self._put.finished):
+                    self._drop_stream()
+                if not protocol.retriable(exc):
+                    raise
+                now = time.monotonic()
+                give_up = (
+                    give_up
+                    if give_up is not None
+                    else (None if self.retry is None else now + self.retry)
+                )
+                if (give_up is not None and now >= give_up) or (
+                    deadline is not None and now >= deadline
+                ):
+                    raise self._unavailable(exc) from exc
+                time.sleep(pause)
+                pause = min(1.0, pause * 2)
+
+    def _drop_stream(self) -> None:
+        self._trim()
+        super()._drop_stream()
+
+    def _unavailable(self, exc: BaseException) -> ServerUnavailableError:
+        seqs = [s for s, _ in self._unacked]
+        what = f"sequences {seqs[0]}..{seqs[-1]}" if seqs else "nothing"
+        return ServerUnavailableError(
+            f"producer {self.producer_id!r} of topic '{self.name}': the server stayed "
+            f"unreachable for {self.retry}s ({exc}); {len(seqs)} batch(es) not acknowledged "
+            f"({what}): they are kept and sent again by the next write or flush"
+        )
+
+    def write(self, data: Any, timeout: float | None = None) -> None:
+        timeout = _check_timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            self._refuse_closed()
+            for written, data_batch in enumerate(arrow_batches(data)):
+                batch = protocol.to_wire(self.name, self.schema, self._wire_schema, data_batch)
+                self._unacked.append((self._next_sequence, batch))
+                self._next_sequence += 1
+                try:
+                    self._pump(None, deadline)
+                except PushTableError as exc:
+                    exc.batches_written = written
+                    raise
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Return once every batch written is stored; reconnects and resends as needed."""
+        timeout = _check_timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while True:
+                self._pump(0, deadline)
+                if not self._unacked:
+                    return
+
+    def close(self) -> None:
+        """Flush, end this producer's stream, and close the topic (end of stream)."""
+        self.flush()
+        super().close()
+
+    def advance(self, ts: Any, timeout: float | None = None) -> None:
+        raise NotImplementedError("advance() is not sent by an idempotent producer")
+
+    def _refuse_closed(self) -> None:
+        if self._closed:
+            raise SinkClosedError(f"remote sink for '{self.name}' is closed")
