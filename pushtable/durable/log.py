@@ -106,6 +106,7 @@ class DurableLog:
         self._tail: deque[_Entry] = deque()  # committed batches kept in memory
         self._tail_bytes = 0
         self._failure: CommitFailedError | None = None
+        self._attempts = 0  # commit attempts finished, failed or not
         self._urgent = False
         self._closing = False
         self._closed = False
@@ -146,8 +147,6 @@ class DurableLog:
             with self._cond:
                 if self._closing:
                     raise SinkClosedError(f"durable topic '{self.name}' is closed")
-                if self._failure is not None:
-                    raise self._failure
                 if producer is not None:
                     assert sequence is not None
                     last = self._accepted.get(producer, -1)
@@ -159,6 +158,8 @@ class DurableLog:
                             f"{sequence}, but the last one stored is {last}: batches "
                             f"{last + 1}..{sequence - 1} were never received"
                         )
+                if self._failure is not None:  # a resend above waits for the next attempt
+                    raise self._failure
                 nbytes = batch.get_total_buffer_size()
                 while self._pending and self._pending_bytes + nbytes > self.max_pending_bytes:
                     self._urgent = True
@@ -218,8 +219,10 @@ class DurableLog:
             if offset >= self._committed and self._pending:
                 self._urgent = True
                 self._cond.notify_all()
+            # A failure before this call is news to nobody here: the next attempt decides.
+            seen = self._attempts
             while offset >= self._committed:
-                if self._failure is not None:
+                if self._failure is not None and self._attempts > seen:
                     raise self._failure
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
@@ -274,8 +277,8 @@ class DurableLog:
                 if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                     raise
                 self._failed(entries, exc)
-                with self._cond:  # retry after an interval, or at close
-                    self._cond.wait_for(lambda: self._closed, self.commit_interval)
+                with self._cond:  # retry after an interval (sooner if a producer waits)
+                    self._cond.wait_for(lambda: self._closed or self._urgent, self.commit_interval)
                     if self._closed:
                         return
                 continue
@@ -291,6 +294,7 @@ class DurableLog:
         log.warning("%s", error)
         with self._cond:
             self._failure = error
+            self._attempts += 1
             self.commit_failures += 1
             self._cond.notify_all()
             listeners = list(self._listeners)
@@ -307,6 +311,7 @@ class DurableLog:
             self._stored = stored
             self._version = version
             self._failure = None
+            self._attempts += 1
             self.commits += 1
             self._cond.notify_all()
             committed, listeners = self._committed, list(self._listeners)

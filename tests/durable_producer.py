@@ -1,0 +1,45 @@
+"""A producer process for the durable-topic crash tests: an idempotent producer that writes
+``batches`` batches of ``rows`` rows to a topic, flushing every ``every`` batches.
+
+Each row says who wrote it and where: (producer, seq, row). After each flush it prints
+``flushed <seq>``: every batch up to ``seq`` was acknowledged, so it must be stored. It
+rides out a server that is killed and restarted (``retry``), and prints ``done`` at the end.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pyarrow as pa
+
+from pushtable.flight import connect
+
+SCHEMA = pa.schema([("producer", pa.string()), ("seq", pa.int64()), ("row", pa.int64())])
+
+
+def batch(producer: str, seq: int, rows: int) -> pa.RecordBatch:
+    return pa.record_batch(
+        [pa.array([producer] * rows), pa.array([seq] * rows, pa.int64()), pa.array(range(rows))],
+        schema=SCHEMA,
+    )
+
+
+def main(location: str, topic: str, producer: str, batches: int, rows: int, every: int) -> None:
+    client = connect(location)
+    sink = client.sink(topic, producer_id=producer, retry=60.0)
+    first = sink._next_sequence  # a restarted producer continues after what is stored
+    print("ready", flush=True)
+    for seq in range(first, batches):
+        sink.write(batch(producer, seq, rows))
+        if (seq + 1) % every == 0:
+            sink.flush()
+            print(f"flushed {seq}", flush=True)
+    sink.flush()
+    print(f"flushed {batches - 1}", flush=True)
+    print("done", flush=True)
+    client.close()
+
+
+if __name__ == "__main__":
+    location, topic, producer, batches, rows, every = sys.argv[1:7]
+    main(location, topic, producer, int(batches), int(rows), int(every))

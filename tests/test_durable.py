@@ -1,0 +1,362 @@
+"""Durable topics: acknowledged means committed, offsets, reads from any start, idempotent
+producers, restart, failed commits, limits and who may create them (real Lance datasets and
+real Flight servers; the crash tests with killed server processes are in
+test_durable_crash.py)."""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from datetime import datetime, timezone
+from pathlib import Path
+
+import lance
+import pyarrow as pa
+import pyarrow.flight as flight
+import pytest
+
+from pushtable import SessionContext, Topic
+from pushtable.errors import (
+    CommitFailedError,
+    PermissionDeniedError,
+    PushTableError,
+    ResourceLimitError,
+    SequenceError,
+)
+from pushtable.flight import Limits, Server, connect
+from pushtable.flight.auth import Grant
+from tests.conftest import WAIT, Background
+
+SCHEMA = pa.schema([("k", pa.int64()), ("s", pa.string())])
+
+
+def rows(start: int, n: int = 2) -> pa.RecordBatch:
+    return pa.record_batch(
+        {"k": list(range(start, start + n)), "s": [f"r{i}" for i in range(start, start + n)]},
+        schema=SCHEMA,
+    )
+
+
+def stored_keys(path: Path) -> list[int]:
+    return sorted(lance.dataset(str(path)).to_table(columns=["k"]).column("k").to_pylist())
+
+
+# -- in process ----------------------------------------------------------------------------
+
+
+def test_flush_returns_once_a_commit_holds_every_batch(tmp_path: Path) -> None:
+    path = tmp_path / "t.lance"
+    topic = Topic("t", SCHEMA, persist=path, commit_interval=30.0)  # only flush commits
+    topic.write(rows(0))
+    topic.write(pa.Table.from_batches([rows(2), rows(4)]))
+    assert topic.stats.committed_offset == 0 and topic.stats.pending_batches == 3
+    topic.flush(timeout=WAIT)
+    assert stored_keys(path) == list(range(6))
+    assert topic.offsets() == {"earliest": 0, "committed": 3, "next": 3}
+    ds = lance.dataset(str(path))
+    stamped = dict(ds.get_transactions(1)[0].transaction_properties or {})
+    assert stamped["pushtable.next_offset"] == "3"
+    assert ds.to_table(columns=["_offset"]).column(0).to_pylist() == [0, 0, 1, 1, 2, 2]
+    topic.close()
+
+
+def test_group_commit_stores_everything_of_an_interval_in_one_transaction(
+    tmp_path: Path,
+) -> None:
+    topic = Topic("t", SCHEMA, persist=tmp_path / "t.lance", commit_interval=30.0)
+    for i in range(20):
+        topic.write(rows(2 * i))
+    topic.flush(timeout=WAIT)
+    assert topic.stats.commits == 1
+    topic.close()
+
+
+def test_subscriptions_start_at_earliest_an_offset_a_time_or_latest(tmp_path: Path) -> None:
+    topic = Topic("t", SCHEMA, persist=tmp_path / "t.lance", retain=1)
+    for i in range(4):
+        topic.write(rows(10 * i, 1))
+    topic.flush(timeout=WAIT)  # offsets 0..3 stored; offset 3 also in memory (retain=1)
+    topic.write(rows(40, 1))  # offset 4 pending, maybe
+    ctx = SessionContext()
+    topic.subscribe(ctx, "all", start="earliest")
+    topic.subscribe(ctx, "from2", start=2)
+    topic.subscribe(ctx, "from3", start=3)
+    topic.subscribe(ctx, "latest", start="latest")
+    cut = datetime.now(timezone.utc)
+    topic.write(rows(50, 1))
+    topic.subscribe(ctx, "since", start=cut)
+    topic.write(rows(60, 1))
+    topic.close()
+
+    def keys(table: str) -> list[int]:
+        return ctx.sql(f"SELECT k FROM {table} ORDER BY k").to_pydict()["k"]
+
+    assert keys("all") == [0, 10, 20, 30, 40, 50, 60]
+    assert keys("from2") == [20, 30, 40, 50, 60]
+    assert keys("from3") == [30, 40, 50, 60]
+    assert keys("latest") == [50, 60]
+    assert keys("since") == [50, 60]
+
+
+def test_a_subscription_taken_while_writers_write_sees_no_gap_and_no_duplicate(
+    tmp_path: Path,
+) -> None:
+    topic = Topic("t", SCHEMA, persist=tmp_path / "t.lance", commit_interval=0.005)
+    stop = threading.Event()
+    written: list[int] = []
+
+    def produce() -> None:
+        i = 0
+        while not stop.is_set() or i < 50:
+            topic.write(rows(i, 1))
+            written.append(i)
+            i += 1
+
+    producer = Background(produce)
+    ctx = SessionContext()
+    while len(written) < 20:  # subscribe mid-stream, from an offset inside the history
+        threading.Event().wait(0.001)
+    topic.subscribe(ctx, "mid", start=10)
+    reading = Background(lambda: ctx.sql("SELECT k FROM mid").to_pydict()["k"])
+    stop.set()
+    producer.join()
+    topic.close()
+    assert sorted(reading.join()) == list(range(10, len(written)))
+
+
+def test_read_returns_the_same_committed_rows_every_time(tmp_path: Path) -> None:
+    topic = Topic("t", SCHEMA, persist=tmp_path / "t.lance")
+    for i in range(5):
+        topic.write(rows(2 * i))
+    topic.flush(timeout=WAIT)
+    first = topic.read(1, 4).read_all()
+    topic.durable.upkeep()  # type: ignore[union-attr]  # compaction rewrites fragments
+    assert topic.read(1, 4).read_all().equals(first)
+    assert first.column("k").to_pylist() == [2, 3, 4, 5, 6, 7]
+    with pytest.raises(ValueError, match=r"offsets \[3, 9\) cannot be read"):
+        topic.read(3, 9)
+    topic.close()
+
+
+def test_a_topic_made_again_on_its_path_continues_its_offsets(tmp_path: Path) -> None:
+    path = tmp_path / "t.lance"
+    topic = Topic("t", SCHEMA, persist=path, retain=4, order_by="k")
+    for i in range(3):
+        topic.write(rows(2 * i))
+    topic.close()
+    again = Topic.reopen(path)
+    assert again.name == "t" and again.schema.equals(SCHEMA)
+    assert again.retain == 4
+    assert again.offsets()["next"] == 3
+    ctx = SessionContext()
+    again.subscribe(ctx, "all", start="earliest")
+    again.write(rows(6))
+    again.close()
+    assert ctx.sql("SELECT k FROM all ORDER BY k").to_pydict()["k"] == list(range(8))
+    with pytest.raises(ValueError, match="holds a topic with schema"):
+        Topic("t", pa.schema([("other", pa.int32())]), persist=path)
+
+
+def test_reserved_column_names_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="'_offset'"):
+        Topic("t", pa.schema([("_offset", pa.int64())]), persist=tmp_path / "t.lance")
+
+
+def test_offsets_and_times_need_a_durable_topic() -> None:
+    topic = Topic("t", SCHEMA)
+    with pytest.raises(ValueError, match="needs a durable topic"):
+        topic.subscribe(SessionContext(), "x", start=3)
+    with pytest.raises(ValueError, match="needs a durable topic"):
+        topic.offsets()
+
+
+def break_dataset(path: Path) -> Path:
+    """Make the dataset's data directory a file: every fragment write fails (ENOTDIR), even
+    for root, who ignores a read-only mode."""
+    data = path / "data"
+    moved = path.with_name(path.name + ".data")
+    shutil.move(str(data), str(moved))
+    data.write_text("not a directory")
+    return moved
+
+
+def mend_dataset(path: Path, moved: Path) -> None:
+    (path / "data").unlink()
+    shutil.move(str(moved), str(path / "data"))
+
+
+def test_a_failed_commit_is_not_acknowledged_and_is_retried(tmp_path: Path) -> None:
+    path = tmp_path / "t.lance"
+    topic = Topic("t", SCHEMA, persist=path, commit_interval=0.05)
+    topic.write(rows(0))
+    topic.flush(timeout=WAIT)
+    moved = break_dataset(path)
+    topic.write(rows(2))
+    with pytest.raises(CommitFailedError, match=r"offsets 1\.\.1 in .*t\.lance failed"):
+        topic.flush(timeout=WAIT)
+    with pytest.raises(CommitFailedError):  # no new batch while nothing can be stored
+        topic.write(rows(4))
+    assert lance.dataset(str(path)).count_rows() == 2  # the manifest: offset 0 only
+    assert topic.offsets()["committed"] == 1
+    mend_dataset(path, moved)
+    topic.flush(timeout=WAIT)  # the committer retried: the pending batch is stored once
+    assert stored_keys(path) == [0, 1, 2, 3]
+    topic.write(rows(4))
+    topic.close()
+    assert stored_keys(path) == list(range(6))
+
+
+# -- on a server ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def durable_server(tmp_path: Path) -> Server:
+    server = Server(data_dir=tmp_path / "data")
+    yield server
+    server.stop()
+
+
+def test_remote_acknowledgements_mean_committed(durable_server: Server) -> None:
+    client = connect(durable_server.location)
+    client.create_topic("t", SCHEMA, durable=True, commit_interval=30.0)
+    sink = client.sink("t", producer_id="a")
+    for i in range(5):
+        sink.write(rows(2 * i))
+    sink.flush(timeout=WAIT)
+    assert sink.unacknowledged == 0
+    assert stored_keys(durable_server.data_dir / "t.lance") == list(range(10))
+    assert client.offsets("t") == {"earliest": 0, "committed": 5, "next": 5}
+    assert client.read("t", 3, 5).read_all().column("k").to_pylist() == [6, 7, 8, 9]
+    plain = client.sink("t")  # no producer id: acknowledged once committed too
+    plain.write(rows(10))
+    plain.flush(timeout=WAIT)
+    assert client.offsets("t")["committed"] == 6
+
+
+def test_a_resend_after_a_lost_acknowledgement_is_not_stored_twice(
+    durable_server: Server,
+) -> None:
+    """The same (producer, sequence) sent on two streams, as a producer does after it lost
+    the first stream's acknowledgements: the second is acknowledged, not appended."""
+    client = connect(durable_server.location)
+    client.create_topic("t", SCHEMA, durable=True)
+    raw = flight.FlightClient(durable_server.location)
+    for _ in range(2):
+        descriptor = flight.FlightDescriptor.for_path("t", "producer", "sensor-7", "0")
+        writer, acks = raw.do_put(descriptor, SCHEMA)
+        for i in range(3):
+            writer.write_batch(rows(2 * i))
+        writer.done_writing()
+        last = None
+        while (buf := acks.read()) is not None:
+            last = int.from_bytes(buf.to_pybytes(), "little")
+        writer.close()
+        assert last == 3  # all three acknowledged, both times
+    assert stored_keys(durable_server.data_dir / "t.lance") == list(range(6))
+    sink = client.sink("t", producer_id="sensor-7")  # continues after what is stored
+    sink.write(rows(6))
+    sink.flush(timeout=WAIT)
+    assert stored_keys(durable_server.data_dir / "t.lance") == list(range(8))
+    writer, acks = raw.do_put(flight.FlightDescriptor.for_path("t", "producer", "x", "5"), SCHEMA)
+    writer.write_batch(rows(100))
+    writer.done_writing()
+    with pytest.raises(flight.FlightError, match="SequenceError.*sent sequence 5"):
+        while acks.read() is not None:
+            pass
+        writer.close()
+    assert SequenceError.__name__ == "SequenceError"
+
+
+def test_a_commit_failure_surfaces_on_the_producer(durable_server: Server) -> None:
+    client = connect(durable_server.location)
+    client.create_topic("t", SCHEMA, durable=True, commit_interval=0.05)
+    sink = client.sink("t", producer_id="a")
+    sink.write(rows(0))
+    sink.flush(timeout=WAIT)
+    path = durable_server.data_dir / "t.lance"
+    moved = break_dataset(path)
+    sink.write(rows(2))
+    with pytest.raises(CommitFailedError, match="'t': storing offsets 1..1"):
+        sink.flush(timeout=WAIT)
+    assert lance.dataset(str(path)).count_rows() == 2
+    assert client.offsets("t")["committed"] == 1
+    mend_dataset(path, moved)
+    sink.flush(timeout=WAIT)  # sent again: stored once
+    assert stored_keys(path) == [0, 1, 2, 3]
+
+
+def test_a_restarted_server_reopens_its_durable_topics(tmp_path: Path) -> None:
+    server = Server(data_dir=tmp_path / "data")
+    client = connect(server.location)
+    client.create_topic("t", SCHEMA, durable=True)
+    sink = client.sink("t", producer_id="a")
+    sink.write(rows(0))
+    sink.flush(timeout=WAIT)
+    server.stop()
+    server = Server(data_dir=tmp_path / "data")
+    try:
+        client = connect(server.location)
+        assert [(t["name"], t["durable"]) for t in client.tables()] == [("t", True)]
+        assert client.offsets("t")["next"] == 1
+        client.subscribe("t", "all", start="earliest")
+        reading = Background(lambda: client.sql("SELECT k FROM all").read_all())
+        sink = client.sink("t", producer_id="a")
+        sink.write(rows(2))
+        sink.close()
+        assert sorted(reading.join().column("k").to_pylist()) == [0, 1, 2, 3]
+    finally:
+        server.stop()
+
+
+def test_the_data_dir_has_a_byte_limit(tmp_path: Path) -> None:
+    server = Server(data_dir=tmp_path / "data", limits=Limits(max_data_bytes=200_000))
+    try:
+        client = connect(server.location)
+        client.create_topic("t", SCHEMA, durable=True)
+        sink = client.sink("t", producer_id="a")
+        big = pa.record_batch(
+            {"k": list(range(10_000)), "s": ["x" * 20] * 10_000}, schema=SCHEMA
+        )
+        with pytest.raises(ResourceLimitError, match="max_data_bytes"):
+            for _ in range(10):
+                sink.write(big)
+                sink.flush(timeout=WAIT)
+        assert client.offsets("t")["committed"] >= 0  # what is stored stays readable
+    finally:
+        server.stop()
+
+
+def test_only_admin_creates_durable_topics_and_no_client_chooses_a_path(
+    tmp_path: Path,
+) -> None:
+    tokens = {"w": Grant("writer", roles=frozenset({"write"})), "a": Grant("admin")}
+    server = Server(data_dir=tmp_path / "data", tokens=tokens)
+    try:
+        writer = connect(server.location, token="w")
+        with pytest.raises(PermissionDeniedError):
+            writer.create_topic("t", SCHEMA, durable=True)
+        admin = connect(server.location, token="a")
+        with pytest.raises(PermissionDeniedError, match="cannot set 'persist'"):
+            admin._action(
+                "create_table",
+                {
+                    "name": "x",
+                    "schema": bytes(SCHEMA.serialize()).hex(),
+                    "topic": True,
+                    "persist": "/tmp/elsewhere.lance",
+                },
+            )
+        with pytest.raises(PushTableError, match="dataset's file name"):
+            admin.create_topic("../escape", SCHEMA, durable=True)
+        assert not (tmp_path / "escape.lance").exists()
+    finally:
+        server.stop()
+
+
+def test_durable_topics_need_a_data_dir(tmp_path: Path) -> None:
+    server = Server()
+    try:
+        with pytest.raises(PushTableError, match="--data-dir"):
+            connect(server.location).create_topic("t", SCHEMA, durable=True)
+    finally:
+        server.stop()
