@@ -13,6 +13,7 @@ import sys
 import pyarrow as pa
 
 from pushtable.flight import connect
+from pushtable.flight.idempotent import IdempotentSink
 
 SCHEMA = pa.schema([("producer", pa.string()), ("seq", pa.int64()), ("row", pa.int64())])
 
@@ -27,6 +28,7 @@ def batch(producer: str, seq: int, rows: int) -> pa.RecordBatch:
 def main(location: str, topic: str, producer: str, batches: int, rows: int, every: int) -> None:
     client = connect(location)
     sink = client.sink(topic, producer_id=producer, retry=60.0)
+    assert isinstance(sink, IdempotentSink)
     first = sink._next_sequence  # a restarted producer continues after what is stored
     print("ready", flush=True)
     for seq in range(first, batches):

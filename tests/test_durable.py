@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from pushtable.errors import (
 )
 from pushtable.flight import Limits, Server, connect
 from pushtable.flight.auth import Grant
+from pushtable.flight.idempotent import IdempotentSink
 from tests.conftest import WAIT, Background
 
 SCHEMA = pa.schema([("k", pa.int64()), ("s", pa.string())])
@@ -49,12 +51,15 @@ def test_flush_returns_once_a_commit_holds_every_batch(tmp_path: Path) -> None:
     topic = Topic("t", SCHEMA, persist=path, commit_interval=30.0)  # only flush commits
     topic.write(rows(0))
     topic.write(pa.Table.from_batches([rows(2), rows(4)]))
-    assert topic.stats.committed_offset == 0 and topic.stats.pending_batches == 3
+    assert topic.stats.committed_offset == 0
+    assert topic.stats.pending_batches == 3
     topic.flush(timeout=WAIT)
     assert stored_keys(path) == list(range(6))
     assert topic.offsets() == {"earliest": 0, "committed": 3, "next": 3}
     ds = lance.dataset(str(path))
-    stamped = dict(ds.get_transactions(1)[0].transaction_properties or {})
+    tx = ds.get_transactions(1)[0]
+    assert tx is not None
+    stamped = dict(tx.transaction_properties or {})
     assert stamped["pushtable.next_offset"] == "3"
     assert ds.to_table(columns=["_offset"]).column(0).to_pylist() == [0, 0, 1, 1, 2, 2]
     topic.close()
@@ -145,7 +150,8 @@ def test_a_topic_made_again_on_its_path_continues_its_offsets(tmp_path: Path) ->
         topic.write(rows(2 * i))
     topic.close()
     again = Topic.reopen(path)
-    assert again.name == "t" and again.schema.equals(SCHEMA)
+    assert again.name == "t"
+    assert again.schema.equals(SCHEMA)
     assert again.retain == 4
     assert again.offsets()["next"] == 3
     ctx = SessionContext()
@@ -209,8 +215,13 @@ def test_a_failed_commit_is_not_acknowledged_and_is_retried(tmp_path: Path) -> N
 # -- on a server ---------------------------------------------------------------------------
 
 
+def data_dir(server: Server) -> Path:
+    assert server.data_dir is not None
+    return server.data_dir
+
+
 @pytest.fixture
-def durable_server(tmp_path: Path) -> Server:
+def durable_server(tmp_path: Path) -> Iterator[Server]:
     server = Server(data_dir=tmp_path / "data")
     yield server
     server.stop()
@@ -220,11 +231,12 @@ def test_remote_acknowledgements_mean_committed(durable_server: Server) -> None:
     client = connect(durable_server.location)
     client.create_topic("t", SCHEMA, durable=True, commit_interval=30.0)
     sink = client.sink("t", producer_id="a")
+    assert isinstance(sink, IdempotentSink)
     for i in range(5):
         sink.write(rows(2 * i))
     sink.flush(timeout=WAIT)
     assert sink.unacknowledged == 0
-    assert stored_keys(durable_server.data_dir / "t.lance") == list(range(10))
+    assert stored_keys(data_dir(durable_server) / "t.lance") == list(range(10))
     assert client.offsets("t") == {"earliest": 0, "committed": 5, "next": 5}
     assert client.read("t", 3, 5).read_all().column("k").to_pylist() == [6, 7, 8, 9]
     plain = client.sink("t")  # no producer id: acknowledged once committed too
@@ -252,15 +264,15 @@ def test_a_resend_after_a_lost_acknowledgement_is_not_stored_twice(
             last = int.from_bytes(buf.to_pybytes(), "little")
         writer.close()
         assert last == 3  # all three acknowledged, both times
-    assert stored_keys(durable_server.data_dir / "t.lance") == list(range(6))
+    assert stored_keys(data_dir(durable_server) / "t.lance") == list(range(6))
     sink = client.sink("t", producer_id="sensor-7")  # continues after what is stored
     sink.write(rows(6))
     sink.flush(timeout=WAIT)
-    assert stored_keys(durable_server.data_dir / "t.lance") == list(range(8))
+    assert stored_keys(data_dir(durable_server) / "t.lance") == list(range(8))
     writer, acks = raw.do_put(flight.FlightDescriptor.for_path("t", "producer", "x", "5"), SCHEMA)
     writer.write_batch(rows(100))
     writer.done_writing()
-    with pytest.raises(flight.FlightError, match="SequenceError.*sent sequence 5"):
+    with pytest.raises(flight.FlightError, match=r"SequenceError.*sent sequence 5"):
         while acks.read() is not None:
             pass
         writer.close()
@@ -273,10 +285,10 @@ def test_a_commit_failure_surfaces_on_the_producer(durable_server: Server) -> No
     sink = client.sink("t", producer_id="a")
     sink.write(rows(0))
     sink.flush(timeout=WAIT)
-    path = durable_server.data_dir / "t.lance"
+    path = data_dir(durable_server) / "t.lance"
     moved = break_dataset(path)
     sink.write(rows(2))
-    with pytest.raises(CommitFailedError, match="'t': storing offsets 1..1"):
+    with pytest.raises(CommitFailedError, match=r"'t': storing offsets 1\.\.1"):
         sink.flush(timeout=WAIT)
     assert lance.dataset(str(path)).count_rows() == 2
     assert client.offsets("t")["committed"] == 1
@@ -314,9 +326,7 @@ def test_the_data_dir_has_a_byte_limit(tmp_path: Path) -> None:
         client = connect(server.location)
         client.create_topic("t", SCHEMA, durable=True)
         sink = client.sink("t", producer_id="a")
-        big = pa.record_batch(
-            {"k": list(range(10_000)), "s": ["x" * 20] * 10_000}, schema=SCHEMA
-        )
+        big = pa.record_batch({"k": list(range(10_000)), "s": ["x" * 20] * 10_000}, schema=SCHEMA)
         with pytest.raises(ResourceLimitError, match="max_data_bytes"):
             for _ in range(10):
                 sink.write(big)

@@ -16,7 +16,6 @@ import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -121,8 +120,8 @@ def counts(table: pa.Table) -> dict[tuple[str, int], int]:
 
 
 @pytest.fixture
-def port() -> Iterator[int]:
-    yield free_port()
+def port() -> int:
+    return free_port()
 
 
 def crash_run(
@@ -134,9 +133,7 @@ def crash_run(
     producers: list[Producer] = []
     try:
         connect(server.location).create_topic("events", SCHEMA, durable=True)
-        producers = [
-            Producer(server.location, f"p{i}", batches, rows, every) for i in range(4)
-        ]
+        producers = [Producer(server.location, f"p{i}", batches, rows, every) for i in range(4)]
 
         def flushes() -> int:
             return sum(max(0, (p.flushed + 1) // every) for p in producers)
@@ -146,7 +143,8 @@ def crash_run(
         for p in producers:  # then driven by the producers' own reports, bounded
             with p.progress:
                 p.progress.wait_for(
-                    lambda: flushes() >= kill_after or p.done.is_set(), timeout=WAIT
+                    lambda p=p: flushes() >= kill_after or p.done.is_set(),  # type: ignore[misc]
+                    timeout=WAIT,
                 )
         acknowledged = {p.name: p.flushed for p in producers}
         server.kill()
@@ -172,9 +170,7 @@ def crash_run(
         want = {(f"p{i}", s): rows for i in range(4) for s in range(batches)}
         assert final == want, "every batch exactly once in the dataset"
         live = seen.to_pydict()
-        got = {
-            (p, s): n for p, s, n in zip(live["producer"], live["seq"], live["n"], strict=True)
-        }
+        got = {(p, s): n for p, s, n in zip(live["producer"], live["seq"], live["n"], strict=True)}
         assert got == want, "the subscription from earliest saw every batch exactly once"
         return {"acknowledged_at_kill": sum(v + 1 for v in acknowledged.values())}
     finally:

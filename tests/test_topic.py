@@ -94,8 +94,8 @@ def test_subscription_names_are_checked_like_tables() -> None:
         topic.subscribe(ctx, "s")
     with pytest.raises(ValueError, match="capacity must be an integer >= 1"):
         topic.subscribe(ctx, "s2", capacity=0)
-    with pytest.raises(ValueError, match="start must be 'now' or 'earliest'"):
-        topic.subscribe(ctx, "s3", start="latest")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="start must be 'now', 'latest' or 'earliest'"):
+        topic.subscribe(ctx, "s3", start="tomorrow")
     with pytest.raises(ValueError, match="on_slow must be"):
         topic.subscribe(ctx, "s4", on_slow="drop")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="retain must be an integer"):
