@@ -5,7 +5,8 @@ result time of live queries), ``windows`` (the live engine's window aggregates: 
 and window-close latency, beside LaminarDB and Pathway unless ``peers=False``), ``spark``
 (the bridge's per-epoch split vs ``toArrow``), ``memory`` (RSS stays bounded with a slow
 reader), ``fanout`` (one producer, 1 / 4 / 16 live queries over a Topic), ``flight``
-(``pushtable serve`` vs one process; Spark executor vs driver push) and ``bandwidth`` (the
+(``pushtable serve`` vs one process; Spark executor vs driver push), ``durable`` (durable vs
+memory topics: ingest, acknowledgement latency, restart, upkeep) and ``bandwidth`` (the
 machine's copy rate, the physical limit). Needs the ``cli`` extra.
 """
 
@@ -24,6 +25,7 @@ SUITES: tuple[str, ...] = (
     "flight",
     "spark",
     "memory",
+    "durable",
     "bandwidth",
 )
 
@@ -59,6 +61,11 @@ def run(
                 f"(baseline {m['baseline_rss_mb']:.0f}, queue bound {m['queue_bound_mb']:.0f}, "
                 f"growth {m['growth_mb']:+.1f} MB)"
             )
+    if "durable" in suites:
+        from pushtable.bench import durable
+
+        out["durable"] = durable.run(quick)
+        say(durable.table(out["durable"]))
     if "spark" in suites:
         out["spark"] = spark.run(quick)
         say(spark.report(out["spark"]))

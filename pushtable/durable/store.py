@@ -124,19 +124,15 @@ class LogStore:
                 return None
             raise
 
-    @property
-    def version(self) -> int:
-        """The newest version this store committed or read."""
-        return int(self._ds.version)
-
     # -- restart ------------------------------------------------------------------------
 
     def recover(self) -> Recovered:
         """The newest stamped commit's offsets and producer sequences (a compaction's commit
         carries no stamp: the walk passes it; if cleanup removed the stamped version, the tag
         that upkeep moved to it is read instead)."""
-        ds = self._open() or self._ds
-        self._ds = ds
+        ds = self._open()  # its own handle: upkeep calls this beside the committer
+        if ds is None:
+            return Recovered(0, {}, 0)
         page = 8
         while True:
             want = min(page, ds.version)
@@ -243,8 +239,7 @@ class LogStore:
         return int(pa.compute.min(table.column(0)).as_py())
 
     def _at(self, version: int | None) -> lance.LanceDataset:
-        if version is None or version == self._ds.version:
-            return self._ds
+        """A handle of the reader's own (the committer's must not be shared across threads)."""
         return lance.dataset(self.uri, version=version, storage_options=self.storage_options)
 
     # -- upkeep -------------------------------------------------------------------------
@@ -252,8 +247,11 @@ class LogStore:
     def upkeep(self, keep_versions: timedelta) -> None:
         """Compact small fragments into larger ones and remove versions older than
         ``keep_versions`` (the newest stamped commit is tagged first, so cleanup keeps what
-        a restart reads). Commits may run meanwhile: Lance rebases them over the compaction."""
-        ds = self._open() or self._ds
+        a restart reads). Commits may run meanwhile: Lance rebases them over the compaction.
+        It uses handles of its own: the committer's must not be touched from this thread."""
+        ds = self._open()
+        if ds is None:
+            return
         ds.optimize.compact_files()
         recovered = self.recover()
         ds = self._open() or ds
@@ -269,8 +267,6 @@ class LogStore:
         """Bytes the dataset's files take on disk now (local datasets)."""
         return directory_bytes(Path(self.uri))
 
-    def fragments(self) -> int:
-        return len((self._open() or self._ds).get_fragments())
 
 
 def _aligned(batch: pa.RecordBatch) -> pa.RecordBatch:

@@ -1,0 +1,292 @@
+"""Durable topics: what storing every batch in Lance costs against a topic in memory.
+
+- ``ingest``: batches of ``k int64, v float64, s string`` (16 distinct batches cycled) into a
+  topic with one live ``count/sum`` query, in memory vs durable (``persist=``), timed from
+  the first write to the query's answer after ``close`` (which, durable, returns once the
+  last commit holds everything); and over Flight, an idempotent producer into a memory vs a
+  durable topic on ``pushtable serve``, timed to the last acknowledgement. Alternating runs.
+- ``ack``: per-batch acknowledgement latency of a durable topic written at a steady rate
+  (append -> the commit that holds it), and a producer's ``flush()`` over Flight.
+- ``restart``: reopening a topic of 10 M rows (its schema, next offset and producers).
+- ``upkeep``: a steady run with upkeep (compaction + cleanup): the dataset's versions and
+  fragments at the end, and the worst acknowledgement while upkeep ran.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import lance
+import numpy as np
+import pyarrow as pa
+
+from pushtable import SessionContext, Topic
+
+SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.float64()), ("s", pa.string())])
+
+
+def batches(rows: int, distinct: int = 16) -> list[pa.RecordBatch]:
+    rng = np.random.default_rng(0)
+    out = []
+    for i in range(distinct):
+        k = np.arange(i * rows, (i + 1) * rows, dtype=np.int64)
+        words = np.array([f"event-{j:012d}" for j in rng.integers(0, 1 << 30, 64)])
+        out.append(
+            pa.record_batch(
+                [pa.array(k), pa.array(rng.random(rows)), pa.array(words[k % 64])], schema=SCHEMA
+            )
+        )
+    return out
+
+
+def _local(durable: bool, data: list[pa.RecordBatch], count: int, where: Path) -> float:
+    persist = where / f"t{time.monotonic_ns()}.lance" if durable else None
+    topic = Topic("t", SCHEMA, persist=persist)
+    ctx = SessionContext()
+    topic.subscribe(ctx, "live", capacity=64)
+    result: list[Any] = []
+    reader = threading.Thread(
+        target=lambda: result.append(ctx.sql("SELECT count(*), sum(v) FROM live").to_pydict())
+    )
+    reader.start()
+    started = time.perf_counter()
+    for i in range(count):
+        topic.write(data[i % len(data)])
+    topic.close()
+    reader.join()
+    elapsed = time.perf_counter() - started
+    assert next(iter(result[0].values()))[0] == count * data[0].num_rows
+    return elapsed
+
+
+def _remote(durable: bool, data: list[pa.RecordBatch], count: int, where: Path) -> float:
+    from pushtable.flight import Server, connect
+
+    server = Server(data_dir=where / f"d{time.monotonic_ns()}")
+    try:
+        client = connect(server.location)
+        client.create_topic("t", SCHEMA, durable=durable)
+        sink = client.sink("t", producer_id="bench") if durable else client.sink("t")
+        started = time.perf_counter()
+        for i in range(count):
+            sink.write(data[i % len(data)])
+        sink.flush()
+        elapsed = time.perf_counter() - started
+        client.close()
+        return elapsed
+    finally:
+        server.stop()
+
+
+def ingest(quick: bool, where: Path) -> list[dict[str, Any]]:
+    rounds = 2 if quick else 3
+    out = []
+    for rows in (8_192, 65_536):
+        data = batches(rows)
+        count = max(16, (4_000_000 if quick else 20_000_000) // rows)
+        for path, fn in (("in-process", _local), ("flight", _remote)):
+            times: dict[bool, list[float]] = {False: [], True: []}
+            for _ in range(rounds):
+                for durable in (False, True):
+                    times[durable].append(fn(durable, data, count, where))
+            memory = count * rows / statistics.median(times[False]) / 1e6
+            durable_rate = count * rows / statistics.median(times[True]) / 1e6
+            out.append(
+                {
+                    "path": path,
+                    "batch_rows": rows,
+                    "batches": count,
+                    "memory_m_rows_s": memory,
+                    "durable_m_rows_s": durable_rate,
+                    "ratio": durable_rate / memory,
+                }
+            )
+    return out
+
+
+def ack(quick: bool, where: Path) -> dict[str, Any]:
+    """Append -> commit latency of every batch at a steady rate; a remote flush's latency."""
+    data = batches(8_192)
+    topic = Topic("t", SCHEMA, persist=where / "ack.lance")
+    log = topic.durable
+    assert log is not None
+    appended: dict[int, float] = {}
+    latencies: list[float] = []
+    lock = threading.Lock()
+
+    def on_commit(committed: int, failure: BaseException | None) -> None:
+        now = time.perf_counter()
+        with lock:
+            for offset in [o for o in appended if o < committed]:
+                latencies.append(now - appended.pop(offset))
+
+    log.listen(on_commit)
+    rate = 200.0
+    count = 400 if quick else 2_000
+    start = time.perf_counter()
+    for i in range(count):
+        target = start + i / rate
+        while (now := time.perf_counter()) < target:
+            time.sleep(min(0.002, target - now))
+        with lock:  # the offset is known before the append returns: take it under the lock
+            offset = log.append(data[i % len(data)])
+            appended[offset] = now
+    topic.flush()
+    topic.close()
+    flushes = _remote_flushes(50 if quick else 300, where)
+    ms = sorted(x * 1e3 for x in latencies)
+    return {
+        "rate_batches_s": rate,
+        "batch_rows": 8_192,
+        "commit_interval_ms": log.commit_interval * 1e3,
+        "samples": len(ms),
+        "p50_ms": ms[len(ms) // 2],
+        "p99_ms": ms[int(len(ms) * 0.99)],
+        "max_ms": ms[-1],
+        "flush_p50_ms": flushes[len(flushes) // 2],
+        "flush_p99_ms": flushes[int(len(flushes) * 0.99)],
+        "flush_samples": len(flushes),
+    }
+
+
+def _remote_flushes(count: int, where: Path) -> list[float]:
+    from pushtable.flight import Server, connect
+
+    data = batches(8_192)
+    server = Server(data_dir=where / "flush")
+    try:
+        client = connect(server.location)
+        client.create_topic("t", SCHEMA, durable=True)
+        sink = client.sink("t", producer_id="p")
+        out = []
+        for i in range(count):
+            started = time.perf_counter()
+            sink.write(data[i % len(data)])
+            sink.flush()
+            out.append((time.perf_counter() - started) * 1e3)
+            time.sleep(0.01)
+        client.close()
+        return sorted(out)
+    finally:
+        server.stop()
+
+
+def restart(quick: bool, where: Path) -> dict[str, Any]:
+    """Reopen a topic of 10 M rows (1 M with --quick), as a restarted server does."""
+    from pushtable.flight import Server
+
+    rows = 1_000_000 if quick else 10_000_000
+    data = batches(65_536)
+    path = where / "restart" / "big.lance"
+    path.parent.mkdir()
+    topic = Topic("big", SCHEMA, persist=path, commit_interval=0.05, upkeep_interval=None)
+    for i in range(rows // 65_536 + 1):
+        topic.write(data[i % len(data)])
+    topic.close()
+    stored = lance.dataset(str(path)).count_rows()
+    started = time.perf_counter()
+    again = Topic.reopen(path, upkeep_interval=None)
+    reopen = time.perf_counter() - started
+    again.close()
+    started = time.perf_counter()
+    server = Server(data_dir=path.parent)
+    server_start = time.perf_counter() - started
+    server.stop()
+    return {
+        "rows": stored,
+        "reopen_ms": reopen * 1e3,
+        "server_start_ms": server_start * 1e3,
+        "versions": len(lance.dataset(str(path)).versions()),
+    }
+
+
+def upkeep(quick: bool, where: Path) -> dict[str, Any]:
+    """Steady ingest with upkeep: 10 minutes (30 s with --quick), 8,192-row batches at
+    100/s, upkeep every minute (every 10 s with --quick)."""
+    seconds, every = (30.0, 10.0) if quick else (600.0, 60.0)
+    data = batches(8_192)
+    path = where / "upkeep.lance"
+    topic = Topic("t", SCHEMA, persist=path, upkeep_interval=every)
+    log = topic.durable
+    assert log is not None
+    appended: dict[int, float] = {}
+    worst = 0.0
+    lock = threading.Lock()
+
+    def on_commit(committed: int, failure: BaseException | None) -> None:
+        nonlocal worst
+        now = time.perf_counter()
+        with lock:
+            for offset in [o for o in appended if o < committed]:
+                worst = max(worst, now - appended.pop(offset))
+
+    log.listen(on_commit)
+    start = time.perf_counter()
+    i = 0
+    while (now := time.perf_counter()) - start < seconds:
+        target = start + i / 100.0
+        if now < target:
+            time.sleep(min(0.005, target - now))
+            continue
+        with lock:
+            appended[log.append(data[i % len(data)])] = now
+        i += 1
+    topic.close()
+    ds = lance.dataset(str(path))
+    return {
+        "seconds": seconds,
+        "upkeep_every_s": every,
+        "batches": i,
+        "commits": log.commits,
+        "versions_kept": len(ds.versions()),
+        "latest_version": ds.version,
+        "fragments": len(ds.get_fragments()),
+        "disk_mb": log.store.disk_bytes() / 1e6,
+        "worst_ack_ms": worst * 1e3,
+    }
+
+
+def run(quick: bool) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="pushtable-durable-") as tmp:
+        where = Path(tmp)
+        return {
+            "ingest": ingest(quick, where),
+            "ack": ack(quick, where),
+            "restart": restart(quick, where),
+            "upkeep": upkeep(quick, where),
+            "lance": lance.__version__,
+        }
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = ["durable topics vs memory topics (M rows/s, median of alternating runs)"]
+    lines.append(f"{'path':<11} {'rows/batch':>10} {'memory':>8} {'durable':>8} {'ratio':>6}")
+    for r in result["ingest"]:
+        lines.append(
+            f"{r['path']:<11} {r['batch_rows']:>10,} {r['memory_m_rows_s']:>8.1f} "
+            f"{r['durable_m_rows_s']:>8.1f} {r['ratio']:>5.2f}x"
+        )
+    a = result["ack"]
+    lines.append(
+        f"ack latency at {a['rate_batches_s']:.0f} batches/s (commit interval "
+        f"{a['commit_interval_ms']:.0f} ms): p50 {a['p50_ms']:.1f} ms, p99 {a['p99_ms']:.1f} ms, "
+        f"max {a['max_ms']:.1f} ms over {a['samples']}; remote flush p50 "
+        f"{a['flush_p50_ms']:.1f} ms, p99 {a['flush_p99_ms']:.1f} ms"
+    )
+    r = result["restart"]
+    lines.append(
+        f"restart: reopen a topic of {r['rows']:,} rows in {r['reopen_ms']:.1f} ms; a server "
+        f"on its data dir starts in {r['server_start_ms']:.1f} ms"
+    )
+    u = result["upkeep"]
+    lines.append(
+        f"upkeep: {u['seconds']:.0f} s at 100 batches/s, {u['commits']} commits -> "
+        f"{u['versions_kept']} versions kept (latest {u['latest_version']}), "
+        f"{u['fragments']} fragments, {u['disk_mb']:.0f} MB; worst ack {u['worst_ack_ms']:.0f} ms"
+    )
+    return "\n".join(lines)
