@@ -78,6 +78,21 @@ def _not_found(exc: BaseException) -> bool:
     )
 
 
+not_found = _not_found
+
+
+def open_dataset(
+    uri: str, storage_options: dict[str, str] | None = None
+) -> lance.LanceDataset | None:
+    """The dataset at ``uri``, or None when there is none yet (any other error propagates)."""
+    try:
+        return lance.dataset(uri, storage_options=storage_options)
+    except (OSError, ValueError) as exc:
+        if _not_found(exc):
+            return None
+        raise
+
+
 def _props(tx: Any) -> dict[str, str] | None:
     """A transaction's properties ({} when it has none); None when it is gone."""
     if tx is None:
@@ -198,12 +213,7 @@ class LanceEpochWriter:
     # -- reading history ----------------------------------------------------------------
 
     def _dataset(self) -> lance.LanceDataset | None:
-        try:
-            return lance.dataset(self.uri, storage_options=self.storage_options)
-        except (OSError, ValueError) as exc:
-            if _not_found(exc):
-                return None
-            raise
+        return open_dataset(self.uri, self.storage_options)
 
     def last_committed_epoch(self, ds: lance.LanceDataset | None = None) -> int | None:
         """The newest epoch this query committed, found by walking history backwards."""

@@ -25,6 +25,8 @@ import lance
 import numpy as np
 import pyarrow as pa
 
+from pushtable.lance_epochs import not_found, open_dataset
+
 __all__ = ["OFFSET", "TIMESTAMP", "LogStore", "Recovered", "StoredBatch"]
 
 log = logging.getLogger(__name__)
@@ -59,13 +61,6 @@ class Recovered:
     next_offset: int
     producers: dict[str, int]
     version: int
-
-
-def _not_found(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return isinstance(exc, (OSError, ValueError)) and (
-        "not found" in text or "does not exist" in text
-    )
 
 
 class LogStore:
@@ -117,12 +112,7 @@ class LogStore:
         self._ds: lance.LanceDataset = ds
 
     def _open(self) -> lance.LanceDataset | None:
-        try:
-            return lance.dataset(self.uri, storage_options=self.storage_options)
-        except (OSError, ValueError) as exc:
-            if _not_found(exc):
-                return None
-            raise
+        return open_dataset(self.uri, self.storage_options)
 
     # -- restart ------------------------------------------------------------------------
 
@@ -139,7 +129,7 @@ class LogStore:
             try:
                 txs = ds.get_transactions(want)
             except (OSError, ValueError) as exc:
-                if not _not_found(exc):
+                if not not_found(exc):
                     raise
                 txs = []
             for i, tx in enumerate(txs):
@@ -158,7 +148,7 @@ class LogStore:
             tx = ds.read_transaction(version)
             props = dict(tx.transaction_properties or {}) if tx is not None else {}
         except (OSError, ValueError, AttributeError) as exc:
-            if isinstance(exc, AttributeError) or _not_found(exc):
+            if isinstance(exc, AttributeError) or not_found(exc):
                 return Recovered(0, {}, ds.version)
             raise
         return _recovered(props, version) if NEXT_KEY in props else Recovered(0, {}, ds.version)
@@ -258,7 +248,7 @@ class LogStore:
         try:
             ds.tags.update(TAG, recovered.version)
         except (OSError, ValueError) as exc:
-            if not _not_found(exc):
+            if not not_found(exc):
                 raise
             ds.tags.create(TAG, recovered.version)
         ds.cleanup_old_versions(older_than=keep_versions, error_if_tagged_old_versions=False)
@@ -266,7 +256,6 @@ class LogStore:
     def disk_bytes(self) -> int:
         """Bytes the dataset's files take on disk now (local datasets)."""
         return directory_bytes(Path(self.uri))
-
 
 
 def _aligned(batch: pa.RecordBatch) -> pa.RecordBatch:
