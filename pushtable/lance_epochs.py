@@ -150,6 +150,15 @@ def conform_to(table: pa.Table, target: pa.Schema) -> pa.Table:
     return table.select(target.names).cast(target)
 
 
+def dataset_schema(
+    uri: str | Path, incoming: pa.Schema, storage_options: dict[str, str] | None = None
+) -> pa.Schema:
+    """The schema of the dataset at ``uri``, or the one a first epoch of ``incoming`` would
+    create there."""
+    ds = open_dataset(str(uri), storage_options)
+    return ds.schema if ds is not None else target_schema(incoming)
+
+
 def target_schema(schema: pa.Schema) -> pa.Schema:
     """The dataset schema for a first epoch: same names and types, every field nullable."""
     return pa.schema([f.with_nullable(True) for f in schema])
@@ -278,8 +287,7 @@ class LanceEpochWriter:
 
     def schema_for(self, incoming: pa.Schema) -> pa.Schema:
         """The dataset's schema, or the one a first epoch of ``incoming`` would create."""
-        ds = self._dataset()
-        return ds.schema if ds is not None else target_schema(incoming)
+        return dataset_schema(self.uri, incoming, self.storage_options)
 
     def replayed(self, epoch_id: int, ds: lance.LanceDataset | None = None) -> CommitResult | None:
         """The "skipped" result if ``epoch_id`` was already committed by this query, else None."""

@@ -16,7 +16,7 @@ import asyncio
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -48,7 +48,8 @@ class TopicStats(SinkStats):
     has still to read, plus the retention window); ``subscribers`` are the live ones;
     ``detached`` counts subscribers cut loose for falling behind. A durable topic adds its
     offsets (``next_offset``; every offset below ``committed_offset`` is stored), what waits
-    for a commit (``pending_batches``/``pending_bytes``), ``commits`` and ``commit_failures``.
+    for a commit (``pending_batches``/``pending_bytes``), ``commits``, ``commit_failures`` and
+    ``consumers`` (each consumer's position, e.g. a Spark query's: see ``consumed``).
     """
 
     subscribers: int = 0
@@ -60,6 +61,7 @@ class TopicStats(SinkStats):
     pending_bytes: int = 0
     commits: int = 0
     commit_failures: int = 0
+    consumers: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -291,6 +293,11 @@ class Topic(_Producer):
         """The stored batches of offsets ``[start, end)`` of a durable topic: the same rows
         every time (``end`` at most ``offsets()["committed"]``)."""
         return self._log("read").read(start, end)
+
+    def consumed(self, consumer: str, offset: int) -> None:
+        """Record that ``consumer`` (e.g. a Spark query) has read every offset below
+        ``offset`` of a durable topic; :attr:`stats` reports it, a restart recovers it."""
+        self._log("consumed").consumed(consumer, offset)
 
     def _log(self, what: str) -> DurableLog:
         if self.durable is None:

@@ -122,21 +122,29 @@ _CONNECT_RUN = textwrap.dedent(
     """
     import json, sys
     from pyspark.sql import SparkSession
-    from pushtable.spark import RemoteBridge
+    from pushtable.spark import RemoteBridge, register
 
-    uri, src, chk, lance_uri = sys.argv[1:5]
+    uri, src, chk, lance_uri, how = sys.argv[1:6]
     # local[2,2]: two cores, and a failed task gets a second attempt (as on a cluster).
     spark = (SparkSession.builder.remote("local[2,2]")
              .config("spark.sql.shuffle.partitions", "2").getOrCreate())
 
+    register(spark)
+
     def run(fail):
-        bridge = RemoteBridge(uri, "events", lance_uri=lance_uri, checkpoint=chk)
-        if fail:
-            bridge.fail_first_attempt = (0, "after_stage")  # fails once, after sending
         df = (spark.readStream.schema("id long, level string")
               .option("maxFilesPerTrigger", 1).json(src))
-        q = (df.writeStream.foreachBatch(bridge).option("checkpointLocation", chk)
-             .trigger(availableNow=True).start())
+        if how == "format":  # writeStream.format("pushtable"), Spark's own sink protocol
+            writer = (df.writeStream.format("pushtable").option("uri", uri)
+                      .option("table", "events").option("lance_uri", lance_uri))
+            if fail:  # fails once, after sending
+                writer = writer.option("pushtable.test.fail_first_attempt", "0:after_stage")
+        else:
+            bridge = RemoteBridge(uri, "events", lance_uri=lance_uri, checkpoint=chk)
+            if fail:
+                bridge.fail_first_attempt = (0, "after_stage")  # fails once, after sending
+            writer = df.writeStream.foreachBatch(bridge)
+        q = (writer.option("checkpointLocation", chk).trigger(availableNow=True).start())
         finished = q.awaitTermination(180)
         print(json.dumps({"finished": finished, "id": str(q.id),
                           "error": None if q.exception() is None else str(q.exception())}),
@@ -151,10 +159,14 @@ _CONNECT_RUN = textwrap.dedent(
 
 
 @pytest.mark.spark
-def test_spark_connect_with_a_task_that_fails_once(tmp_path: Path, server: Server) -> None:
-    """Spark Connect (server-side foreachBatch), executor push, a task attempt that staged its
-    partition and then failed: the live table and Lance hold every row exactly once, under
-    the query id Spark keeps in the checkpoint, across a restart of the query."""
+@pytest.mark.parametrize("how", ["format", "foreachBatch"])
+def test_spark_connect_with_a_task_that_fails_once(
+    tmp_path: Path, server: Server, how: str
+) -> None:
+    """Spark Connect (``format("pushtable")``, or a server-side foreachBatch with executor
+    push), a task attempt that staged its partition and then failed: the live table and
+    Lance hold every row exactly once, under the query id Spark keeps in the checkpoint,
+    across a restart of the query."""
     client = connect(server.location)
     client.create_table("events", ARROW)
     reader = live_ids(client, "events")
@@ -172,7 +184,16 @@ def test_spark_connect_with_a_task_that_fails_once(tmp_path: Path, server: Serve
     # Its stderr goes to a file: a full pipe nobody reads would stall Spark.
     with (tmp_path / "child.err").open("w") as err:
         child = subprocess.Popen(
-            [sys.executable, "-c", _CONNECT_RUN, server.location, str(src), str(chk), str(uri)],
+            [
+                sys.executable,
+                "-c",
+                _CONNECT_RUN,
+                server.location,
+                str(src),
+                str(chk),
+                str(uri),
+                how,
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=err,

@@ -101,6 +101,7 @@ class DurableLog:
         self._version = recovered.version
         self._accepted = dict(recovered.producers)  # producer -> last sequence appended
         self._stored = dict(recovered.producers)  # producer -> last sequence committed
+        self._consumers = dict(recovered.consumers)  # consumer -> offset it has read up to
         self._pending: deque[_Entry] = deque()
         self._pending_bytes = 0
         self._tail: deque[_Entry] = deque()  # committed batches kept in memory
@@ -265,13 +266,16 @@ class DurableLog:
                 self._urgent = False
                 entries = list(self._pending)
                 stored = dict(self._stored)
+                consumers = dict(self._consumers)
             for e in entries:
                 if e.producer is not None:
                     assert e.sequence is not None
                     stored[e.producer] = e.sequence
             try:
                 version = self.store.append(
-                    [StoredBatch(e.offset, e.time_us, e.batch) for e in entries], stored
+                    [StoredBatch(e.offset, e.time_us, e.batch) for e in entries],
+                    stored,
+                    consumers,
                 )
             except BaseException as exc:  # I/O, a full disk, a read-only dir, a Lance panic
                 if isinstance(exc, (KeyboardInterrupt, SystemExit)):
@@ -344,6 +348,20 @@ class DurableLog:
         self.store.upkeep(self._keep_versions)
 
     # -- reading ------------------------------------------------------------------------
+
+    def consumed(self, consumer: str, offset: int) -> None:
+        """Record that ``consumer`` has read every offset below ``offset`` (Spark's source
+        calls it from ``commit(end)``). Positions are kept in memory, reported by
+        :attr:`stats`, and stored with the topic's next commit, so a restart recovers them."""
+        if not consumer:
+            raise ValueError("a consumer needs a name")
+        with self._cond:
+            if not 0 <= offset <= self._committed:
+                raise ValueError(
+                    f"durable topic '{self.name}': consumer {consumer!r} cannot have read up to "
+                    f"offset {offset}; offsets 0..{self._committed} are committed"
+                )
+            self._consumers[consumer] = int(offset)
 
     def offsets(self) -> dict[str, int]:
         """``earliest`` (the first stored offset), ``committed`` (every offset below it is
@@ -454,4 +472,5 @@ class DurableLog:
                 "pending_bytes": self._pending_bytes,
                 "commits": self.commits,
                 "commit_failures": self.commit_failures,
+                "consumers": dict(self._consumers),
             }

@@ -16,7 +16,7 @@ import logging
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ _TIME_TYPE = pa.timestamp("us", tz="UTC")
 #: transaction properties of a commit
 NEXT_KEY = "pushtable.next_offset"
 PRODUCERS_KEY = "pushtable.producers"
+CONSUMERS_KEY = "pushtable.consumers"
 #: the schema metadata key holding the topic's options (order_by, retain...)
 CONFIG_KEY = "pushtable.topic"
 #: the tag on the newest stamped commit, moved at each upkeep so cleanup keeps it
@@ -61,6 +62,8 @@ class Recovered:
     next_offset: int
     producers: dict[str, int]
     version: int
+    #: consumer -> the offset it said it has read up to (Spark's ``commit(end)``)
+    consumers: dict[str, int] = field(default_factory=dict)
 
 
 class LogStore:
@@ -155,10 +158,15 @@ class LogStore:
 
     # -- writing ------------------------------------------------------------------------
 
-    def append(self, batches: Sequence[StoredBatch], producers: dict[str, int]) -> int:
+    def append(
+        self,
+        batches: Sequence[StoredBatch],
+        producers: dict[str, int],
+        consumers: dict[str, int] | None = None,
+    ) -> int:
         """Store ``batches`` (consecutive offsets) in one transaction stamped with the offset
-        after the last and ``producers``' sequences; returns the new version. Lance's commit
-        is atomic: on any error nothing of it is visible."""
+        after the last, ``producers``' sequences and ``consumers``' positions; returns the new
+        version. Lance's commit is atomic: on any error nothing of it is visible."""
         table = self._stamped(batches)
         fragments = lance.fragment.write_fragments(
             table, self.uri, schema=self._ds.schema, storage_options=self.storage_options
@@ -167,6 +175,8 @@ class LogStore:
             NEXT_KEY: str(batches[-1].offset + 1),
             PRODUCERS_KEY: json.dumps(producers, separators=(",", ":")),
         }
+        if consumers:
+            props[CONSUMERS_KEY] = json.dumps(consumers, separators=(",", ":"))
         for attempt in range(6):
             tx = lance.Transaction(
                 self._ds.version,
@@ -298,7 +308,13 @@ def directory_bytes(path: Path) -> int:
 
 def _recovered(props: dict[str, str], version: int) -> Recovered:
     producers = json.loads(props.get(PRODUCERS_KEY, "{}"))
-    return Recovered(int(props[NEXT_KEY]), {str(k): int(v) for k, v in producers.items()}, version)
+    consumers = json.loads(props.get(CONSUMERS_KEY, "{}"))
+    return Recovered(
+        int(props[NEXT_KEY]),
+        {str(k): int(v) for k, v in producers.items()},
+        version,
+        {str(k): int(v) for k, v in consumers.items()},
+    )
 
 
 def micros(when: datetime) -> int:

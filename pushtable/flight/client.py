@@ -196,6 +196,11 @@ class Client:
         stored) and ``next``."""
         return {k: int(v) for k, v in self._action("offsets", {"name": topic}).items()}
 
+    def consumed(self, topic: str, consumer: str, offset: int) -> None:
+        """Tell the server that ``consumer`` has read every offset below ``offset`` of a
+        durable topic (its stats report it; a restart keeps it)."""
+        self._action("consumed", {"name": topic, "consumer": consumer, "offset": int(offset)})
+
     def read(self, topic: str, start: int, end: int) -> RemoteResult:
         """The committed batches of offsets ``[start, end)`` of a durable topic, from its
         dataset: the same rows each time (``end`` at most ``offsets(topic)["committed"]``)."""
@@ -297,6 +302,12 @@ class Client:
             body["advance"] = int(advance)
         result = self._action("publish", body, options)
         return bool(result["published"])
+
+    def discard(self, table: str, query: str, epoch: int) -> int:
+        """Drop every share staged for ``epoch`` of ``query`` (Spark aborted the epoch);
+        returns how many there were."""
+        body = {"table": table, "query": query, "epoch": int(epoch)}
+        return int(self._action("discard", body)["discarded"])
 
     def published(self, table: str, query: str) -> int:
         """The newest epoch of ``query`` published into ``table`` (-1: none)."""

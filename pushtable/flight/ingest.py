@@ -231,6 +231,16 @@ class Ingest:
             replaced.release()
         return share.rows
 
+    def _discard(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Drop every share staged for an epoch (Spark aborted it): none is ever written."""
+        key = (str(body["table"]), str(body["query"]), int(body["epoch"]))
+        with self._lock:
+            stage = self._staged.pop(key, {})
+            self.dropped_shares += len(stage)
+        for share in stage.values():
+            share.release()
+        return {"discarded": len(stage)}
+
     def _publish(self, body: dict[str, Any]) -> dict[str, Any]:
         """Write an epoch's staged batches (the attempts the driver names) once.
 

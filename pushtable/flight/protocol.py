@@ -51,6 +51,8 @@ ACTIONS = (
     "published",
     "offsets",
     "producer",
+    "consumed",
+    "discard",
 )
 STAGE = "stage"
 PRODUCER = "producer"

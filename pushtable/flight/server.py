@@ -301,6 +301,10 @@ class Server(Ingest, Queries, flight.FlightServerBase):  # type: ignore[misc]
         if kind == "offsets":
             grant.require((READ, WRITE), "read the offsets of", [str(body["name"])])
             return self._durable(body["name"]).offsets()
+        if kind == "consumed":
+            grant.require(READ, "read", [str(body["name"])])
+            self._durable(body["name"]).consumed(str(body["consumer"]), int(body["offset"]))
+            return {}
         if kind == "producer":
             grant.require(WRITE, "push to", [str(body["name"])])
             log = self._durable(body["name"]).durable
@@ -339,6 +343,9 @@ class Server(Ingest, Queries, flight.FlightServerBase):  # type: ignore[misc]
         if kind == "publish":
             grant.require(ADMIN, "publish an epoch to", [str(body["table"])])
             return self._publish(body)
+        if kind == "discard":
+            grant.require(ADMIN, "discard staged shares of", [str(body["table"])])
+            return self._discard(body)
         if kind == "published":
             grant.require(ADMIN, "read the published epoch of", [str(body["table"])])
             with self._lock:

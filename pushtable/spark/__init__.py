@@ -1,4 +1,9 @@
-"""Spark: ``foreachBatch`` bridges from a Structured Streaming query to live tables and Lance.
+"""Spark: ``format("pushtable")`` (sink and source) and ``foreachBatch`` bridges from a
+Structured Streaming query to live tables and Lance.
+
+- :func:`register` (:mod:`pushtable.spark.datasource`): ``writeStream.format("pushtable")``
+  into a server's live table (and Lance) exactly once, ``readStream.format("pushtable")``
+  from a server's durable topic by offsets.
 
 - :class:`ForeachBatchBridge` (:mod:`pushtable.spark.bridge`): sinks and topics in this
   process; Lance exactly once.
@@ -17,6 +22,7 @@ from pushtable.spark.bridge import (
     SlowReaderError,
     StreamingQueryFailedError,
 )
+from pushtable.spark.datasource import PushTableDataSource, register
 from pushtable.spark.remote import RemoteBridge, query_id_from_checkpoint
 from pushtable.spark.session import local_spark, spark_log_path
 
@@ -24,10 +30,12 @@ __all__ = [
     "EpochReport",
     "ForeachBatchBridge",
     "IncompatibleSinkError",
+    "PushTableDataSource",
     "RemoteBridge",
     "SlowReaderError",
     "StreamingQueryFailedError",
     "local_spark",
     "query_id_from_checkpoint",
+    "register",
     "spark_log_path",
 ]

@@ -170,8 +170,8 @@ class RemoteBridge:
 
         epoch = int(epoch_id)
         query_id = self._query_id(batch_df)
-        client = self._connect()
-        writer = self._writer(query_id)
+        client = self.client()
+        writer = self.epoch_writer(query_id)
         lance_done = writer is None or writer.replayed(epoch) is not None
         live_done = epoch <= client.published(self.table, query_id)
         started = time.perf_counter()
@@ -180,23 +180,24 @@ class RemoteBridge:
             batch_df.write.format("noop").mode("overwrite").save()
             self._report(query_id, epoch, -1, started, "replayed: committed and published")
             return
-        live_schema = self._live_schema(client, to_arrow_schema(batch_df.schema))
-        plan = _Epoch(query_id, epoch, writer, lance_done, live_done, live_schema)
+        live_schema = self.live_schema(client, to_arrow_schema(batch_df.schema))
+        plan = EpochPlan(query_id, epoch, writer, lance_done, live_done, live_schema)
         send = self._from_executors if self.push == "executors" else self._from_driver
         rows, result = send(batch_df, plan)
         reason = result.reason if result is not None else "no Lance dataset configured"
         self._report(query_id, epoch, rows, started, reason)
 
-    def _from_executors(self, batch_df: DataFrame, plan: _Epoch) -> tuple[int, CommitResult | None]:
-        from lance.fragment import FragmentMetadata
+    def _from_executors(
+        self, batch_df: DataFrame, plan: EpochPlan
+    ) -> tuple[int, CommitResult | None]:
         from pyspark.sql.pandas.types import to_arrow_schema
 
         writer = plan.writer
         lance_schema = None
         if writer is not None and not plan.lance_done:
             lance_schema = writer.schema_for(to_arrow_schema(batch_df.schema))
-        task = _PartitionTask(
-            settings=self._settings(),
+        task = PartitionTask(
+            settings=self.settings(),
             table=self.table,
             query_id=plan.query_id,
             epoch=plan.epoch,
@@ -210,20 +211,33 @@ class RemoteBridge:
         out = batch_df.mapInArrow(
             task, "partition int, attempt int, rows long, fragments string"
         ).collect()
+        shares = [
+            Share(
+                int(r["partition"]), int(r["attempt"]), int(r["rows"]), json.loads(r["fragments"])
+            )
+            for r in out
+        ]
+        return sum(s.rows for s in shares), self.commit_shares(plan, shares, lance_schema)
+
+    def commit_shares(
+        self, plan: EpochPlan, shares: list[Share], lance_schema: pa.Schema | None
+    ) -> CommitResult | None:
+        """The driver's half of an epoch the tasks staged: commit their Lance fragments once,
+        then publish exactly the attempts in ``shares`` (Spark's successful ones) once."""
+        from lance.fragment import FragmentMetadata
+
         result = None
-        if writer is not None:
+        if plan.writer is not None:
             if plan.lance_done:
-                result = writer.replayed(plan.epoch)
+                result = plan.writer.replayed(plan.epoch)
             else:
                 assert lance_schema is not None
-                fragments = [
-                    FragmentMetadata.from_json(f) for r in out for f in json.loads(r["fragments"])
-                ]
-                result = writer.commit_fragments(plan.epoch, fragments, lance_schema)
-        self._publish(plan, [(int(r["partition"]), int(r["attempt"])) for r in out])
-        return sum(int(r["rows"]) for r in out), result
+                fragments = [FragmentMetadata.from_json(f) for s in shares for f in s.fragments]
+                result = plan.writer.commit_fragments(plan.epoch, fragments, lance_schema)
+        self._publish(plan, [(s.partition, s.attempt) for s in shares])
+        return result
 
-    def _from_driver(self, batch_df: DataFrame, plan: _Epoch) -> tuple[int, CommitResult | None]:
+    def _from_driver(self, batch_df: DataFrame, plan: EpochPlan) -> tuple[int, CommitResult | None]:
         table = batch_df.toArrow()
         result = None
         if plan.writer is not None:
@@ -234,16 +248,14 @@ class RemoteBridge:
         if not plan.live_done:
             stamped = stamp_epoch(table, self.epoch_column, plan.epoch)
             data = conform_to(stamped, plan.live_schema).to_batches()
-            self._connect().stage(
-                self.table, plan.query_id, plan.epoch, 0, 0, data, plan.live_schema
-            )
+            self.client().stage(self.table, plan.query_id, plan.epoch, 0, 0, data, plan.live_schema)
         self._publish(plan, [(0, 0)])
         return table.num_rows, result
 
-    def _publish(self, plan: _Epoch, parts: list[tuple[int, int]]) -> None:
+    def _publish(self, plan: EpochPlan, parts: list[tuple[int, int]]) -> None:
         """After the Lance commit: the staged shares of ``parts`` into the live table, once."""
         if not plan.live_done:
-            self._connect().publish(
+            self.client().publish(
                 self.table,
                 plan.query_id,
                 plan.epoch,
@@ -256,17 +268,17 @@ class RemoteBridge:
 
     def close(self) -> None:
         """End of stream for the server's table (the query is over): its reader finishes."""
-        self._connect().sink(self.table).close()
+        self.client().sink(self.table).close()
 
-    def _settings(self) -> dict[str, Any]:
+    def settings(self) -> dict[str, Any]:
         return {"uri": self.uri, "token": self.token, "tls_root_certs": self.tls_root_certs}
 
-    def _connect(self) -> Client:
+    def client(self) -> Client:
         if self._client is None:
-            self._client = connect(**self._settings())
+            self._client = connect(**self.settings())
         return self._client
 
-    def _writer(self, query_id: str) -> LanceEpochWriter | None:
+    def epoch_writer(self, query_id: str) -> LanceEpochWriter | None:
         if self.lance_uri is None:
             return None
         writer = self._writers.get(query_id)
@@ -292,7 +304,7 @@ class RemoteBridge:
             "Connect) or query_id=...; it keys the exactly-once commits and live epochs"
         )
 
-    def _live_schema(self, client: Client, epoch_schema: pa.Schema) -> pa.Schema:
+    def live_schema(self, client: Client, epoch_schema: pa.Schema) -> pa.Schema:
         """The server table's schema; the table is created from the epoch's if absent."""
         epoch_schema = stamped_schema(epoch_schema, self.epoch_column)
         try:
@@ -316,7 +328,18 @@ class RemoteBridge:
 
 
 @dataclass(frozen=True)
-class _Epoch:
+class Share:
+    """What one Spark task attempt staged: its partition's rows on the server (under
+    ``(partition, attempt)``) and the Lance fragments it wrote (JSON)."""
+
+    partition: int
+    attempt: int
+    rows: int
+    fragments: list[str]
+
+
+@dataclass(frozen=True)
+class EpochPlan:
     """What one epoch still needs: a Lance commit (unless ``lance_done``), a publish (unless
     ``live_done``, i.e. the server published it before)."""
 
@@ -329,7 +352,7 @@ class _Epoch:
 
 
 @dataclass(frozen=True)
-class _PartitionTask:
+class PartitionTask:
     """What one Spark task runs (pickled to the executors): stage its partition on the
     server and write its Lance fragments, in one pass over the partition's batches."""
 
@@ -345,6 +368,18 @@ class _PartitionTask:
     epoch_column: str | None
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        share = self.run(batches)
+        yield pa.record_batch(
+            {
+                "partition": pa.array([share.partition], pa.int32()),
+                "attempt": pa.array([share.attempt], pa.int32()),
+                "rows": pa.array([share.rows], pa.int64()),
+                "fragments": pa.array([json.dumps(share.fragments)], pa.string()),
+            }
+        )
+
+    def run(self, batches: Iterator[pa.RecordBatch]) -> Share:
+        """Stage this task's partition and write its fragments; what it did, as a share."""
         from pyspark import TaskContext
 
         context = TaskContext.get()
@@ -383,14 +418,7 @@ class _PartitionTask:
             if stager is not None:
                 stager.finish()
         self._fault(partition, attempt, "after_stage")
-        yield pa.record_batch(
-            {
-                "partition": pa.array([partition], pa.int32()),
-                "attempt": pa.array([attempt], pa.int32()),
-                "rows": pa.array([rows], pa.int64()),
-                "fragments": pa.array([json.dumps(fragments)], pa.string()),
-            }
-        )
+        return Share(partition, attempt, rows, fragments)
 
     def _write_fragments(self, batches: Iterator[pa.RecordBatch], schema: pa.Schema) -> list[str]:
         import lance

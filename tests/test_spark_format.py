@@ -1,0 +1,261 @@
+"""``format("pushtable")`` on a real local Spark: the sink lands each micro-batch once in the
+live table and Lance across a replayed batch; the source reads a durable topic exactly once
+into a file sink across restarts (of the query and of the server) and a replayed range."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from pyspark.sql import SparkSession
+from pyspark.sql.streaming.query import StreamingQuery
+
+from pushtable.flight import Client, Server, connect
+from pushtable.spark import query_id_from_checkpoint, register
+from pushtable.spark.options import Options
+from pushtable.spark.stream_source import OffsetRange, PushTableStreamReader
+from tests.conftest import WAIT
+from tests.spark_support import ARROW, QUERY_WAIT, ids, stamped, stream, write_epochs
+from tests.test_spark_remote import ROWS, expected, live_ids
+
+TICKS = pa.schema([("k", pa.int64()), ("name", pa.string())])
+
+
+@pytest.fixture
+def pushtable_spark(spark: SparkSession) -> SparkSession:
+    register(spark)
+    return spark
+
+
+def finish(query: StreamingQuery) -> None:
+    assert query.awaitTermination(QUERY_WAIT), "the streaming query did not finish in time"
+    assert query.exception() is None, query.exception()
+
+
+def forget_last_commit(checkpoint: Path) -> None:
+    """Remove the checkpoint's newest commit file (and its checksum), as a crash before Spark
+    recorded the batch done would: a restart replays that batch with the same offsets."""
+    commits = sorted((checkpoint / "commits").glob("[0-9]*"), key=lambda p: int(p.name))
+    commits[-1].unlink()
+    (checkpoint / "commits" / f".{commits[-1].name}.crc").unlink(missing_ok=True)
+
+
+def sink_query(spark: SparkSession, src: Path, location: str, chk: Path, uri: Path) -> list[int]:
+    """Run the sink over what ``src`` holds; the batch ids it ran."""
+    query = (
+        stream(spark, src)
+        .writeStream.format("pushtable")
+        .option("uri", location)
+        .option("table", "events")
+        .option("lance_uri", str(uri))
+        .option("checkpointLocation", str(chk))
+        .trigger(availableNow=True)
+        .start()
+    )
+    finish(query)
+    return batch_ids(query)
+
+
+def batch_ids(query: StreamingQuery) -> list[int]:
+    return sorted({int(p["batchId"]) for p in query.recentProgress})
+
+
+@pytest.mark.spark
+def test_sink_lands_each_batch_once_across_a_replayed_batch(
+    pushtable_spark: SparkSession, tmp_path: Path, server: Server, client: Client
+) -> None:
+    client.create_table("events", ARROW)
+    reader = live_ids(client, "events")
+    src, chk, uri = tmp_path / "src", tmp_path / "chk", tmp_path / "out.lance"
+    write_epochs(src, 3, rows=ROWS)
+    assert sink_query(pushtable_spark, src, server.location, chk, uri) == [0, 1, 2]
+    query_id = query_id_from_checkpoint(chk)
+    assert client.published("events", query_id) == 2
+    forget_last_commit(chk)  # batch 2 is replayed
+    write_epochs(src, 2, rows=ROWS, start=3)
+    assert sink_query(pushtable_spark, src, server.location, chk, uri) == [2, 3, 4]
+    client.sink("events").close()
+    rows = expected(range(5))
+    assert reader.join(timeout=WAIT) == rows
+    assert ids(uri) == rows
+    assert stamped(uri) == [(query_id, e) for e in range(5)]
+    assert client.published("events", query_id) == 4
+
+
+@pytest.mark.spark
+def test_sink_errors_name_what_is_wrong(
+    pushtable_spark: SparkSession, tmp_path: Path, server: Server, client: Client
+) -> None:
+    src = tmp_path / "src"
+    write_epochs(src, 1, rows=ROWS)
+    client.create_table("events", pa.schema([("id", pa.string())]))
+
+    def start(**options: str) -> None:
+        writer = stream(pushtable_spark, src).writeStream.format("pushtable")
+        for key, value in {"checkpointLocation": str(tmp_path / "chk"), **options}.items():
+            writer = writer.option(key, value)
+        finish(writer.trigger(availableNow=True).start())
+
+    with pytest.raises(Exception, match='needs option "table"'):
+        start(uri=server.location)
+    with pytest.raises(Exception, match='needs option "uri"'):
+        start(table="events")
+    with pytest.raises(Exception, match="cannot take this query's epochs"):
+        start(uri=server.location, table="events")  # id is a string there, a long here
+    with pytest.raises(Exception, match='"publish_timeout" must be a number'):
+        start(uri=server.location, table="t2", publish_timeout="soon")
+
+
+def durable_server(data_dir: Path) -> Server:
+    return Server(data_dir=data_dir)
+
+
+def write_ticks(client: Client, first: int, count: int) -> None:
+    sink = client.sink("ticks")
+    for k in range(first, first + count):
+        sink.write(pa.record_batch({"k": [k * 10 + i for i in range(10)], "name": ["x"] * 10}))
+    sink.flush()
+
+
+def source_query(spark: SparkSession, location: str, out: Path, chk: Path) -> StreamingQuery:
+    df = (
+        spark.readStream.format("pushtable")
+        .option("uri", location)
+        .option("topic", "ticks")
+        .option("maxBatchesPerTrigger", "3")
+        .load()
+    )
+    return (
+        df.writeStream.format("parquet")
+        .option("path", str(out))
+        .option("checkpointLocation", str(chk))
+        .trigger(availableNow=True)
+        .start()
+    )
+
+
+@pytest.mark.spark
+def test_source_reads_a_durable_topic_exactly_once_across_restarts(
+    pushtable_spark: SparkSession, tmp_path: Path
+) -> None:
+    data, out, chk = tmp_path / "data", tmp_path / "out", tmp_path / "chk"
+    server = durable_server(data)
+    try:
+        with connect(server.location) as client:
+            client.create_topic("ticks", TICKS, durable=True)
+            write_ticks(client, 0, 7)
+            q = source_query(pushtable_spark, server.location, out, chk)
+            finish(q)
+            assert batch_ids(q) == [0, 1, 2]  # 7 offsets at 3 a batch
+            write_ticks(client, 7, 3)
+    finally:
+        server.stop()
+    forget_last_commit(chk)  # Spark replays its last range: the same rows again
+    server = durable_server(data)  # a restarted server: history comes from Lance
+    try:
+        with connect(server.location) as client:
+            write_ticks(client, 10, 2)
+            q = source_query(pushtable_spark, server.location, out, chk)
+            finish(q)
+            # Batch 2 again (offsets 6..7; the file sink had it: it skips it), then 7..10, 10..12
+            assert batch_ids(q) == [2, 3, 4]
+            consumers = client.stats("ticks")["consumers"]
+    finally:
+        server.stop()
+    got = sorted(r.k for r in pushtable_spark.read.parquet(str(out)).select("k").collect())
+    assert got == list(range(120))
+    assert 0 < consumers["spark"] <= 12
+
+
+@pytest.mark.spark
+def test_a_range_reads_the_same_rows_from_memory_and_from_lance(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    server = durable_server(data)
+    try:
+        with connect(server.location) as client:
+            client.create_topic("ticks", TICKS, durable=True)
+            write_ticks(client, 0, 6)
+            reader = PushTableStreamReader(
+                Options({"uri": server.location, "topic": "ticks"}, "source"), None
+            )
+            pieces = reader.partitions({"offset": 1}, {"offset": 6})
+            assert pieces == [OffsetRange(1, 4), OffsetRange(4, 6)]
+            first = [pa.Table.from_batches(list(reader.read(p))) for p in pieces]
+            reader.stop()
+    finally:
+        server.stop()
+    server = durable_server(data)
+    try:
+        reader = PushTableStreamReader(
+            Options({"uri": server.location, "topic": "ticks"}, "source"), None
+        )
+        again = [pa.Table.from_batches(list(reader.read(p))) for p in pieces]
+        reader.stop()
+    finally:
+        server.stop()
+    assert [t.to_pydict() for t in again] == [t.to_pydict() for t in first]
+    assert first[0]["k"].to_pylist() == list(range(10, 40))
+
+
+@pytest.mark.spark
+def test_source_refuses_a_topic_that_is_not_durable_and_names_missing_options(
+    pushtable_spark: SparkSession, server: Server, client: Client
+) -> None:
+    client.create_topic("ticks", TICKS)
+
+    def load(**options: str) -> None:
+        reader = pushtable_spark.readStream.format("pushtable")
+        for key, value in options.items():
+            reader = reader.option(key, value)
+        reader.load()
+
+    with pytest.raises(Exception, match="reads durable topics only"):
+        load(uri=server.location, topic="ticks")
+    with pytest.raises(Exception, match='needs option "topic"'):
+        load(uri=server.location)
+    with pytest.raises(Exception, match='needs option "uri"'):
+        load(topic="ticks")
+    with pytest.raises(Exception, match="no topic 'nope'"):
+        load(uri=server.location, topic="nope")
+
+
+def test_partitions_split_a_range_into_contiguous_pieces() -> None:
+    reader = PushTableStreamReader.__new__(PushTableStreamReader)
+    reader.partition_count = 3
+    assert reader.partitions({"offset": 5}, {"offset": 5}) == []
+    assert reader.partitions({"offset": 0}, {"offset": 2}) == [OffsetRange(0, 1), OffsetRange(1, 2)]
+    pieces = reader.partitions({"offset": 10}, {"offset": 21})
+    assert [(p.start, p.end) for p in pieces] == [(10, 14), (14, 18), (18, 21)]
+
+
+@pytest.mark.spark
+def test_a_failed_batch_is_aborted_its_shares_dropped_and_a_restart_lands_it_once(
+    pushtable_spark: SparkSession, tmp_path: Path, server: Server, client: Client
+) -> None:
+    """local[2] gives a failed task no second attempt: the batch fails, Spark aborts it (the
+    server drops the shares its tasks staged), and the restarted query lands it once."""
+    client.create_table("events", ARROW)
+    reader = live_ids(client, "events")
+    src, chk, uri = tmp_path / "src", tmp_path / "chk", tmp_path / "out.lance"
+    write_epochs(src, 2, rows=ROWS)
+    failing = (
+        stream(pushtable_spark, src)
+        .writeStream.format("pushtable")
+        .option("uri", server.location)
+        .option("table", "events")
+        .option("lance_uri", str(uri))
+        .option("checkpointLocation", str(chk))
+        .option("pushtable.test.fail_first_attempt", "0:after_stage")
+        .trigger(availableNow=True)
+        .start()
+    )
+    with pytest.raises(Exception, match="injected failure"):
+        failing.awaitTermination(QUERY_WAIT)  # raises the query's error once it has failed
+    assert server.dropped_shares >= 1  # aborted: nothing held
+    assert not server._staged
+    assert client.stats("events")["rows"] == 0
+    assert sink_query(pushtable_spark, src, server.location, chk, uri) == [0, 1]
+    client.sink("events").close()
+    assert reader.join(timeout=WAIT) == expected(range(2))
+    assert ids(uri) == expected(range(2))
