@@ -110,7 +110,7 @@ def run(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity: int) ->
             yield returned[-1]
 
     reader, live_error = _print_live(live_batches, console, "live result (as each epoch lands)")
-    query = _start(spark, out, bridge, out / "checkpoint")
+    query = _start(spark, out, out / "checkpoint", lambda w: w.foreachBatch(bridge))
     bridge.watch(query, spark)
     started = time.perf_counter()
     interrupted = False
@@ -157,17 +157,18 @@ def run(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity: int) ->
 
 
 def run_connect(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity: int) -> DemoResult:
-    """The demo over the network: Spark Connect (``remote("local[2]")``) runs the stream; its
-    server-side ``foreachBatch`` worker and the executors push each epoch to a ``pushtable
-    serve`` server (:class:`~pushtable.spark.RemoteBridge`), which stamps it with its epoch
-    and advances the table's watermark as it publishes it, and the live SQL result streams
-    back to this process over Arrow Flight, one epoch at a time."""
+    """The demo over the network: Spark Connect (``remote("local[2]")``) runs the stream into
+    ``writeStream.format("pushtable")``: the executors stage each micro-batch on a ``pushtable
+    serve`` server and write its Lance fragments, the driver commits Lance and publishes the
+    batch once; the server stamps it with its epoch and advances the table's watermark as it
+    publishes it, and the live SQL result streams back to this process over Arrow Flight,
+    one epoch at a time."""
     import lance
     from rich.console import Console
     from rich.live import Live
 
     from pushtable.flight import Server, connect
-    from pushtable.spark import RemoteBridge, query_id_from_checkpoint
+    from pushtable.spark import query_id_from_checkpoint, register
     from pushtable.spark.session import local_spark_connect
 
     console = Console()
@@ -180,10 +181,17 @@ def run_connect(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity:
         f"\npushtable server: {server.location}; starting Spark Connect (local[2])…"
     )
     spark = local_spark_connect("pushtable-demo-connect")
+    register(spark)
     uri, checkpoint = out / "events.lance", out / "checkpoint"
-    bridge = RemoteBridge(
-        server.location, "events", lance_uri=uri, checkpoint=checkpoint, epoch_column="epoch"
-    )
+
+    def to_server(writer: Any) -> Any:
+        return (
+            writer.format("pushtable")
+            .option("uri", server.location)
+            .option("table", "events")
+            .option("lance_uri", str(uri))
+            .option("epoch_column", "epoch")
+        )
     returned: list[pa.RecordBatch] = []
     first_after: list[int] = []
 
@@ -202,7 +210,7 @@ def run_connect(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity:
             yield b
 
     reader, live_error = _print_live(live_batches, console, "live result (remote)")
-    query = _start(spark, out, bridge, checkpoint)
+    query = _start(spark, out, checkpoint, to_server)
     sink = client.sink("events")
     interrupted = False
     try:
@@ -226,7 +234,7 @@ def run_connect(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity:
     except KeyboardInterrupt:
         interrupted = True
         query.stop()
-    bridge.close()  # end of stream: the live query gives its final answer
+    sink.close()  # end of stream: the live query gives its final answer
     reader.join(60)
     if live_error and not interrupted:
         raise _failed(live_error[0])
@@ -320,15 +328,16 @@ def _print_live(
     return reader, errors
 
 
-def _start(spark: Any, out: Path, bridge: Any, checkpoint: Path) -> Any:
-    """The demo's streaming query: one generated file per epoch into ``bridge``."""
+def _start(spark: Any, out: Path, checkpoint: Path, sink: Callable[[Any], Any]) -> Any:
+    """The demo's streaming query: one generated file per epoch into the writer that
+    ``sink`` makes of Spark's ``DataStreamWriter``."""
     stream = (
         spark.readStream.schema(SPARK_DDL)
         .option("maxFilesPerTrigger", 1)
         .parquet(str(out / "source"))
     )
     return (
-        stream.writeStream.foreachBatch(bridge)
+        sink(stream.writeStream)
         .option("checkpointLocation", str(checkpoint))
         .trigger(availableNow=True)
         .start()

@@ -163,6 +163,21 @@ def test_a_topic_made_again_on_its_path_continues_its_offsets(tmp_path: Path) ->
         Topic("t", pa.schema([("other", pa.int32())]), persist=path)
 
 
+def test_consumer_positions_are_reported_and_kept_by_the_next_commit(tmp_path: Path) -> None:
+    path = tmp_path / "t.lance"
+    topic = Topic("t", SCHEMA, persist=path)
+    for i in range(3):
+        topic.write(rows(2 * i))
+    topic.flush(timeout=WAIT)
+    topic.consumed("query-a", 2)
+    assert topic.stats.consumers == {"query-a": 2}
+    with pytest.raises(ValueError, match="offsets 0..3 are committed"):
+        topic.consumed("query-a", 4)
+    topic.write(rows(6))  # the next commit stores the position
+    topic.close()
+    assert Topic.reopen(path).stats.consumers == {"query-a": 2}
+
+
 def test_reserved_column_names_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="'_offset'"):
         Topic("t", pa.schema([("_offset", pa.int64())]), persist=tmp_path / "t.lance")
