@@ -67,8 +67,12 @@ def run(
         out["durable"] = durable.run(quick)
         say(durable.table(out["durable"]))
     if "spark" in suites:
+        from pushtable.bench import spark_format
+
         out["spark"] = spark.run(quick)
         say(spark.report(out["spark"]))
+        out["spark"]["format"] = spark_format.run(quick)
+        say(spark_format.report(out["spark"]["format"]))
     if "flight" in suites:
         out["flight"] = flight.run(quick)
         say(flight.table(out["flight"]))
