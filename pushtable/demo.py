@@ -192,6 +192,7 @@ def run_connect(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity:
             .option("lance_uri", str(uri))
             .option("epoch_column", "epoch")
         )
+
     returned: list[pa.RecordBatch] = []
     first_after: list[int] = []
 
