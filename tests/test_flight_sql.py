@@ -4,6 +4,7 @@ on ``pushtable serve``."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from datetime import datetime, timezone
 
 import adbc_driver_flightsql.dbapi as flightsql
 import pyarrow as pa
@@ -11,6 +12,7 @@ import pyarrow.flight as flight
 import pytest
 
 from pushtable.flight import Client, Server, connect, sql
+from pushtable.flight.auth import Grant
 from tests.conftest import SCHEMA, Background, batch, wait_until
 
 
@@ -48,8 +50,8 @@ def test_adbc_errors_and_refusals(secured: Server) -> None:
     with adbc(secured) as conn, conn.cursor() as cur:
         with pytest.raises(flightsql.Error, match=r"table 'datafusion\.public\.nope' not found"):
             cur.execute("SELECT * FROM nope")
-        with pytest.raises(flightsql.Error, match="not implemented"):
-            conn.adbc_get_objects().read_all()  # catalog commands are not served
+        with pytest.raises(flightsql.Error, match="CommandPreparedStatementUpdate is not impl"):
+            cur.executemany("SELECT ? AS x", [(1,), (2,)])  # an update: refused by name
     with (
         adbc(secured, token="wrong") as conn,
         conn.cursor() as cur,
@@ -70,6 +72,169 @@ def test_statement_queries_decode_and_other_descriptors_are_refused(
     )
     assert info.schema.names == ["x"]
     assert raw.do_get(info.endpoints[0].ticket).read_all().to_pydict() == {"x": [42]}
-    with pytest.raises(flight.FlightServerError, match="statement queries only"):
+    with pytest.raises(flight.FlightServerError, match="Flight SQL commands only"):
         raw.get_flight_info(flight.FlightDescriptor.for_path("t"))
+    with pytest.raises(flight.FlightServerError, match="CommandStatementUpdate"):
+        raw.get_flight_info(
+            flight.FlightDescriptor.for_command(sql.encode_command("CommandStatementUpdate"))
+        )
+    with pytest.raises(flight.FlightServerError, match="truncated protobuf"):
+        raw.get_flight_info(
+            flight.FlightDescriptor.for_command(
+                sql.encode_command("CommandGetTables", b"\x1a\x09ev")
+            )
+        )
     raw.close()
+
+
+# -- the catalog, as tools browse it ---------------------------------------------------------
+
+EVENTS = pa.schema([("k", pa.int64()), ("s", pa.string()), ("ts", pa.timestamp("us", tz="UTC"))])
+
+
+@pytest.fixture
+def browsed() -> Iterator[Server]:
+    """A server with two tables, and a token that sees only ``events*``."""
+    s = Server(
+        token="s3cret",
+        tokens={"dash": Grant("dashboard", roles={"read"}, tables=("events*",))},
+    )
+    client = connect(s.location, token="s3cret")
+    client.create_table("events", EVENTS)
+    client.create_table("secrets", pa.schema([("x", pa.float64())]))
+    yield s
+    s.stop()
+
+
+def test_get_info_and_table_types(browsed: Server) -> None:
+    with adbc(browsed) as conn:
+        info = conn.adbc_get_info()
+        assert info["vendor_name"] == "pushtable"
+        assert info["vendor_arrow_version"] == pa.__version__
+        assert conn.adbc_get_table_types() == ["TABLE"]
+    raw = flight.FlightClient(browsed.location)
+    options = flight.FlightCallOptions(headers=[(b"authorization", b"Bearer s3cret")])
+    wanted = sql.encode_command("CommandGetSqlInfo", b"\x0a\x04\x00\x03\x9c\x04")  # 0, 3, 540
+    info_flight = raw.get_flight_info(flight.FlightDescriptor.for_command(wanted), options)
+    got = raw.do_get(info_flight.endpoints[0].ticket, options).read_all()
+    assert got.schema.equals(info_flight.schema)
+    assert got.column("info_name").to_pylist() == [0, 3]  # 540 is not an id this server has
+    assert got.column("value").to_pylist() == ["pushtable", True]  # name; read-only
+    raw.close()
+
+
+def test_get_objects_at_each_depth_with_filters(browsed: Server) -> None:
+    with adbc(browsed) as conn:
+        catalogs = conn.adbc_get_objects(depth="catalogs").read_all().to_pylist()
+        assert [c["catalog_name"] for c in catalogs] == ["datafusion"]
+        schemas = conn.adbc_get_objects(depth="db_schemas").read_all().to_pylist()
+        assert [s["db_schema_name"] for s in schemas[0]["catalog_db_schemas"]] == ["public"]
+        tables = conn.adbc_get_objects(depth="tables").read_all().to_pylist()
+        listed = tables[0]["catalog_db_schemas"][0]["db_schema_tables"]
+        assert [(t["table_name"], t["table_type"]) for t in listed] == [
+            ("events", "TABLE"),
+            ("secrets", "TABLE"),
+        ]
+        columns = conn.adbc_get_objects(depth="all", table_name_filter="ev%").read_all()
+        found = columns.to_pylist()[0]["catalog_db_schemas"][0]["db_schema_tables"]
+        assert [t["table_name"] for t in found] == ["events"]
+        assert [c["column_name"] for c in found[0]["table_columns"]] == ["k", "s", "ts"]
+        none = conn.adbc_get_objects(depth="tables", catalog_filter="elsewhere").read_all()
+        assert none.to_pylist() == []
+        assert conn.adbc_get_table_schema("events").equals(EVENTS)
+
+
+def test_a_scoped_token_sees_only_its_tables_in_every_catalog_command(browsed: Server) -> None:
+    with adbc(browsed, token="dash") as conn:
+        tables = conn.adbc_get_objects(depth="all").read_all().to_pylist()
+        listed = tables[0]["catalog_db_schemas"][0]["db_schema_tables"]
+        assert [t["table_name"] for t in listed] == ["events"]
+        with pytest.raises(flightsql.Error):
+            conn.adbc_get_table_schema("secrets")
+        with conn.cursor() as cur, pytest.raises(flightsql.Error, match="dashboard"):
+            cur.execute("SELECT * FROM secrets")
+
+
+def test_key_and_type_commands_answer_typed_results(browsed: Server) -> None:
+    raw = flight.FlightClient(browsed.location)
+    options = flight.FlightCallOptions(headers=[(b"authorization", b"Bearer s3cret")])
+
+    def run(kind: str, body: bytes = b"") -> pa.Table:
+        descriptor = flight.FlightDescriptor.for_command(sql.encode_command(kind, body))
+        info = raw.get_flight_info(descriptor, options)
+        table = raw.do_get(info.endpoints[0].ticket, options).read_all()
+        assert table.schema.equals(info.schema), kind
+        return table
+
+    table = sql.string_field(3, "events")
+    for kind in ("CommandGetPrimaryKeys", "CommandGetExportedKeys", "CommandGetImportedKeys"):
+        assert run(kind, table).num_rows == 0
+    assert run("CommandGetPrimaryKeys", table).schema.names[-1] == "key_sequence"
+    types = run("CommandGetXdbcTypeInfo")
+    codes = types.column("data_type").to_pylist()
+    assert codes == sorted(codes)
+    assert {"BIGINT", "VARCHAR", "TIMESTAMP", "DOUBLE"} <= set(
+        types.column("type_name").to_pylist()
+    )
+    bigint = run("CommandGetXdbcTypeInfo", b"\x08" + b"\xfb" + b"\xff" * 8 + b"\x01")  # -5
+    assert bigint.column("type_name").to_pylist() == ["BIGINT"]
+    with_schema = run("CommandGetTables", sql.bool_field(5, True))
+    assert pa.ipc.read_schema(pa.py_buffer(with_schema.column("table_schema")[0].as_py())).equals(
+        EVENTS
+    )
+    raw.close()
+
+
+def test_parameters_of_several_types_are_bound(browsed: Server) -> None:
+    client = connect(browsed.location, token="s3cret")
+    with client.sink("events") as sink:
+        sink.write(
+            pa.record_batch(
+                {
+                    "k": [1, 2, 3],
+                    "s": ["a", "b", "c"],
+                    "ts": pa.array([0, 1_000_000, 2_000_000], pa.timestamp("us", tz="UTC")),
+                },
+                schema=EVENTS,
+            )
+        )
+    with adbc(browsed) as conn, conn.cursor() as cur:
+        after = datetime(1970, 1, 1, 0, 0, 0, 500_000, tzinfo=timezone.utc)
+        cur.execute(
+            "SELECT k, s, ? AS tag, ? * 2.0 AS twice, ? AS flag FROM events "
+            "WHERE k >= ? AND s <> ? AND ts > ? ORDER BY k",
+            ("t", 1.25, True, 1, "c", after),
+        )
+        got = cur.fetch_arrow_table().to_pydict()
+    assert got == {"k": [2], "s": ["b"], "tag": ["t"], "twice": [2.5], "flag": [True]}
+
+
+def test_a_prepared_statement_reports_its_parameter_types(browsed: Server) -> None:
+    raw = flight.FlightClient(browsed.location)
+    options = flight.FlightCallOptions(headers=[(b"authorization", b"Bearer s3cret")])
+    query = "SELECT k FROM events WHERE k > ? AND s = ? AND ts < $3 -- what is '?' here"
+    body = sql.encode_prepared_request(query)
+    [result] = raw.do_action(flight.Action("CreatePreparedStatement", body), options)
+    reply = sql.command(result.body.to_pybytes())
+    assert reply.kind == "ActionCreatePreparedStatementResult"
+    assert pa.ipc.read_schema(pa.py_buffer(reply.raw(2))).names == ["k"]
+    params = pa.ipc.read_schema(pa.py_buffer(reply.raw(3)))
+    assert params.names == ["$1", "$2", "$3"]
+    assert params.types == [pa.int64(), pa.string(), pa.timestamp("us", tz="UTC")]
+    raw.close()
+
+
+def test_pandas_and_polars_read_through_an_adbc_connection(browsed: Server) -> None:
+    import pandas as pd
+    import polars as pl
+
+    client = connect(browsed.location, token="s3cret")
+    client.create_table("numbers", pa.schema([("k", pa.int64())]))
+    with client.sink("numbers") as sink:
+        sink.write(pa.record_batch({"k": [1, 2, 3]}))
+    with adbc(browsed) as conn:
+        frame = pd.read_sql("SELECT sum(k) AS total FROM numbers", conn)
+    assert frame["total"].tolist() == [6]
+    with adbc(browsed) as conn:
+        polars_frame = pl.read_database("SELECT 1 + 1 AS two", connection=conn)
+    assert polars_frame["two"].to_list() == [2]

@@ -5,6 +5,7 @@ crashes or hangs, and serves a normal query afterwards."""
 
 from __future__ import annotations
 
+import base64
 import json
 import subprocess
 from collections.abc import Iterator
@@ -127,8 +128,14 @@ def test_random_actions_end_with_a_result_or_a_clear_error(
         blobs,
         json_values.map(lambda v: json.dumps(v).encode()),
         texts.map(lambda q: json.dumps({"sql": q}).encode()),
+        blobs.map(lambda b: json.dumps({"flight_sql": base64.b64encode(b).decode()}).encode()),
+        blobs.map(lambda b: json.dumps({"prepared": base64.b64encode(b).decode()}).encode()),
     ),
-    command=blobs | texts.map(sql.encode_statement_query),
+    command=blobs
+    | texts.map(sql.encode_statement_query)
+    | st.tuples(
+        st.sampled_from([*sql.CATALOG, sql.PREPARED_QUERY, "CommandStatementUpdate"]), blobs
+    ).map(lambda kind_and_body: sql.encode_command(*kind_and_body)),
     path=st.lists(texts, max_size=7),
 )
 def test_random_tickets_commands_and_descriptors(

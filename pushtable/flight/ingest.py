@@ -42,6 +42,8 @@ class Ingest:
 
         def _call(self, context: Any) -> contextlib.AbstractContextManager[None]: ...
 
+        def sql_put(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None: ...
+
     def _end_idle_streams(self) -> None:
         """Tell each DoPut stream idle for ``idle_timeout`` to end (pushtable's clients do,
         and reopen on their next write); the server's thread for it is then free."""
@@ -59,6 +61,10 @@ class Ingest:
                 acks.idle()
 
     def do_put(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
+        if descriptor.descriptor_type == flight.DescriptorType.CMD:  # Flight SQL: parameters
+            with wire_errors(), audit(context, "flight_sql_put"), self._call(context):
+                self.sql_put(context, descriptor, reader, writer)
+            return
         acks = _Acks(writer)
         with self._lock:
             self._acks.add(acks)

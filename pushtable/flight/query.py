@@ -4,6 +4,7 @@ planning), over the tables the caller's token covers, streamed as the query prod
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import queue
@@ -21,7 +22,7 @@ import pyarrow.flight as flight
 from pushtable import _native, metrics
 from pushtable.context import SessionContext
 from pushtable.errors import ResourceLimitError, StatementRefusedError, UnsupportedCallError
-from pushtable.flight import sql
+from pushtable.flight import catalog, parameters, sql
 from pushtable.flight.auth import READ, caller
 from pushtable.flight.calls import POLL_S, audit, query_error, wire_errors
 from pushtable.flight.limits import Limits, Slot, Usage
@@ -43,15 +44,21 @@ class Queries:
 
         def _durable(self, name: str) -> Topic: ...
 
-    def _plan(self, context: Any, query: str) -> datafusion.DataFrame:
+    def _plan(
+        self, context: Any, query: str, params: pa.RecordBatch | None = None
+    ) -> datafusion.DataFrame:
         """Plan a remote query: queries only (no DDL, DML, COPY or SET: refused before
-        anything runs), reading only tables the caller's token covers."""
+        anything runs), reading only tables the caller's token covers; ``params`` binds its
+        placeholders (``?`` or ``$n``)."""
         grant = caller(context)
         grant.require(READ, "run SQL")
         tables = _native.table_references(query)
         grant.require(READ, "read", [t for t in tables if not grant.covers(t)] or ())
+        values = parameters.bind(params)
         try:
-            return self.ctx.sql_with_options(query, _READ_ONLY)
+            return self.ctx.sql_with_options(
+                parameters.numbered(query), _READ_ONLY, param_values=values
+            )
         except Exception as exc:
             refused = _refusal(exc)
             if refused is not None:
@@ -60,21 +67,32 @@ class Queries:
             raise query_error(exc) from exc
 
     def get_flight_info(self, context: Any, descriptor: Any) -> Any:
-        """Flight SQL statement queries (:mod:`pushtable.flight.sql`): plan, then one ticket."""
+        """Flight SQL commands (:mod:`pushtable.flight.sql`): a statement is planned (its
+        schema, nothing runs), a catalog command described; then one ticket to run it."""
         with wire_errors(), audit(context, "flight_sql_info"):
             if descriptor.descriptor_type != flight.DescriptorType.CMD:
                 raise UnsupportedCallError(
-                    "pushtable serve answers GetFlightInfo for Flight SQL statement queries only"
+                    "pushtable serve answers GetFlightInfo for Flight SQL commands only"
                 )
-            query = sql.statement_query(descriptor.command)
-            if query is None:
-                kind = sql.command(descriptor.command)[0].rsplit(".", 1)[-1]
+            cmd = sql.command(descriptor.command)
+            found = sql.statement(cmd)
+            if found is not None:
+                query, params = found
+                schema = self._plan(context, query, params).schema()
+                body = {"sql": query}
+                if params is not None:
+                    body["prepared"] = base64.b64encode(sql.encode_handle(query, params)).decode()
+            elif cmd.kind in sql.CATALOG:
+                caller(context).require(READ, "browse the catalog")
+                schema = catalog.result_schema(cmd)
+                body = {"flight_sql": base64.b64encode(descriptor.command).decode()}
+            else:
                 raise UnsupportedCallError(
-                    f"pushtable serve implements the Flight SQL statement query only; {kind} is "
-                    "not implemented (see docs/network.md)"
+                    f"pushtable serve does not implement the Flight SQL command {cmd.kind} "
+                    "(served: statement and prepared-statement queries, the catalog commands; "
+                    "see docs/network.md)"
                 )
-            schema = self._plan(context, query).schema()
-        ticket = flight.Ticket(json.dumps({"sql": query}).encode())
+        ticket = flight.Ticket(json.dumps(body).encode())
         return flight.FlightInfo(schema, descriptor, [flight.FlightEndpoint(ticket, [])], -1, -1)
 
     def do_get(self, context: Any, ticket: Any) -> Any:
@@ -90,12 +108,17 @@ class Queries:
                 body, query = {}, None
             if isinstance(body, dict) and "topic" in body:
                 return self._range(context, body, record)
+            if isinstance(body, dict) and "flight_sql" in body:
+                return self._catalog(context, base64.b64decode(str(body["flight_sql"])))
+            params = None
+            if isinstance(body, dict) and "prepared" in body:
+                query, params = sql.decode_handle(base64.b64decode(str(body["prepared"])))
             if not isinstance(query, str):
                 raise ValueError(
                     'a DoGet ticket is JSON: {"sql": "<query>"} or '
                     '{"topic": "<durable topic>", "start": <offset>, "end": <offset>}'
                 )
-            df = self._plan(context, query)
+            df = self._plan(context, query, params)
             schema = df.schema()
             slot = held.enter_context(self.usage.query())
             held.enter_context(self._call(context))
@@ -106,6 +129,47 @@ class Queries:
         # A generator that never starts never runs its finally: let go when it is collected.
         weakref.finalize(results, held.close)
         return flight.GeneratorStream(schema, results)
+
+    def _catalog(self, context: Any, command: bytes) -> Any:
+        """A catalog command's result: the tables the caller's token covers."""
+        grant = caller(context)
+        grant.require(READ, "browse the catalog")
+        cmd = sql.command(command)
+        if cmd.kind not in sql.CATALOG:
+            raise ValueError(f"{cmd.kind} is not a catalog command")
+        schema = self.ctx.catalog(catalog.CATALOG).schema(catalog.DB_SCHEMA)
+        tables = [
+            (name, schema.table(name).schema) for name in schema.names() if grant.covers(name)
+        ]
+        return flight.RecordBatchStream(catalog.answer(cmd, tables, _version()))
+
+    def sql_put(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
+        """Flight SQL's DoPut: parameters bound to a prepared statement. The reply is the
+        updated handle carrying them (the server keeps nothing)."""
+        caller(context).require(READ, "run SQL")
+        cmd = sql.command(descriptor.command)
+        if cmd.kind != sql.PREPARED_QUERY:
+            raise UnsupportedCallError(
+                f"pushtable serve runs queries only: DoPut with {cmd.kind} is not implemented "
+                "(it binds parameters to a prepared statement query)"
+            )
+        query, _ = sql.decode_handle(cmd.raw(1))
+        table = reader.read_all()
+        if table.nbytes > parameters.MAX_BYTES:
+            raise ResourceLimitError(
+                f"bound parameters of {table.nbytes:,} bytes exceed the limit of "
+                f"{parameters.MAX_BYTES:,}"
+            )
+        table = table.combine_chunks()
+        table.validate(full=True)  # from the network: checked in full
+        batch = (
+            table.to_batches()[0]
+            if table.num_rows
+            else pa.RecordBatch.from_pylist([], schema=table.schema)
+        )
+        parameters.bind(batch)  # one row, or a clear error now rather than at DoGet
+        handle = sql.encode_handle(query, batch)
+        writer.write(pa.py_buffer(sql.put_prepared_result(handle)))
 
     def _range(self, context: Any, body: dict[str, Any], record: Any) -> Any:
         """A durable topic's committed offsets ``[start, end)``, read from its dataset."""
@@ -213,7 +277,21 @@ class Queries:
         caller(context).require(READ, "run SQL")
         if action.type == "ClosePreparedStatement":
             return None
-        return sql.prepared(action.body.to_pybytes(), lambda q: self._plan(context, q).schema())
+
+        def describe(query: str) -> tuple[pa.Schema, pa.Schema]:
+            df = self._plan(context, query)
+            return df.schema(), parameters.parameter_schema(df)
+
+        return sql.prepared(action.body.to_pybytes(), describe)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("pushtable")
+    except PackageNotFoundError:
+        return "unknown"
 
 
 #: Result batches the query may run ahead of the client by (per call).

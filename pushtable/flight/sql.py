@@ -1,27 +1,117 @@
-"""The Flight SQL front of ``pushtable serve``: statement queries, so generic Flight SQL clients
-(ADBC's ``adbc_driver_flightsql``, JDBC) can run live SQL.
+"""Flight SQL on the wire: the commands ``pushtable serve`` answers, decoded from their protobuf
+bytes, and the few messages it sends back.
 
-Served: ``CommandStatementQuery``, and prepared statements without parameters (what DB-API
-drivers send for every ``execute``: ``CreatePreparedStatement``, ``CommandPreparedStatementQuery``,
-``ClosePreparedStatement``). ``GetFlightInfo`` plans the query (its schema, no execution) and
-returns one endpoint whose ticket the server's ``DoGet`` runs, streaming the result as it is
-produced. Catalog commands (``GetTables``, ``GetSqlInfo``, …), parameters, updates and
-transactions are refused as unimplemented. The two protobuf messages involved are
-decoded here by hand (a ``google.protobuf.Any`` around a message with one string field), so
-the core needs no protobuf runtime.
+Served (what runs them: :mod:`pushtable.flight.query` and :mod:`pushtable.flight.catalog`):
+``CommandStatementQuery``; prepared statements (``CreatePreparedStatement``,
+``CommandPreparedStatementQuery``, parameters bound by ``DoPut``, ``ClosePreparedStatement``);
+the catalog commands ``CommandGetSqlInfo``, ``CommandGetTableTypes``, ``CommandGetCatalogs``,
+``CommandGetDbSchemas``, ``CommandGetTables``, ``CommandGetPrimaryKeys``,
+``CommandGetExportedKeys``, ``CommandGetImportedKeys``, ``CommandGetCrossReference`` and
+``CommandGetXdbcTypeInfo``. Updates, Substrait plans and transactions are refused by name.
+
+Prepared statements are stateless: the handle is the query text, or, once parameters are bound,
+the query and the parameters' Arrow IPC bytes (the updated handle of
+``DoPutPreparedStatementResult``). Nothing is kept on the server between calls.
+
+The protobuf messages are decoded here by a small reader (varints, length-delimited fields,
+packed repeated integers) rather than with the protobuf runtime: the messages are flat, their
+field numbers are facts of the spec (``format/FlightSql.proto``), and the server's install then
+needs no generated code and no protobuf package. Malformed bytes raise ``ValueError`` saying
+what was wrong.
 """
 
 from __future__ import annotations
 
+import base64
+import json
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import pyarrow as pa
 
 _PREFIX = "type.googleapis.com/arrow.flight.protocol.sql."
-STATEMENT_QUERY = _PREFIX + "CommandStatementQuery"
-PREPARED_QUERY = _PREFIX + "CommandPreparedStatementQuery"
+STATEMENT_QUERY = "CommandStatementQuery"
+PREPARED_QUERY = "CommandPreparedStatementQuery"
+#: the catalog commands :mod:`pushtable.flight.catalog` answers
+CATALOG = (
+    "CommandGetSqlInfo",
+    "CommandGetTableTypes",
+    "CommandGetCatalogs",
+    "CommandGetDbSchemas",
+    "CommandGetTables",
+    "CommandGetPrimaryKeys",
+    "CommandGetExportedKeys",
+    "CommandGetImportedKeys",
+    "CommandGetCrossReference",
+    "CommandGetXdbcTypeInfo",
+)
 #: The DoAction types of prepared statements (the only actions of Flight SQL served).
 ACTIONS = ("CreatePreparedStatement", "ClosePreparedStatement")
+
+Field = bytes | int
+
+
+@dataclass(frozen=True)
+class Command:
+    """A Flight SQL command: its short name (``CommandGetTables``) and its fields by number
+    (every occurrence, in order: repeated fields keep them all)."""
+
+    kind: str
+    fields: dict[int, list[Field]]
+
+    def text(self, number: int) -> str | None:
+        """An optional string field (None: absent)."""
+        values = self.fields.get(number)
+        if not values:
+            return None
+        value = values[-1]
+        if not isinstance(value, bytes):
+            raise ValueError(f"{self.kind}: field {number} must be a string, got a number")
+        try:
+            return value.decode()
+        except UnicodeDecodeError:
+            raise ValueError(f"{self.kind}: field {number} is not valid UTF-8") from None
+
+    def raw(self, number: int) -> bytes:
+        values = self.fields.get(number) or [b""]
+        value = values[-1]
+        if not isinstance(value, bytes):
+            raise ValueError(f"{self.kind}: field {number} must be bytes, got a number")
+        return value
+
+    def texts(self, number: int) -> list[str]:
+        """A repeated string field."""
+        out = []
+        for value in self.fields.get(number, []):
+            if not isinstance(value, bytes):
+                raise ValueError(f"{self.kind}: field {number} must hold strings")
+            out.append(value.decode(errors="strict"))
+        return out
+
+    def flag(self, number: int) -> bool:
+        values = self.fields.get(number) or [0]
+        return bool(values[-1])
+
+    def numbers(self, number: int) -> list[int]:
+        """A repeated integer field, packed (one length-delimited run) or not."""
+        out: list[int] = []
+        for value in self.fields.get(number, []):
+            if isinstance(value, int):
+                out.append(value)
+                continue
+            pos = 0
+            while pos < len(value):
+                n, pos = _varint(value, pos)
+                out.append(n)
+        return out
+
+    def signed(self, number: int) -> int | None:
+        """An optional ``int32``/``int64`` field (negative values are ten-byte varints)."""
+        values = self.numbers(number)
+        if not values:
+            return None
+        value = values[-1]
+        return value - (1 << 64) if value >= 1 << 63 else value
 
 
 def _varint(data: bytes, pos: int) -> tuple[int, int]:
@@ -39,16 +129,19 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
             raise ValueError("protobuf varint too long")
 
 
-def fields(data: bytes) -> dict[int, bytes]:
-    """The length-delimited fields of a protobuf message (the last of each number wins);
-    varint and fixed-width fields are skipped."""
-    out: dict[int, bytes] = {}
+def message(data: bytes) -> dict[int, list[Field]]:
+    """A protobuf message's fields by number: varints as ints, length-delimited fields as
+    bytes; fixed-width fields (none in the commands served) are skipped."""
+    out: dict[int, list[Field]] = {}
     pos = 0
     while pos < len(data):
         key, pos = _varint(data, pos)
         number, wire = key >> 3, key & 7
+        if number == 0:
+            raise ValueError("protobuf field number 0 is invalid")
         if wire == 0:
-            _, pos = _varint(data, pos)
+            value, pos = _varint(data, pos)
+            out.setdefault(number, []).append(value)
         elif wire == 1:
             pos += 8
         elif wire == 5:
@@ -57,51 +150,123 @@ def fields(data: bytes) -> dict[int, bytes]:
             size, pos = _varint(data, pos)
             if pos + size > len(data):
                 raise ValueError("truncated protobuf field")
-            out[number] = data[pos : pos + size]
+            out.setdefault(number, []).append(data[pos : pos + size])
             pos += size
         else:
             raise ValueError(f"unsupported protobuf wire type {wire}")
+        if pos > len(data):
+            raise ValueError("truncated protobuf field")
     return out
 
 
-def command(data: bytes) -> tuple[str, dict[int, bytes]]:
-    """A Flight SQL command descriptor: its type name and its fields."""
+def fields(data: bytes) -> dict[int, bytes]:
+    """The length-delimited fields of a message, the last of each number."""
+    return {n: v[-1] for n, v in message(data).items() if isinstance(v[-1], bytes)}
+
+
+def command(data: bytes) -> Command:
+    """A Flight SQL command descriptor (a ``google.protobuf.Any``): its name and fields."""
     wrapper = fields(data)
-    type_url = wrapper.get(1, b"").decode()
+    type_url = wrapper.get(1, b"").decode(errors="replace")
     if not type_url.startswith(_PREFIX):
         raise ValueError(f"not a Flight SQL command: {type_url or 'no type'}")
-    return type_url, fields(wrapper.get(2, b""))
+    return Command(type_url[len(_PREFIX) :], message(wrapper.get(2, b"")))
+
+
+def statement(cmd: Command) -> tuple[str, pa.RecordBatch | None] | None:
+    """The SQL text and bound parameters of a statement or prepared-statement query, None
+    for another command."""
+    if cmd.kind == STATEMENT_QUERY:
+        return cmd.text(1) or "", None
+    if cmd.kind == PREPARED_QUERY:
+        return decode_handle(cmd.raw(1))
+    return None
 
 
 def statement_query(data: bytes) -> str | None:
-    """The SQL text of a statement query descriptor, None for another command.
-
-    A prepared statement's handle *is* its SQL text (see :func:`prepared`), so
-    ``CommandPreparedStatementQuery`` is a statement query too. Raises ``ValueError`` for
-    bytes that are not a Flight SQL command.
-    """
-    type_url, body = command(data)
-    if type_url not in (STATEMENT_QUERY, PREPARED_QUERY):
-        return None
-    return body.get(1, b"").decode()
+    """The SQL text of a statement (or prepared statement) query descriptor, None for another
+    command; ``ValueError`` for bytes that are not a Flight SQL command."""
+    found = statement(command(data))
+    return None if found is None else found[0]
 
 
-def prepared(body: bytes, schema_of: Callable[[str], pa.Schema]) -> bytes:
-    """Answer ``CreatePreparedStatement``: the handle is the query text itself, so nothing
-    is kept on the server (``ClosePreparedStatement`` has nothing to free)."""
+# -- prepared statements ------------------------------------------------------------------
+
+_HANDLE = b'{"pushtable.sql":'
+
+
+def encode_handle(query: str, params: pa.RecordBatch | None = None) -> bytes:
+    """A prepared statement's handle: the query text, or the query and its bound parameters."""
+    if params is None:
+        return query.encode()
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, params.schema) as writer:
+        writer.write_batch(params)
+    data = base64.b64encode(sink.getvalue().to_pybytes()).decode()
+    return json.dumps({"pushtable.sql": query, "params": data}).encode()
+
+
+def decode_handle(handle: bytes) -> tuple[str, pa.RecordBatch | None]:
+    """The query and the bound parameters (None: none bound) of a handle a client sent back.
+    A handle travels through the client: it is decoded and validated as untrusted input."""
+    if not handle.startswith(_HANDLE):
+        try:
+            return handle.decode(), None
+        except UnicodeDecodeError:
+            raise ValueError("a prepared statement handle is not valid UTF-8") from None
+    try:
+        body = json.loads(handle)
+        query, data = str(body["pushtable.sql"]), base64.b64decode(body["params"], validate=True)
+        reader = pa.ipc.open_stream(data)
+        batches = list(reader)
+    except (ValueError, KeyError, TypeError, pa.ArrowInvalid) as exc:
+        raise ValueError(f"a malformed prepared statement handle: {exc}") from None
+    params = pa.Table.from_batches(batches, reader.schema).combine_chunks()
+    batch = (
+        params.to_batches()[0] if params.num_rows else pa.RecordBatch.from_pylist([], params.schema)
+    )
+    batch.validate(full=True)
+    return query, batch
+
+
+def prepared(body: bytes, describe: Callable[[str], tuple[pa.Schema, pa.Schema]]) -> bytes:
+    """Answer ``CreatePreparedStatement``: the handle (the query text), the result's schema
+    and the parameters' schema, from ``describe(query)`` (planning, nothing runs)."""
     request = fields(body)
     inner = (
-        fields(request.get(2, b"")) if request.get(1, b"").decode().startswith(_PREFIX) else request
+        fields(request.get(2, b""))
+        if request.get(1, b"").decode(errors="replace").startswith(_PREFIX)
+        else request
     )
-    query = inner.get(1, b"").decode()
-    schema = schema_of(query)
-    result = _field(1, query.encode()) + _field(2, schema.serialize().to_pybytes())
+    try:
+        query = inner.get(1, b"").decode()
+    except UnicodeDecodeError:
+        raise ValueError("a prepared statement's query is not valid UTF-8") from None
+    schema, parameters = describe(query)
+    result = (
+        _field(1, query.encode())
+        + _field(2, schema.serialize().to_pybytes())
+        + _field(3, parameters.serialize().to_pybytes())
+    )
     return _any("ActionCreatePreparedStatementResult", result)
+
+
+def put_prepared_result(handle: bytes) -> bytes:
+    """``DoPutPreparedStatementResult``: the updated handle that carries bound parameters."""
+    return _field(1, handle)
+
+
+# -- encoding (replies, and requests for tests) ---------------------------------------------
+
+
+def encode_command(kind: str, payload: bytes = b"") -> bytes:
+    """``Any(<kind>)`` around an encoded message: a command descriptor as clients send it."""
+    return _any(kind, payload)
 
 
 def encode_statement_query(query: str) -> bytes:
     """``Any(CommandStatementQuery(query))``: what a Flight SQL client sends (for tests)."""
-    return _any("CommandStatementQuery", _field(1, query.encode()))
+    return _any(STATEMENT_QUERY, _field(1, query.encode()))
 
 
 def encode_prepared_request(query: str) -> bytes:
@@ -109,15 +274,27 @@ def encode_prepared_request(query: str) -> bytes:
     return _field(1, query.encode())
 
 
+def string_field(number: int, text: str) -> bytes:
+    return _field(number, text.encode())
+
+
+def bool_field(number: int, value: bool) -> bytes:
+    return bytes([number << 3 | 0, 1 if value else 0])
+
+
 def _any(name: str, payload: bytes) -> bytes:
     return _field(1, (_PREFIX + name).encode()) + _field(2, payload)
 
 
 def _field(number: int, payload: bytes) -> bytes:
-    size, header = len(payload), bytearray([number << 3 | 2])
+    return _varint_bytes(number << 3 | 2) + _varint_bytes(len(payload)) + payload
+
+
+def _varint_bytes(value: int) -> bytes:
+    out = bytearray()
     while True:
-        byte = size & 0x7F
-        size >>= 7
-        header.append(byte | (0x80 if size else 0))
-        if not size:
-            return bytes(header) + payload
+        byte = value & 0x7F
+        value >>= 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
