@@ -156,17 +156,22 @@ def test_random_tickets_commands_and_descriptors(
                 pytest.fail("a call hung")
             except (flight.FlightError, pa.ArrowException) as exc:
                 expect_clear_error(exc)
-        # A DoPut to a random path: refused, or written if it names the table.
-        writer, reader = client.do_put(flight.FlightDescriptor.for_path(*path), SCHEMA, options())
-        try:
-            writer.write_batch(pa.record_batch([[1], ["a"]], schema=SCHEMA))
-            writer.done_writing()
-            reader.read()
-            writer.close()
-        except flight.FlightTimedOutError:
-            pytest.fail("a DoPut hung")
-        except (flight.FlightError, pa.ArrowException) as exc:
-            expect_clear_error(exc)
+        # A DoPut to a random path (refused, or written if it names the table), and one with
+        # the random command (Flight SQL binds parameters this way).
+        for descriptor in (
+            flight.FlightDescriptor.for_path(*path),
+            flight.FlightDescriptor.for_command(command),
+        ):
+            writer, reader = client.do_put(descriptor, SCHEMA, options())
+            try:
+                writer.write_batch(pa.record_batch([[1], ["a"]], schema=SCHEMA))
+                writer.done_writing()
+                reader.read()
+                writer.close()
+            except flight.FlightTimedOutError:
+                pytest.fail("a DoPut hung")
+            except (flight.FlightError, pa.ArrowException) as exc:
+                expect_clear_error(exc)
     finally:
         client.close()
     assert proc.poll() is None
