@@ -105,6 +105,8 @@ def test_sink_errors_name_what_is_wrong(
         start(uri=server.location, table="events")  # id is a string there, a long here
     with pytest.raises(Exception, match='"publish_timeout" must be a number'):
         start(uri=server.location, table="t2", publish_timeout="soon")
+    with pytest.raises(Exception, match='"storage_options" must be a JSON object'):
+        start(uri=server.location, table="t2", storage_options="region=eu")
 
 
 def durable_server(data_dir: Path) -> Server:

@@ -3,6 +3,7 @@ malformed is refused with an error that names the option."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,22 @@ class Options:
                 f'format("pushtable") {self.role}: option "{name}" must be >= 0, got {value!r}'
             )
         return number
+
+    def mapping(self, name: str) -> dict[str, str] | None:
+        """A JSON object of strings (e.g. Lance's ``storage_options``)."""
+        value = self._options.get(name.lower())
+        if not value:
+            return None
+        try:
+            found = json.loads(value)
+        except ValueError:
+            found = None
+        if not isinstance(found, dict):
+            raise ValueError(
+                f'format("pushtable") {self.role}: option "{name}" must be a JSON object, '
+                f'e.g. \'{{"aws_region": "eu-west-1"}}\', got {value!r}'
+            )
+        return {str(k): str(v) for k, v in found.items()}
 
     def connection(self) -> dict[str, Any]:
         """The server's address and credentials: what :func:`pushtable.flight.connect` takes."""

@@ -70,6 +70,7 @@ class PushTableStreamWriter(DataSourceStreamArrowWriter):
             )
         timeout = options.number("publish_timeout", float)
         lance_uri = options.text("lance_uri")
+        storage = options.mapping("storage_options")
         fault = options.text("pushtable.test.fail_first_attempt")  # a test hook: "partition:step"
         self.bridge = RemoteBridge(
             **options.connection(),
@@ -79,6 +80,7 @@ class PushTableStreamWriter(DataSourceStreamArrowWriter):
             query_id=options.text("query_id"),
             publish_timeout=timeout,
             epoch_column=options.text("epoch_column"),
+            storage_options=storage,
         )
         if fault is not None:
             partition, step = fault.split(":")
@@ -89,7 +91,7 @@ class PushTableStreamWriter(DataSourceStreamArrowWriter):
         arrow = to_arrow_schema(schema)
         with connect(**self.bridge.settings()) as client:
             self.live_schema = self.bridge.live_schema(client, arrow)
-        self.lance_schema = None if lance_uri is None else dataset_schema(lance_uri, arrow)
+        self.lance_schema = None if lance_uri is None else dataset_schema(lance_uri, arrow, storage)
 
     # -- executors ------------------------------------------------------------------------
 
