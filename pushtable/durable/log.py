@@ -4,7 +4,8 @@ from any offset with no gap and no duplicate.
 A batch appended here gets the next offset and goes to the topic's live subscribers at
 once (their queries see it in milliseconds); it is *acknowledged* only once a Lance commit
 holds it. A committer thread gathers everything appended within ``commit_interval`` (or
-sooner, when a producer waits: ``commit_soon``) into one transaction. A failed commit keeps
+sooner, when a producer waits: ``commit_soon``) into one transaction, started early by what
+recent commits took, so the oldest batch is stored about one interval after it arrived. A failed commit keeps
 its batches pending (they are retried at the next interval; nothing is acknowledged and new
 appends are refused until a commit succeeds), so a producer that sends them again after the
 error is deduplicated, not appended twice.
@@ -109,6 +110,7 @@ class DurableLog:
         self._failure: CommitFailedError | None = None
         self._attempts = 0  # commit attempts finished, failed or not
         self._urgent = False
+        self._took: deque[float] = deque(maxlen=8)  # seconds the latest commits took
         self._closing = False
         self._closed = False
         self._listeners: list[Listener] = []
@@ -260,7 +262,11 @@ class DurableLog:
                     self._cond.wait()
                 if not self._pending:
                     return  # closing with nothing left
-                due = time.monotonic() + self.commit_interval
+                # The oldest waiting batch is to be stored one interval after it arrived: the
+                # commit starts early by what recent commits took (their slowest of 8).
+                lead = min(max(self._took, default=0.0), self.commit_interval)
+                waited = time.time() - self._pending[0].time_us / 1e6
+                due = time.monotonic() + max(0.0, self.commit_interval - lead - waited)
                 while not (self._urgent or self._closing) and time.monotonic() < due:
                     self._cond.wait(max(0.0, due - time.monotonic()))
                 self._urgent = False
@@ -271,6 +277,7 @@ class DurableLog:
                 if e.producer is not None:
                     assert e.sequence is not None
                     stored[e.producer] = e.sequence
+            started = time.monotonic()
             try:
                 version = self.store.append(
                     [StoredBatch(e.offset, e.time_us, e.batch) for e in entries],
@@ -286,6 +293,7 @@ class DurableLog:
                     if self._closed:
                         return
                 continue
+            self._took.append(time.monotonic() - started)
             self._succeeded(entries, stored, version)
 
     def _failed(self, entries: list[_Entry], exc: BaseException) -> None:
