@@ -5,10 +5,10 @@ A batch appended here gets the next offset and goes to the topic's live subscrib
 once (their queries see it in milliseconds); it is *acknowledged* only once a Lance commit
 holds it. A committer thread gathers everything appended within ``commit_interval`` (or
 sooner, when a producer waits: ``commit_soon``) into one transaction, started early by what
-recent commits took, so the oldest batch is stored about one interval after it arrived. A failed commit keeps
-its batches pending (they are retried at the next interval; nothing is acknowledged and new
-appends are refused until a commit succeeds), so a producer that sends them again after the
-error is deduplicated, not appended twice.
+recent commits took, so the oldest batch is stored about one interval after it arrived. A
+failed commit keeps its batches pending (they are retried at the next interval; nothing is
+acknowledged and new appends are refused until a commit succeeds), so a producer that sends
+them again after the error is deduplicated, not appended twice.
 
 Reads start at any offset: what is committed and no longer in memory comes from Lance, the
 committed tail kept in memory (``retain``/``retain_bytes``) and the pending batches follow,
