@@ -124,53 +124,57 @@ _CONNECT_RUN = textwrap.dedent(
     from pyspark.sql import SparkSession
     from pushtable.spark import RemoteBridge, register
 
-    uri, src, chk, lance_uri, how = sys.argv[1:6]
+    uri, src, work = sys.argv[1:4]
+    HOWS = ("format", "foreachBatch")
     # local[2,2]: two cores, and a failed task gets a second attempt (as on a cluster).
     spark = (SparkSession.builder.remote("local[2,2]")
              .config("spark.sql.shuffle.partitions", "2").getOrCreate())
 
     register(spark)
 
-    def run(fail):
+    def run(how, fail):
+        table, chk, lance_uri = f"events_{how}", f"{work}/{how}/chk", f"{work}/{how}/out.lance"
         df = (spark.readStream.schema("id long, level string")
               .option("maxFilesPerTrigger", 1).json(src))
         if how == "format":  # writeStream.format("pushtable"), Spark's own sink protocol
             writer = (df.writeStream.format("pushtable").option("uri", uri)
-                      .option("table", "events").option("lance_uri", lance_uri))
+                      .option("table", table).option("lance_uri", lance_uri))
             if fail:  # fails once, after sending
                 writer = writer.option("pushtable.test.fail_first_attempt", "0:after_stage")
         else:
-            bridge = RemoteBridge(uri, "events", lance_uri=lance_uri, checkpoint=chk)
+            bridge = RemoteBridge(uri, table, lance_uri=lance_uri, checkpoint=chk)
             if fail:
                 bridge.fail_first_attempt = (0, "after_stage")  # fails once, after sending
             writer = df.writeStream.foreachBatch(bridge)
         q = (writer.option("checkpointLocation", chk).trigger(availableNow=True).start())
         finished = q.awaitTermination(180)
-        print(json.dumps({"finished": finished, "id": str(q.id),
+        print(json.dumps({"how": how, "finished": finished, "id": str(q.id),
                           "error": None if q.exception() is None else str(q.exception())}),
               flush=True)
 
-    run(fail=True)
-    sys.stdin.readline()  # the test wrote another epoch: restart on the same checkpoint
-    run(fail=False)
+    for how in HOWS:
+        run(how, fail=True)
+    sys.stdin.readline()  # the test wrote another epoch: restart on the same checkpoints
+    for how in HOWS:
+        run(how, fail=False)
     spark.stop()
     """
 )
+HOWS = ("format", "foreachBatch")
 
 
 @pytest.mark.spark
-@pytest.mark.parametrize("how", ["format", "foreachBatch"])
-def test_spark_connect_with_a_task_that_fails_once(
-    tmp_path: Path, server: Server, how: str
-) -> None:
-    """Spark Connect (``format("pushtable")``, or a server-side foreachBatch with executor
-    push), a task attempt that staged its partition and then failed: the live table and
-    Lance hold every row exactly once, under the query id Spark keeps in the checkpoint,
-    across a restart of the query."""
+def test_spark_connect_with_a_task_that_fails_once(tmp_path: Path, server: Server) -> None:
+    """Spark Connect, through ``format("pushtable")`` and through a server-side foreachBatch
+    with executor push, a task attempt that staged its partition and then failed: the live
+    table and Lance hold every row exactly once, under the query id Spark keeps in the
+    checkpoint, across a restart of the query."""
     client = connect(server.location)
-    client.create_table("events", ARROW)
-    reader = live_ids(client, "events")
-    src, chk, uri = tmp_path / "src", tmp_path / "chk", tmp_path / "out.lance"
+    readers = {}
+    for how in HOWS:
+        client.create_table(f"events_{how}", ARROW)
+        readers[how] = live_ids(client, f"events_{how}")
+    src = tmp_path / "src"
     env = {
         **os.environ,
         "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
@@ -180,20 +184,11 @@ def test_spark_connect_with_a_task_that_fails_once(
         "SPARK_TESTING": "1",
     }
     write_epochs(src, 2, rows=ROWS)
-    # One Spark Connect server runs both queries (its start-up is most of the test's time).
-    # Its stderr goes to a file: a full pipe nobody reads would stall Spark.
+    # One Spark Connect server runs all four queries (its start-up is most of the test's
+    # time). Its stderr goes to a file: a full pipe nobody reads would stall Spark.
     with (tmp_path / "child.err").open("w") as err:
         child = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                _CONNECT_RUN,
-                server.location,
-                str(src),
-                str(chk),
-                str(uri),
-                how,
-            ],
+            [sys.executable, "-c", _CONNECT_RUN, server.location, str(src), str(tmp_path)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=err,
@@ -202,20 +197,28 @@ def test_spark_connect_with_a_task_that_fails_once(
         )
         try:
             assert child.stdout is not None
-            first = outcome(Background(child.stdout.readline).join(timeout=110), child)
+            first = {}
+            for _ in HOWS:
+                line = Background(child.stdout.readline).join(timeout=110)
+                result = outcome(line, child)
+                first[str(result["how"])] = result
             write_epochs(src, 1, rows=ROWS, start=2)
-            out, _ = child.communicate("restart\n", timeout=110)
+            out, _ = child.communicate("restart\n", timeout=170)
         finally:
             if child.poll() is None:
                 child.kill()
                 child.wait(WAIT)
     assert child.returncode == 0, (tmp_path / "child.err").read_text()[-3000:]
-    second = outcome(out, child)  # the restarted query: the same query id
-    client.sink("events").close()
+    lines = out.strip().splitlines()
+    second = {str(r["how"]): r for r in (outcome(line, child) for line in lines[-2:])}
     rows = expected(range(3))
-    assert reader.join(timeout=WAIT) == rows
-    assert ids(uri) == rows
-    assert first["id"] == second["id"] == query_id_from_checkpoint(chk)
-    assert stamped(uri) == [(first["id"], e) for e in range(3)]
-    assert lance.dataset(str(uri)).count_rows() == len(rows)
-    assert server.dropped_shares >= 1  # the failed attempt did stage its share: not published
+    for how in HOWS:
+        client.sink(f"events_{how}").close()
+        chk, uri = tmp_path / how / "chk", tmp_path / how / "out.lance"
+        assert readers[how].join(timeout=WAIT) == rows, how
+        assert ids(uri) == rows, how
+        # the restarted query: the same query id, the one Spark keeps in the checkpoint
+        assert first[how]["id"] == second[how]["id"] == query_id_from_checkpoint(chk)
+        assert stamped(uri) == [(first[how]["id"], e) for e in range(3)], how
+        assert lance.dataset(str(uri)).count_rows() == len(rows), how
+    assert server.dropped_shares >= 2  # each failed attempt staged its share: not published
