@@ -68,6 +68,7 @@ def _pushtable(
 
 
 @pytest.mark.spark
+@pytest.mark.timeout(270)  # the command's own bound (240 s) applies, not the suite's 120 s
 def test_demo_runs_end_to_end(tmp_path: Path) -> None:
     done = _pushtable(
         "demo",
