@@ -214,9 +214,8 @@ def _like(pattern: str | None) -> re.Pattern[str] | None:
     return re.compile("".join(out), re.DOTALL)
 
 
-def _matches(pattern: str | None, name: str) -> bool:
-    found = _like(pattern)
-    return found is None or found.fullmatch(name) is not None
+def _matches(pattern: re.Pattern[str] | None, name: str) -> bool:
+    return pattern is None or pattern.fullmatch(name) is not None
 
 
 def _in_catalog(cmd: Command, number: int = 1) -> bool:
@@ -287,19 +286,20 @@ def answer(cmd: Command, tables: Sequence[tuple[str, pa.Schema]], server_version
         return pa.Table.from_pylist([{"catalog_name": CATALOG}], schema=schema)
     if cmd.kind == "CommandGetDbSchemas":
         rows: list[dict[str, object]] = []
-        if _in_catalog(cmd) and _matches(cmd.text(2), DB_SCHEMA):
+        if _in_catalog(cmd) and _matches(_like(cmd.text(2)), DB_SCHEMA):
             rows.append({"catalog_name": CATALOG, "db_schema_name": DB_SCHEMA})
         return pa.Table.from_pylist(rows, schema=schema)
     if cmd.kind == "CommandGetTables":
+        names = _like(cmd.text(3))
         types = cmd.texts(4)
         rows = []
         if (
             _in_catalog(cmd)
-            and _matches(cmd.text(2), DB_SCHEMA)
+            and _matches(_like(cmd.text(2)), DB_SCHEMA)
             and (not types or TABLE_TYPE in types)
         ):
             for name, table_schema in sorted(tables, key=lambda t: t[0]):
-                if not _matches(cmd.text(3), name):
+                if not _matches(names, name):
                     continue
                 row: dict[str, object] = {
                     "catalog_name": CATALOG,

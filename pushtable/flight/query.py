@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import json
 import queue
 import re
@@ -161,13 +162,7 @@ class Queries:
                 f"bound parameters of {table.nbytes:,} bytes exceed the limit of "
                 f"{parameters.MAX_BYTES:,}"
             )
-        table = table.combine_chunks()
-        table.validate(full=True)  # from the network: checked in full
-        batch = (
-            table.to_batches()[0]
-            if table.num_rows
-            else pa.RecordBatch.from_pylist([], schema=table.schema)
-        )
+        batch = sql.parameter_batch(table)  # from the network: checked in full
         parameters.bind(batch)  # one row, or a clear error now rather than at DoGet
         handle = sql.encode_handle(query, batch)
         writer.write(pa.py_buffer(sql.put_prepared_result(handle)))
@@ -286,6 +281,7 @@ class Queries:
         return sql.prepared(action.body.to_pybytes(), describe)
 
 
+@functools.cache
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 

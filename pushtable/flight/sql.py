@@ -221,12 +221,17 @@ def decode_handle(handle: bytes) -> tuple[str, pa.RecordBatch | None]:
         batches = list(reader)
     except (ValueError, KeyError, TypeError, pa.ArrowInvalid) as exc:
         raise ValueError(f"a malformed prepared statement handle: {exc}") from None
-    params = pa.Table.from_batches(batches, reader.schema).combine_chunks()
+    return query, parameter_batch(pa.Table.from_batches(batches, reader.schema))
+
+
+def parameter_batch(table: pa.Table) -> pa.RecordBatch:
+    """Bound parameters from the network as one batch, validated in full."""
+    table = table.combine_chunks()
     batch = (
-        params.to_batches()[0] if params.num_rows else pa.RecordBatch.from_pylist([], params.schema)
+        table.to_batches()[0] if table.num_rows else pa.RecordBatch.from_pylist([], table.schema)
     )
     batch.validate(full=True)
-    return query, batch
+    return batch
 
 
 def prepared(body: bytes, describe: Callable[[str], tuple[pa.Schema, pa.Schema]]) -> bytes:

@@ -378,8 +378,9 @@ class PartitionTask:
             }
         )
 
-    def run(self, batches: Iterator[pa.RecordBatch]) -> Share:
-        """Stage this task's partition and write its fragments; what it did, as a share."""
+    def run(self, batches: Iterator[pa.RecordBatch], client: Client | None = None) -> Share:
+        """Stage this task's partition and write its fragments; what it did, as a share.
+        ``client``: a connection the task already holds (else one of its own)."""
         from pyspark import TaskContext
 
         context = TaskContext.get()
@@ -387,7 +388,8 @@ class PartitionTask:
         attempt = context.attemptNumber() if context is not None else 0
         rows = 0
         fragments: list[str] = []
-        with connect(**self.settings) as client:
+        held = contextlib.nullcontext(client) if client else connect(**self.settings)
+        with held as client:
             stager = None
             if self.live_schema is not None:
                 stager = client.stager(

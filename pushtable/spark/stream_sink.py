@@ -53,7 +53,6 @@ class StagedShare(WriterCommitMessage):
     query_id: str
     batch_id: int
     share: Share
-    skipped: bool  # the batch was published before: the task sent nothing
 
 
 class PushTableStreamWriter(DataSourceStreamArrowWriter):
@@ -109,19 +108,19 @@ class PushTableStreamWriter(DataSourceStreamArrowWriter):
             )
         with connect(**self.bridge.settings()) as client:
             done = batch_id <= client.published(self.bridge.table, query_id)
-        task = PartitionTask(
-            settings=self.bridge.settings(),
-            table=self.bridge.table,
-            query_id=query_id,
-            epoch=batch_id,
-            live_schema=None if done else self.live_schema,
-            lance_schema=None if done else self.lance_schema,
-            lance_uri=self.bridge.lance_uri,
-            storage_options=self.bridge.storage_options,
-            fail_first_attempt=self.bridge.fail_first_attempt,
-            epoch_column=self.bridge.epoch_column,
-        )
-        return StagedShare(query_id, batch_id, task.run(iterator), done)
+            task = PartitionTask(
+                settings=self.bridge.settings(),
+                table=self.bridge.table,
+                query_id=query_id,
+                epoch=batch_id,
+                live_schema=None if done else self.live_schema,
+                lance_schema=None if done else self.lance_schema,
+                lance_uri=self.bridge.lance_uri,
+                storage_options=self.bridge.storage_options,
+                fail_first_attempt=self.bridge.fail_first_attempt,
+                epoch_column=self.bridge.epoch_column,
+            )
+            return StagedShare(query_id, batch_id, task.run(iterator, client))
 
     # -- driver ---------------------------------------------------------------------------
 
