@@ -415,6 +415,40 @@ def test_not_null_fields_reject_nulls_but_accept_nullable_batches_without_any(
     assert ctx.sql("SELECT sum(id) AS s FROM t").to_pydict() == {"s": [3]}
 
 
+def test_types_are_compared_node_by_node_nested_names_aside(ctx: SessionContext) -> None:
+    """A batch is imported with the table's own types when its C schema says the same
+    types: nested field names do not matter; a time zone or a dictionary's value type does."""
+    schema = pa.schema(
+        [
+            ("tags", pa.list_(pa.field("item", pa.string()))),
+            ("at", pa.timestamp("us", tz="UTC")),
+            ("service", pa.dictionary(pa.int32(), pa.string())),
+        ]
+    )
+    sink = ctx.register_streaming_table("t", schema)
+    tags = pa.array([["a", "b"]], pa.list_(pa.field("element", pa.string())))
+    at = pa.array([0], pa.timestamp("us", tz="UTC"))
+    service = pa.array(["api"]).dictionary_encode().cast(pa.dictionary(pa.int32(), pa.string()))
+    sink.write(pa.record_batch([tags, at, service], names=schema.names))
+    with pytest.raises(
+        SchemaMismatchError, match=r"field 'at' has type timestamp\[us, tz=Europe/Paris\]"
+    ):
+        sink.write(
+            pa.record_batch(
+                [tags, at.cast(pa.timestamp("us", tz="Europe/Paris")), service], names=schema.names
+            )
+        )
+    with pytest.raises(
+        SchemaMismatchError, match=r"field 'service' has type dictionary<values=large_string"
+    ):
+        large = service.cast(pa.dictionary(pa.int32(), pa.large_string()))
+        sink.write(pa.record_batch([tags, at, large], names=schema.names))
+    assert sink.stats.batches == 1
+    sink.close()
+    got = ctx.sql("SELECT tags, service FROM t").to_pydict()
+    assert got == {"tags": [["a", "b"]], "service": ["api"]}
+
+
 def test_metadata_is_ignored(ctx: SessionContext) -> None:
     sink = ctx.register_streaming_table("t", SCHEMA.with_metadata({b"origin": b"a"}))
     sink.write(batch(1).replace_schema_metadata({b"other": b"b"}))

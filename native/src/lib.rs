@@ -24,6 +24,12 @@ mod reorder;
 mod schema;
 mod sink;
 
+/// A batch is imported on the producer's thread and dropped on the reader's: glibc's
+/// allocator serialises those frees on the producer's arena lock; mimalloc frees across
+/// threads without a lock.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
@@ -182,7 +188,7 @@ fn streaming_table(
     );
     let table = provider::live_table(reader, unbounded, &order_by);
     Ok((
-        Sink::new(channel, order_by, full_check),
+        Sink::new(channel, order_by, full_check)?,
         PyTableProvider::new(table),
     ))
 }
@@ -259,11 +265,11 @@ fn topic(
         batches: retain_batches,
         bytes: retain_bytes,
     };
-    Ok(Sink::new(
+    Sink::new(
         Channel::topic(name, schema, arrival_column, gate, reorder, retention),
         order_by,
         full_check,
-    ))
+    )
 }
 
 /// `validate="basic"` (the default: O(columns) per write) or `"full"` (every value checked).

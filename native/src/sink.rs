@@ -9,14 +9,14 @@ use std::time::{Duration, Instant};
 use arrow::array::RecordBatch;
 use arrow::error::ArrowError;
 use arrow::record_batch::RecordBatchReader;
-use arrow_pyarrow::{FromPyArrow, ToPyArrow};
+use arrow_pyarrow::ToPyArrow;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 use crate::channel::{
     CancelToken, Channel, CursorWatch, Limits, OnSlow, Prelude, PushError, Start,
 };
-use crate::import::AlignedStreamReader;
+use crate::import::{AlignedStreamReader, BatchImporter, ImportError, Imported};
 use crate::provider::{self, PyTableProvider};
 use crate::{ctrl_c, guarded, schema, schema_error};
 use crate::{Cancelled, ClosedError, InputError, OrderError, ReaderGoneError, WriteTimeout};
@@ -51,6 +51,7 @@ pub struct Sink {
     /// O(columns): the schema, nullability, and that each column's buffers are as long as
     /// its length says, as DataFusion and DuckDB do for data from the same process.
     full_check: bool,
+    importer: BatchImporter,
 }
 
 /// Reports one topic subscription's counters (it does not keep the subscription alive).
@@ -85,32 +86,36 @@ pub fn check_limits(capacity: usize, max_bytes: Option<usize>) -> PyResult<()> {
 }
 
 impl Sink {
-    pub fn new(channel: Arc<Channel>, order_by: Vec<String>, full_check: bool) -> Self {
-        Self {
+    pub fn new(channel: Arc<Channel>, order_by: Vec<String>, full_check: bool) -> PyResult<Self> {
+        let importer = BatchImporter::new(Arc::clone(&channel.input_schema))
+            .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(Self {
             channel,
             order_by,
             full_check,
-        }
+            importer,
+        })
     }
 
+    /// Check a batch the importer took (its columns' lengths are checked against their
+    /// buffers there) and enqueue it.
     fn push(
         &self,
         py: Python<'_>,
-        batch: RecordBatch,
+        imported: Result<Imported, ImportError>,
         deadline: Option<Instant>,
         interruptible: bool,
         token: Option<&CancelToken>,
     ) -> PyResult<()> {
         let name = &self.channel.name;
-        // The C Data Interface carries no buffer sizes: the importer derives them from the
-        // lengths (a string column's values from its last offset), so `validate` (O(1) per
-        // column) catches a batch whose lengths contradict its buffers.
-        for (field, column) in batch.schema().fields().iter().zip(batch.columns()) {
-            column
-                .to_data()
-                .validate()
-                .map_err(|e| invalid_column(name, field.name(), &e))?;
-        }
+        let Imported { batch, bytes } = imported.map_err(|e| match e {
+            ImportError::Column {
+                name: column,
+                error,
+            } => invalid_column(name, &column, &error),
+            ImportError::Schema(issue) => schema_error(py, name, &issue),
+            ImportError::Other(error) => InputError::new_err(error.to_string()),
+        })?;
         let batch = schema::conform(&self.channel.input_schema, batch)
             .map_err(|i| schema_error(py, name, &i))?;
         if self.full_check {
@@ -128,7 +133,7 @@ impl Sink {
             } else {
                 None
             };
-            channel.push(batch, deadline, token, tick)
+            channel.push(batch, bytes, deadline, token, tick)
         });
         result.map_err(|e| match e {
             PushError::Closed => {
@@ -168,7 +173,8 @@ impl Sink {
         };
         if has("__arrow_c_array__")? {
             let batch = guarded("cannot import the batch", || {
-                RecordBatch::from_pyarrow_bound(data)
+                self.importer
+                    .import(data)
                     .map_err(|e| InputError::new_err(e.to_string()))
             })
             .map_err(|e| (e, 0))?;
@@ -190,18 +196,18 @@ impl Sink {
             loop {
                 // Batches are pulled one at a time: a lazy stream is read at the pace the
                 // queue admits them (backpressure reaches the stream's own producer).
-                let next = guarded("cannot read the stream", || Ok(reader.next()))
+                let next = guarded("cannot read the stream", || Ok(reader.next_imported()))
                     .map_err(|e| (e, written))?;
                 match next {
                     None => return Ok(written),
-                    Some(Err(e)) => {
+                    Some(Err(ImportError::Other(e))) => {
                         return Err((
                             InputError::new_err(format!("reading the stream failed: {e}")),
                             written,
                         ))
                     }
-                    Some(Ok(batch)) => self
-                        .push(py, batch, deadline, interruptible, token)
+                    Some(imported) => self
+                        .push(py, imported, deadline, interruptible, token)
                         .map_err(|e| (e, written))?,
                 }
                 written += 1;

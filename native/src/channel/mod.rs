@@ -39,7 +39,7 @@ use crate::reorder::Reorder;
 
 use log::{Cursor, ReaderState, State};
 pub use log::{CursorStats, Limits, OnSlow, Retention, Start, Stats};
-pub use push::{batch_bytes, set_finalizing, CancelToken, PushError};
+pub use push::{batch_bytes, data_bytes, set_finalizing, CancelToken, PushError};
 pub use reader::{CursorWatch, Markers, Prelude, Reader, ReaderStream, WatermarkCell};
 
 /// Whether a channel backs one table or a topic.
@@ -241,7 +241,7 @@ impl Channel {
         if let Some(r) = &self.reorder {
             // Rows the watermark passes leave the buffer first, in order, before it.
             match r.release(&mut st.held, Some(value)) {
-                Ok(Some(ready)) => self.append(&mut st, ready),
+                Ok(Some(ready)) => self.append(&mut st, ready, None),
                 Ok(None) => {}
                 Err(msg) => return Err(PushError::Order(msg)),
             }
@@ -259,7 +259,7 @@ impl Channel {
         if let Some(r) = &self.reorder {
             // End of stream: what the buffer holds goes out, in order.
             if let Ok(Some(rest)) = r.release(&mut st.held, None) {
-                self.append(&mut st, rest);
+                self.append(&mut st, rest, None);
             }
         }
         st.closed = true;

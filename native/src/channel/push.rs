@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::task::Waker;
 use std::time::{Duration, Instant};
 
-use arrow::array::{Array, RecordBatch};
+use arrow::array::{Array, ArrayData, RecordBatch};
 use arrow::datatypes::SchemaRef;
 
 use super::log::{Entry, OnSlow, ReaderState, State, Waiter};
@@ -91,12 +91,14 @@ pub fn batch_bytes(batch: &RecordBatch) -> usize {
     batch
         .columns()
         .iter()
-        .map(|c| {
-            let data = c.to_data();
-            data.get_slice_memory_size()
-                .unwrap_or_else(|_| c.get_array_memory_size())
-        })
+        .map(|c| data_bytes(&c.to_data()))
         .sum()
+}
+
+/// What one column's data is charged: the bytes its slice spans.
+pub fn data_bytes(data: &ArrayData) -> usize {
+    data.get_slice_memory_size()
+        .unwrap_or_else(|_| data.get_array_memory_size())
 }
 
 /// Room for a batch of `bytes`, or why not.
@@ -161,6 +163,7 @@ impl Channel {
     pub fn push<E>(
         &self,
         batch: RecordBatch,
+        bytes: usize,
         deadline: Option<Instant>,
         token: Option<&CancelToken>,
         mut tick: Option<&mut dyn FnMut() -> Result<(), E>>,
@@ -171,12 +174,14 @@ impl Channel {
             (Some(gate), None) => (None, Some(gate.check(batch).map_err(PushError::Order)?)),
             _ => (Some(batch), None),
         };
-        // What the room check charges (the enqueued batch is charged again by `append`).
+        // What the room check charges (`bytes`, the caller's `batch_bytes(batch)`, unless
+        // the ordering check dropped rows); `append` charges what it enqueues.
         let bytes = match (&unordered, &checked) {
-            (Some(b), _) => batch_bytes(b),
+            (Some(_), _) => bytes,
             (None, Some(c)) => batch_bytes(c.batch()),
             (None, None) => 0,
         };
+        let as_given = self.order.is_none() && self.reorder.is_none();
         let mut blocked_since: Option<Instant> = None;
         let mut me: Option<Arc<Waiter>> = None;
         let mut next_tick = Instant::now() + TICK;
@@ -240,7 +245,7 @@ impl Channel {
                                 }
                             }
                         };
-                        self.append(&mut st, batch);
+                        self.append(&mut st, batch, as_given.then_some(bytes));
                         if let Some(t) = token {
                             t.written.fetch_add(1, Ordering::SeqCst);
                         }
@@ -315,15 +320,20 @@ impl Channel {
 
     /// Enqueue `batch` (stamping its arrival time, if the table has one). The caller checked
     /// for room, or is close()/advance() releasing the reorder buffer (they never block).
-    pub(super) fn append(&self, st: &mut State, batch: RecordBatch) {
-        let batch = match self.arrival {
-            None => batch,
+    /// Enqueue `batch`; `bytes` is its `batch_bytes` when the caller has it.
+    pub(super) fn append(&self, st: &mut State, batch: RecordBatch, bytes: Option<usize>) {
+        let (batch, bytes) = match self.arrival {
+            None => {
+                let bytes = bytes.unwrap_or_else(|| batch_bytes(&batch));
+                (batch, bytes)
+            }
             Some(_) => {
                 let stamp = st.tick_clock();
-                stamp_arrival(&self.schema, batch, stamp)
+                let batch = stamp_arrival(&self.schema, batch, stamp);
+                let bytes = batch_bytes(&batch);
+                (batch, bytes)
             }
         };
-        let bytes = batch_bytes(&batch);
         st.stats.rows += batch.num_rows() as u64;
         st.stats.batches += 1;
         st.stats.bytes += bytes as u64;
