@@ -159,7 +159,10 @@ pub enum ImportError {
         error: ArrowError,
     },
     /// A NOT NULL column holds nulls.
-    Schema(crate::schema::SchemaIssue),
+    Nulls {
+        name: String,
+        nulls: usize,
+    },
     Other(ArrowError),
 }
 
@@ -191,10 +194,10 @@ fn into_batch(mut data: ArrayData, schema: SchemaRef) -> Result<Imported, Import
             error,
         })?;
         if !field.is_nullable() && column.null_count() > 0 {
-            return Err(ImportError::Schema(crate::schema::SchemaIssue::Nulls {
+            return Err(ImportError::Nulls {
                 name: field.name().clone(),
                 nulls: column.null_count(),
-            }));
+            });
         }
         bytes += crate::channel::data_bytes(column);
     }
@@ -294,11 +297,9 @@ impl Iterator for AlignedStreamReader {
                 ImportError::Column { name, error } => ArrowError::InvalidArgumentError(format!(
                     "column '{name}' is not valid Arrow data: {error}"
                 )),
-                ImportError::Schema(issue) => {
-                    let text = issue.describe("", |dt| dt.to_string());
-                    let text = text.trim_start_matches("table '': ");
-                    ArrowError::InvalidArgumentError(text.to_owned())
-                }
+                ImportError::Nulls { name, nulls } => ArrowError::InvalidArgumentError(format!(
+                    "column '{name}' is declared NOT NULL but holds {nulls} null value(s)"
+                )),
                 ImportError::Other(error) => error,
             })
         })

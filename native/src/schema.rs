@@ -112,10 +112,7 @@ pub fn check_schema(expected: &Schema, actual: &Schema) -> Result<(), SchemaIssu
 
 /// Check `batch` and re-label it with `schema`.
 pub fn conform(schema: &SchemaRef, batch: RecordBatch) -> Result<RecordBatch, SchemaIssue> {
-    let labelled = std::sync::Arc::ptr_eq(schema, batch.schema_ref());
-    if !labelled {
-        check_schema(schema, batch.schema_ref())?;
-    }
+    check_schema(schema, batch.schema_ref())?;
     for (field, column) in schema.fields().iter().zip(batch.columns()) {
         if !field.is_nullable() && column.null_count() > 0 {
             return Err(SchemaIssue::Nulls {
@@ -123,9 +120,6 @@ pub fn conform(schema: &SchemaRef, batch: RecordBatch) -> Result<RecordBatch, Sc
                 nulls: column.null_count(),
             });
         }
-    }
-    if labelled {
-        return Ok(batch); // imported with the table's own schema
     }
     let options = RecordBatchOptions::new()
         .with_match_field_names(false)

@@ -113,11 +113,26 @@ impl Sink {
                 name: column,
                 error,
             } => invalid_column(name, &column, &error),
-            ImportError::Schema(issue) => schema_error(py, name, &issue),
+            ImportError::Nulls {
+                name: column,
+                nulls,
+            } => schema_error(
+                py,
+                name,
+                &schema::SchemaIssue::Nulls {
+                    name: column,
+                    nulls,
+                },
+            ),
             ImportError::Other(error) => InputError::new_err(error.to_string()),
         })?;
-        let batch = schema::conform(&self.channel.input_schema, batch)
-            .map_err(|i| schema_error(py, name, &i))?;
+        // A batch the importer labelled with the table's own schema was checked on import.
+        let batch = if Arc::ptr_eq(batch.schema_ref(), &self.channel.input_schema) {
+            batch
+        } else {
+            schema::conform(&self.channel.input_schema, batch)
+                .map_err(|i| schema_error(py, name, &i))?
+        };
         if self.full_check {
             // Every value (UTF-8, offsets, dictionary keys): work per byte, so without the GIL.
             py.detach(|| check_values(&batch))
