@@ -31,8 +31,8 @@ a --config file (JSON): who may do what, what remote clients may use, what is de
     "topics": [{"name": "alerts", "schema": {"msg": "string"}}]
   }
 
-roles: read = remote SQL (queries only), tables, stats; write = push, close, advance;
-admin = all of that plus create_table, subscribe, fail and Spark's stage/publish.
+roles: read = remote SQL (queries only), tables, stats; write = push, close, fail, advance;
+admin = all of that plus create_table, subscribe and Spark's stage/publish.
 A token's "tables" are names or fnmatch patterns (default: every table). Secrets are
 compared in constant time and never logged; each call is logged, with the token's name,
 on the "pushtable.audit" logger.
@@ -47,6 +47,14 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+def describe_startup(exc: BaseException) -> str:
+    """One line for a server that could not start: the message, without a traceback."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if isinstance(exc, KeyError):
+        text = f"missing {text}"
+    return text
 
 
 def _say(line: str) -> None:
@@ -124,7 +132,7 @@ def parser() -> argparse.ArgumentParser:
         "$PUSHTABLE_PEERS_PYTHON, or one made from the package index on first use)",
     )
     bench.add_argument(
-        "--quick", action="store_true", help="small inputs: the whole run in under a minute"
+        "--quick", action="store_true", help="small inputs: the whole run in under two minutes"
     )
     bench.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
     bench.add_argument(
@@ -201,23 +209,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "serve":
         import os
 
+        import pyarrow as pa
+
         from pushtable.flight import serve
+        from pushtable.flight.server import run_until_stopped
 
         if (args.tls_cert is None) != (args.tls_key is None):
             parser().error("--tls-cert and --tls-key go together")
         tls = (args.tls_cert, args.tls_key) if args.tls_cert is not None else None
         token = args.token or os.environ.get("PUSHTABLE_TOKEN") or None
-        serve(
-            args.host,
-            args.port,
-            token=token,
-            tls=tls,
-            config=args.config,
-            metrics_port=args.metrics_port,
-            ui_port=args.ui_port,
-            data_dir=args.data_dir,
-            say=_say,
-        )
+        try:  # a mistake in the set-up (config, files, port) is one line, not a traceback
+            server = serve(
+                args.host,
+                args.port,
+                token=token,
+                tls=tls,
+                config=args.config,
+                metrics_port=args.metrics_port,
+                ui_port=args.ui_port,
+                data_dir=args.data_dir,
+                block=False,
+                say=_say,
+            )
+        except (ValueError, OSError, KeyError, pa.ArrowException) as exc:
+            print(f"pushtable serve: {describe_startup(exc)}", file=sys.stderr)
+            return 2
+        run_until_stopped(server, _say)
         return 0
     from pushtable import bench
 

@@ -115,12 +115,13 @@ def run(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity: int) ->
     started = time.perf_counter()
     interrupted = False
     try:
-        with Live(console=console, refresh_per_second=8, transient=False) as live:
+        with Live(console=console, refresh_per_second=8, transient=True) as live:
             # Until Spark is done and the live query has printed its last batch.
             while (query.isActive or reader.is_alive()) and not live_error:
                 live.update(_progress_line(sink, bridge, epochs, started))
                 reader.join(0.25)  # ends once Spark is done and the live query printed
-            live.update(_progress_line(sink, bridge, epochs, started))
+        # The status line's last state, on a line of its own (a terminal or not).
+        console.print(_progress_line(sink, bridge, epochs, started))
         if live_error:  # the live query failed: say so now, not after Spark's last epoch
             sink.close()
             query.stop()
@@ -215,7 +216,7 @@ def run_connect(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity:
     sink = client.sink("events")
     interrupted = False
     try:
-        with Live(console=console, refresh_per_second=4, transient=False) as live:
+        with Live(console=console, refresh_per_second=4, transient=True) as live:
             while query.isActive and not live_error:
                 s = sink.stats.table
                 live.update(
@@ -223,8 +224,8 @@ def run_connect(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity:
                     f"queue {s.queued_batches}/{capacity}"
                 )
                 query.awaitTermination(0.25)
-            s = sink.stats.table
-            live.update(f"epochs {published()}/{epochs} · rows {s.rows:,}")
+        s = sink.stats.table
+        console.print(f"epochs {published()}/{epochs} · rows {s.rows:,}")
         if live_error:
             # The live query failed: nothing reads the table, so the next publish would wait
             # for good. Closing the table ends that wait; Spark's query then stops.
@@ -348,7 +349,7 @@ def _start(spark: Any, out: Path, checkpoint: Path, sink: Callable[[Any], Any]) 
 def _as_table(data: pa.Table, title: str) -> Any:
     from rich.table import Table
 
-    table = Table(title=title)
+    table = Table(title=title, min_width=len(title) + 2)  # the title on one line
     for name in data.column_names:
         table.add_column(name)
     for row in data.to_pylist():

@@ -54,7 +54,7 @@ class LiveExplanation:
     def __str__(self) -> str:
         lines = [f"{self.mode}: " + ("; ".join(self.reasons) or "rows stream as they arrive")]
         if self.engine == "pushtable":
-            lines.append("engine: pushtable (the live engine plans it with the table's order)")
+            lines.append("engine: pushtable (its embedded live engine runs it as data arrives)")
         if self.hint:
             lines.append(f"hint: {self.hint}")
         return "\n".join(lines)

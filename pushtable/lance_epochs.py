@@ -11,10 +11,11 @@ walk stops there. See docs/spark.md for the exact guarantee.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -116,13 +117,24 @@ def _tag_for(query_id: str) -> str:
 
 
 def _normalise(t: pa.DataType) -> pa.DataType:
-    """Map the large/view variants to the plain type: they cast losslessly into each other."""
+    """Map the types that cast losslessly into each other to one form: the large and view
+    variants to the plain type, and a zoned timestamp to UTC (the same instants; Spark labels
+    them with the session's zone on executors and UTC on the driver), nested types too."""
     if pa.types.is_large_string(t) or pa.types.is_string_view(t):
         return pa.string()
     if pa.types.is_large_binary(t) or pa.types.is_binary_view(t):
         return pa.binary()
+    if pa.types.is_timestamp(t) and t.tz is not None:
+        return pa.timestamp(t.unit, tz="UTC")
+    if pa.types.is_map(t):
+        item = t.item_field
+        return pa.map_(_normalise(t.key_type), item.with_type(_normalise(item.type)))
     if pa.types.is_large_list(t) or pa.types.is_list_view(t) or pa.types.is_large_list_view(t):
         return pa.list_(_normalise(t.value_type))
+    if pa.types.is_list(t):
+        return pa.list_(_normalise(t.value_type))
+    if pa.types.is_struct(t):
+        return pa.struct([f.with_type(_normalise(f.type)) for f in t])
     return t
 
 
@@ -148,6 +160,67 @@ def conform_to(table: pa.Table, target: pa.Schema) -> pa.Table:
                 f"column '{field.name}' has type {got} in this epoch, the dataset has {field.type}"
             )
     return table.select(target.names).cast(target)
+
+
+def aligned(table: pa.Table) -> pa.Table:
+    """``table`` with every buffer aligned for its type, copying only the chunks that are not.
+
+    Arrow data read from an IPC stream (Spark's ``toArrow`` and ``mapInArrow``, a Flight
+    message) sits where the stream's framing put it: 8-byte boundaries, while Rust consumers
+    (Lance's writer) need 16 for ``decimal128``. A chunk is copied only when one of its
+    buffers is off: O(buffers) to check, the copy where it is needed.
+    """
+    columns = []
+    changed = False
+    for column in table.columns:
+        need = 16 if _has_wide(column.type) else 8
+        chunks = []
+        for chunk in column.chunks:
+            if any(b is not None and b.address % need for b in chunk.buffers()):
+                chunk = pa.concat_arrays([chunk])  # fresh buffers, 64-byte aligned
+                changed = True
+            chunks.append(chunk)
+        columns.append(pa.chunked_array(chunks, column.type))
+    return pa.Table.from_arrays(columns, schema=table.schema) if changed else table
+
+
+def _has_wide(t: pa.DataType) -> bool:
+    """Whether ``t`` holds 16-byte values (decimals, month-day-nano intervals), nested too."""
+    if pa.types.is_decimal(t) or t == pa.month_day_nano_interval():
+        return True
+    if pa.types.is_dictionary(t):
+        return _has_wide(t.value_type)
+    return any(_has_wide(t.field(i).type) for i in range(t.num_fields))
+
+
+def write_fragments(
+    data: pa.Table | Iterable[pa.RecordBatch],
+    uri: str,
+    schema: pa.Schema,
+    storage_options: dict[str, str] | None = None,
+) -> list[Any]:
+    """Write ``data`` as new Lance fragments of the dataset at ``uri``, uncommitted: each
+    piece conformed to ``schema`` (:func:`conform_to`) and aligned (:func:`aligned`), empty
+    pieces skipped; nothing is written (``[]``) when no piece has a row.
+
+    The one fragment writer of every path: a driver's epoch, a Spark task's partition, a
+    durable topic's group commit. Returns Lance's ``FragmentMetadata`` list.
+    """
+    pieces = [data] if isinstance(data, pa.Table) else data
+    tables = (
+        aligned(conform_to(t if isinstance(t, pa.Table) else pa.Table.from_batches([t]), schema))
+        for t in pieces
+        if t.num_rows
+    )
+    first = next(tables, None)
+    if first is None:
+        return []
+    batches = (b for t in itertools.chain([first], tables) for b in t.to_batches())
+    reader = pa.RecordBatchReader.from_batches(schema, batches)
+    written: list[Any] = lance.fragment.write_fragments(
+        reader, uri, schema=schema, storage_options=storage_options
+    )
+    return written
 
 
 def dataset_schema(
@@ -308,7 +381,7 @@ class LanceEpochWriter:
         if data.num_rows == 0 and self.mode != "complete":
             return CommitResult(False, None, self._last(), f"epoch {epoch_id} is empty")
         target = ds.schema if ds is not None else target_schema(data.schema)
-        data = conform_to(data, target)
+        data = aligned(conform_to(data, target))
         self._refuse_mode_switch()
         if ds is None:
             ds = self._create(target)
@@ -316,13 +389,7 @@ class LanceEpochWriter:
             return self._commit(ds, epoch_id, self._upsert(data))
         if self._fault:
             self._fault("before_fragments", epoch_id)
-        fragments = (
-            lance.fragment.write_fragments(
-                data, self.uri, schema=target, storage_options=self.storage_options
-            )
-            if data.num_rows
-            else []
-        )
+        fragments = write_fragments(data, self.uri, target, self.storage_options)
         return self._commit(ds, epoch_id, fragments)
 
     def commit_fragments(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import logging
 import math
 import threading
 import time
@@ -37,6 +38,8 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 __all__ = ["SinkStats", "TableSink"]
+
+log = logging.getLogger(__name__)
 
 _ERRORS: dict[type[BaseException], type[PushTableError]] = {
     _native.ClosedError: SinkClosedError,
@@ -146,7 +149,7 @@ class ProducerScope:
         if exc is None:
             self.close()
         else:
-            self.fail(exc)
+            self._fail_keeping(exc)
 
     async def __aenter__(self) -> Self:
         return self
@@ -160,7 +163,20 @@ class ProducerScope:
         if exc is None:
             await self.aclose()
         else:
+            self._fail_keeping(exc)
+
+    def _fail_keeping(self, exc: BaseException) -> None:
+        """``fail(exc)`` on the way out of a ``with`` block on an error; if that fails too (the
+        server refused it, the connection is gone), the producer's own error still propagates:
+        the failure to fail is logged and noted on it, never raised in its place."""
+        try:
             self.fail(exc)
+        except Exception as refused:  # noqa: BLE001 -- any, or it would replace ``exc``
+            log.warning("fail() of %r on a producer's error did not succeed: %s", self, refused)
+            if hasattr(exc, "add_note"):  # Python 3.11+
+                exc.add_note(
+                    f"pushtable: fail() of this producer's table did not succeed: {refused}"
+                )
 
 
 class _Producer(ProducerScope):

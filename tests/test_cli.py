@@ -53,6 +53,32 @@ def test_help_documents_every_option(capsys: pytest.CaptureFixture[str]) -> None
         assert option in out
 
 
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        (
+            {"tokens": [{"name": "ops", "secret_env": "PUSHTABLE_TEST_UNSET", "role": "admin"}]},
+            "token 'ops': environment variable 'PUSHTABLE_TEST_UNSET' is not set",
+        ),
+        ({"tables": [{"name": "events"}]}, "each of 'tables' needs a 'name' and a 'schema'"),
+        ({"tabels": []}, "unknown keys ['tabels']"),
+        ("{not json", "is not valid JSON"),
+    ],
+)
+def test_a_config_mistake_is_one_line_not_a_traceback(
+    config: object, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "serve.json"
+    path.write_text(config if isinstance(config, str) else json.dumps(config))
+    os.environ.pop("PUSHTABLE_TEST_UNSET", None)
+    assert main(["serve", "--port", "0", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pushtable serve: "), err
+    assert message in err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "Traceback" not in err
+
+
 def _pushtable(
     *args: str, cwd: Path, timeout: float, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
@@ -82,6 +108,11 @@ def test_demo_runs_end_to_end(tmp_path: Path) -> None:
         timeout=240,
     )
     assert done.returncode == 0, done.stdout + done.stderr
+    lines = [line.strip() for line in done.stdout.splitlines()]
+    # The status line ends on a line of its own; the check's title is whole, on the next.
+    assert any(line.startswith("epochs 10/10 ·") for line in lines), done.stdout
+    title = "what the live query returned vs the persisted Lance dataset (one SQL statement)"
+    assert title in lines, done.stdout
     said = " ".join(done.stdout.split())
     # What the live query returned matches Lance, level by level.
     assert "counts match: 2,000 rows live, 2,000 rows" in said

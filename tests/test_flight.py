@@ -323,6 +323,21 @@ def test_tls(tmp_path: Path) -> None:
         untrusted = connect(server.location, token="t", timeout=5)
         with pytest.raises(ServerUnavailableError):
             untrusted.tables()
+        plain = connect(server.location.replace("grpc+tls://", "grpc://"), token="t", timeout=5)
+        with pytest.raises(ServerUnavailableError, match="connect with grpc\\+tls://"):
+            plain.tables()  # a plain client of a TLS server: named as such
+    finally:
+        server.stop()
+    server = Server("grpc://localhost:0", token="t")
+    try:  # and a TLS client of a plain server
+        tls = connect(
+            server.location.replace("grpc://", "grpc+tls://"),
+            token="t",
+            tls_root_certs=cert,
+            timeout=5,
+        )
+        with pytest.raises(ServerUnavailableError, match="connect with grpc://"):
+            tls.tables()
     finally:
         server.stop()
 

@@ -22,6 +22,7 @@ from pushtable import (
     ResourceLimitError,
     SessionContext,
     StatementRefusedError,
+    StreamFailedError,
     UnauthenticatedError,
     UnknownTableError,
 )
@@ -156,7 +157,7 @@ def test_each_role_does_what_it_may_and_is_refused_the_rest(secured: Server) -> 
             push(dash, "events", batch(1))
         with pytest.raises(PermissionDeniedError, match="lacks the 'write' role"):
             dash._action("close", {"name": "events"})
-        with pytest.raises(PermissionDeniedError, match="lacks the 'admin' role"):
+        with pytest.raises(PermissionDeniedError, match="lacks the 'write' role"):
             dash._action("fail", {"name": "events", "message": "x", "type": "RuntimeError"})
         with pytest.raises(PermissionDeniedError, match="lacks the 'admin' role"):
             dash.stage("events", "q", 0, 0, 0, [batch(1)], SCHEMA)
@@ -166,6 +167,27 @@ def test_each_role_does_what_it_may_and_is_refused_the_rest(secured: Server) -> 
             ops._action("close", {"name": "events"})
         assert result.read_all().to_pydict() == {"n": [3]}
     assert not secured.ctx.table_exist("events2")
+
+
+def test_a_producer_fails_its_own_stream_and_a_refused_fail_keeps_its_error(
+    secured: Server,
+) -> None:
+    """A ``write`` token's producer leaving ``with sink`` on an error fails the table with that
+    error (its reader sees it); a token that may not fail the table still sees its own error,
+    with the refusal as a note, never a PermissionDeniedError in its place."""
+    with as_(secured, ADMIN) as ops, as_(secured, INGEST) as ingest:
+        ops.create_table("events", SCHEMA, capacity=64)
+        reader = Background(ops.sql("SELECT count(*) AS n FROM events").read_all)
+        with pytest.raises(KeyError, match="the shard went away"), ingest.sink("events") as sink:
+            sink.write(batch(2))
+            raise KeyError("the shard went away")
+        with pytest.raises(StreamFailedError, match="KeyError: 'the shard went away'"):
+            reader.join(timeout=WAIT)
+    with as_(secured, DASH) as dash:  # read only: fail() is refused, the error stays its own
+        with pytest.raises(ZeroDivisionError) as info, dash.sink("events") as sink:
+            raise ZeroDivisionError("bad shard")
+        notes = getattr(info.value, "__notes__", [])
+        assert any("lacks the 'write' role" in n for n in notes), notes
 
 
 def test_wrong_and_missing_tokens_are_unauthenticated(secured: Server) -> None:

@@ -20,6 +20,7 @@ from pushtable.lance_epochs import LanceEpochWriter
 from pushtable.spark import RemoteBridge, query_id_from_checkpoint
 from tests.conftest import WAIT, Background
 from tests.spark_support import ARROW, ids, stamped, write_epochs
+from tests.test_spark_types import TYPES, ZONE, lance_rows, rows_of, spark_rows
 
 ROWS = 20
 
@@ -157,6 +158,17 @@ _CONNECT_RUN = textwrap.dedent(
     sys.stdin.readline()  # the test wrote another epoch: restart on the same checkpoints
     for how in HOWS:
         run(how, fail=False)
+    # Every Spark type through format("pushtable") under Spark Connect, in a zone not UTC.
+    spark.conf.set("spark.sql.session.timeZone", sys.argv[5])
+    q = (spark.readStream.schema("id long, level string").json(src)
+         .selectExpr(*json.loads(sys.argv[4])).writeStream.format("pushtable")
+         .option("uri", uri).option("table", "events_types")
+         .option("lance_uri", f"{work}/types/out.lance")
+         .option("checkpointLocation", f"{work}/types/chk").trigger(availableNow=True).start())
+    finished = q.awaitTermination(180)
+    print(json.dumps({"how": "types", "finished": finished, "id": str(q.id),
+                      "error": None if q.exception() is None else str(q.exception())}),
+          flush=True)
     spark.stop()
     """
 )
@@ -164,11 +176,14 @@ HOWS = ("format", "foreachBatch")
 
 
 @pytest.mark.spark
-def test_spark_connect_with_a_task_that_fails_once(tmp_path: Path, server: Server) -> None:
+def test_spark_connect_with_a_task_that_fails_once(
+    tmp_path: Path, server: Server, spark: SparkSession
+) -> None:
     """Spark Connect, through ``format("pushtable")`` and through a server-side foreachBatch
     with executor push, a task attempt that staged its partition and then failed: the live
     table and Lance hold every row exactly once, under the query id Spark keeps in the
-    checkpoint, across a restart of the query."""
+    checkpoint, across a restart of the query. Then every Spark type through
+    ``format("pushtable")`` in a session zone that is not UTC: Spark's own values."""
     client = connect(server.location)
     readers = {}
     for how in HOWS:
@@ -188,7 +203,16 @@ def test_spark_connect_with_a_task_that_fails_once(tmp_path: Path, server: Serve
     # time). Its stderr goes to a file: a full pipe nobody reads would stall Spark.
     with (tmp_path / "child.err").open("w") as err:
         child = subprocess.Popen(
-            [sys.executable, "-c", _CONNECT_RUN, server.location, str(src), str(tmp_path)],
+            [
+                sys.executable,
+                "-c",
+                _CONNECT_RUN,
+                server.location,
+                str(src),
+                str(tmp_path),
+                json.dumps(TYPES),
+                ZONE,
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=err,
@@ -210,7 +234,8 @@ def test_spark_connect_with_a_task_that_fails_once(tmp_path: Path, server: Serve
                 child.wait(WAIT)
     assert child.returncode == 0, (tmp_path / "child.err").read_text()[-3000:]
     lines = out.strip().splitlines()
-    second = {str(r["how"]): r for r in (outcome(line, child) for line in lines[-2:])}
+    second = {str(r["how"]): r for r in (outcome(line, child) for line in lines[-3:-1])}
+    assert outcome(lines[-1], child)["how"] == "types"
     rows = expected(range(3))
     for how in HOWS:
         client.sink(f"events_{how}").close()
@@ -222,3 +247,9 @@ def test_spark_connect_with_a_task_that_fails_once(tmp_path: Path, server: Serve
         assert stamped(uri) == [(first[how]["id"], e) for e in range(3)], how
         assert lance.dataset(str(uri)).count_rows() == len(rows), how
     assert server.dropped_shares >= 2  # each failed attempt staged its share: not published
+    # The type matrix through format("pushtable") under Spark Connect: Spark's own values.
+    want = spark_rows(spark, src)
+    types = Background(lambda: rows_of(client.sql("SELECT * FROM events_types").read_all()))
+    client.sink("events_types").close()
+    assert types.join(timeout=WAIT) == want
+    assert lance_rows(tmp_path / "types" / "out.lance") == want

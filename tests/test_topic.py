@@ -50,6 +50,20 @@ def test_every_subscription_sees_every_later_batch_once_in_order() -> None:
     assert topic.stats.queued_batches == 0
 
 
+def test_a_finished_subscription_keeps_its_read_count() -> None:
+    topic = Topic("events", SCHEMA)
+    ctx = in_order()
+    sub = topic.subscribe(ctx, "s", capacity=4)
+    reader = query(ctx, "SELECT k FROM s")
+    for i in range(5):
+        topic.write(batch(2, start=2 * i), timeout=WAIT)
+    wait_until(lambda: sub.stats.read_batches == 5, "the query to read 5 batches")
+    topic.close()
+    assert len(ks(reader.join())) == 10
+    wait_until(lambda: sub.stats.state == "finished", "the subscription to finish")
+    assert sub.stats.read_batches == 5  # what it read, not 0, once its query is done
+
+
 def test_a_subscription_taken_midstream_starts_at_the_next_batch() -> None:
     topic = Topic("t", SCHEMA)
     ctx = in_order()

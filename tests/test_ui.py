@@ -168,3 +168,77 @@ def test_rows_written_after_the_page_opened_appear_on_it(tmp_path: Path) -> None
         if browser is not None:
             browser.quit()
         server.stop()
+
+
+LEVELS = pa.schema([("ts", TS), ("level", pa.string()), ("latency", pa.float64())])
+
+
+def test_the_chart_draws_a_line_per_group_with_readable_numbers_and_whole_axes(
+    tmp_path: Path,
+) -> None:
+    """``GROUP BY second, level``: one line per level (not one zig-zag through every group),
+    numbers rounded for reading, and the axes' labels inside the chart (not clipped)."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    server = _serve_with_tokens(tmp_path)
+    browser = None
+    try:
+        assert server.ui_url is not None
+        sink = server.create_table("events", LEVELS, order_by="ts")
+        browser = _browser()
+        browser.set_page_load_timeout(WAIT)
+        browser.get(server.ui_url)
+        wait = WebDriverWait(browser, WAIT)
+        token = browser.find_element(By.ID, "token")
+        token.send_keys("reader-token")
+        browser.execute_script("arguments[0].dispatchEvent(new Event('change'))", token)
+        wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#tables tr[data-table=events]"))
+        sql = browser.find_element(By.ID, "sql")
+        sql.clear()
+        sql.send_keys(
+            "SELECT date_bin(INTERVAL '1 second', ts) AS second, level, avg(latency) AS latency "
+            "FROM events GROUP BY 1, 2"
+        )
+        browser.find_element(By.ID, "run").click()
+        wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#grid thead th"))
+        for second in range(5):
+            ts = [T0 + timedelta(seconds=second, milliseconds=i) for i in range(3)]
+            sink.write(
+                pa.record_batch(
+                    [
+                        pa.array(ts, TS),
+                        pa.array(["info", "warn", "error"]),
+                        pa.array([1 / 3 + second, 2 / 3 + second, 10 / 7 + second]),
+                    ],
+                    schema=LEVELS,
+                ),
+                timeout=WAIT,
+            )
+        names = (
+            "return [...document.querySelectorAll('#chart .legendtext')].map(e => e.textContent)"
+        )
+        wait.until(lambda b: sorted(b.execute_script(names)) == ["error", "info", "warn"])
+        traces = browser.execute_script(
+            "return document.querySelectorAll('#chart .scatterlayer .trace').length"
+        )
+        assert traces == 3  # a line per level
+        assert "per level" in text_of(browser, "#chart-note")
+        grid = text_of(browser, "#grid")
+        assert "0.3333" in grid
+        assert "0.33333333" not in grid  # 4 decimals, not 16
+        outside = browser.execute_script(
+            """const box = document.getElementById('chart').getBoundingClientRect();
+            return [...document.querySelectorAll('#chart .xtick text, #chart .ytick text')]
+              .map(t => t.getBoundingClientRect())
+              .filter(r => r.left < box.left - 1 || r.right > box.right + 1
+                        || r.top < box.top - 1 || r.bottom > box.bottom + 1).length"""
+        )
+        assert outside == 0  # every tick label drawn inside the chart
+        shot = Path(os.environ.get("PUSHTABLE_UI_SCREENSHOT_GROUPS", tmp_path / "groups.png"))
+        assert browser.save_screenshot(str(shot))
+        sink.close()
+    finally:
+        if browser is not None:
+            browser.quit()
+        server.stop()

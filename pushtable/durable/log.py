@@ -38,7 +38,7 @@ from pushtable.errors import (
     WriteTimeoutError,
 )
 
-__all__ = ["DurableLog", "Start"]
+__all__ = ["DurableLog", "Start", "epoch_of", "epoch_sequence"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,28 @@ Start = str | int | datetime
 
 #: called after each commit attempt with the committed offset and the failure, if any
 Listener = Callable[[int, "CommitFailedError | None"], None]
+
+
+#: batches of one epoch a Spark query may publish (the low bits of a sequence number)
+EPOCH_BATCHES = 1 << 24
+
+
+def epoch_sequence(epoch: int, index: int, last: bool) -> int:
+    """The sequence number of batch ``index`` of a Spark query's ``epoch`` in a durable log:
+    epoch-major, so a replayed epoch's batches stored before a crash are skipped one by one;
+    the epoch's last batch takes the highest number of the epoch, so a stored last batch
+    means the whole epoch is stored (:func:`epoch_of`)."""
+    if not 0 <= index < EPOCH_BATCHES - 1:
+        raise ValueError(f"an epoch holds at most {EPOCH_BATCHES - 1:,} batches, got {index + 1}")
+    return epoch * EPOCH_BATCHES + (EPOCH_BATCHES - 1 if last else index)
+
+
+def epoch_of(sequence: int) -> int:
+    """The newest epoch a query's stored ``sequence`` says is whole (-1: none)."""
+    if sequence < 0:
+        return -1
+    epoch, index = divmod(sequence, EPOCH_BATCHES)
+    return epoch if index == EPOCH_BATCHES - 1 else epoch - 1
 
 
 @dataclass(frozen=True)
@@ -139,10 +161,13 @@ class DurableLog:
         *,
         producer: str | None = None,
         sequence: int | None = None,
+        gaps: bool = False,
     ) -> int:
         """Give ``batch`` the next offset and send it live; returns the offset whose commit
         acknowledges it (-1: already stored). A ``(producer, sequence)`` seen before is not
-        appended again: its acknowledgement is that of everything appended so far."""
+        appended again: its acknowledgement is that of everything appended so far. A
+        producer's sequences follow each other, unless ``gaps``: then any higher one is
+        taken (a Spark query's batches are numbered by epoch, see :func:`epoch_sequence`)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self._order.acquire(timeout=-1 if timeout is None else timeout):
             raise WriteTimeoutError(f"write to durable topic '{self.name}' timed out")
@@ -155,7 +180,7 @@ class DurableLog:
                     last = self._accepted.get(producer, -1)
                     if sequence <= last:
                         return self._next - 1 if self._pending else -1
-                    if sequence != last + 1:
+                    if sequence != last + 1 and not gaps:
                         raise SequenceError(
                             f"producer {producer!r} of topic '{self.name}' sent sequence "
                             f"{sequence}, but the last one stored is {last}: batches "
@@ -198,6 +223,12 @@ class DurableLog:
         """The last sequence number of ``producer`` appended (-1: none)."""
         with self._cond:
             return self._accepted.get(producer, -1)
+
+    def last_stored_sequence(self, producer: str) -> int:
+        """The last sequence number of ``producer`` that a commit holds (-1: none): it
+        survives a restart, stamped in the same commit as the rows."""
+        with self._cond:
+            return self._stored.get(producer, -1)
 
     # -- acknowledgements ---------------------------------------------------------------
 

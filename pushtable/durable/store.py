@@ -25,7 +25,7 @@ import lance
 import numpy as np
 import pyarrow as pa
 
-from pushtable.lance_epochs import not_found, open_dataset
+from pushtable.lance_epochs import not_found, open_dataset, write_fragments
 
 __all__ = ["OFFSET", "TIMESTAMP", "LogStore", "Recovered", "StoredBatch"]
 
@@ -168,9 +168,7 @@ class LogStore:
         after the last, ``producers``' sequences and ``consumers``' positions; returns the new
         version. Lance's commit is atomic: on any error nothing of it is visible."""
         table = self._stamped(batches)
-        fragments = lance.fragment.write_fragments(
-            table, self.uri, schema=self._ds.schema, storage_options=self.storage_options
-        )
+        fragments = write_fragments(table, self.uri, self._ds.schema, self.storage_options)
         props = {
             NEXT_KEY: str(batches[-1].offset + 1),
             PRODUCERS_KEY: json.dumps(producers, separators=(",", ":")),

@@ -4,9 +4,9 @@ A token is a credential for pushing data and reading live results, never for the
 files or session. Three roles:
 
 - ``read``: remote SQL (queries only), ``tables``, ``stats``;
-- ``write``: push to (DoPut), ``close`` and advance the tables it covers (and see their
-  schema and ``stats``, which a producer needs);
-- ``admin``: everything, including ``create_table``, ``subscribe``, ``fail`` and Spark's
+- ``write``: push to (DoPut), ``close``, ``fail`` and advance the tables it covers (and see
+  their schema and ``stats``, which a producer needs);
+- ``admin``: everything, including ``create_table``, ``subscribe`` and Spark's
   stage / ``publish`` / ``published``.
 
 A token may be limited to table names or ``fnmatch`` patterns (``"events*"``). Presented

@@ -256,6 +256,13 @@ class Ingest:
         """
         table, query, epoch = str(body["table"]), str(body["query"]), int(body["epoch"])
         producer = self._table(table)
+        if producer.closed:  # before anything is marked: the epoch stays unpublished
+            raise errors.SinkClosedError(
+                f"live table {table!r} is closed (end of stream), so it takes no more epochs "
+                f"(epoch {epoch} of query {query!r}): a Spark sink's table stays open across "
+                "query runs; close it once no query writes to it again, or give the next run "
+                "a new table"
+            )
         named = {(int(p[0]), int(p[1])) for p in body["parts"]}
         released: list[_Share] = []
         with self._lock:

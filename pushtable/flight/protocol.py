@@ -92,7 +92,9 @@ def client_error(exc: BaseException) -> BaseException:
     match = _ERROR.search(str(exc))
     if match is None:
         if isinstance(exc, flight.FlightUnavailableError):
-            return errors.ServerUnavailableError(f"the server is not reachable: {exc}")
+            return errors.ServerUnavailableError(
+                f"the server is not reachable: {exc}{_tls_hint(exc)}"
+            )
         return exc
     cls = getattr(errors, match.group("cls"), None)
     if not (isinstance(cls, type) and issubclass(cls, errors.PushTableError)):
@@ -100,6 +102,23 @@ def client_error(exc: BaseException) -> BaseException:
     public = cls(match.group("msg"))
     public.__cause__ = exc
     return public
+
+
+def _tls_hint(exc: BaseException) -> str:
+    """What a TLS/plain mismatch looks like from the client, said in words: gRPC reports a
+    plain connection to a TLS server as "Socket closed" and the reverse as a failed handshake."""
+    text = str(exc).lower()
+    if "ssl" in text or "handshake" in text or "wrong_version_number" in text:
+        return (
+            " (the TLS handshake failed: if the server runs without TLS, connect with grpc://, "
+            "not grpc+tls://)"
+        )
+    if "socket closed" in text:
+        return (
+            " (a server with TLS closes a plain connection this way: if it was started with "
+            "--tls-cert, connect with grpc+tls:// and its CA as tls_root_certs)"
+        )
+    return ""
 
 
 #: The metadata a stopping server sends on every open DoPut stream: end it (no count is this big).

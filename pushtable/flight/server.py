@@ -221,6 +221,8 @@ class Server(Ingest, Queries, flight.FlightServerBase):  # type: ignore[misc]
         for kind, is_topic in (("tables", False), ("topics", True)):
             for spec in config.get(kind, []):
                 spec = dict(spec)
+                if "schema" not in spec or "name" not in spec:
+                    raise ValueError(f"each of {kind!r} needs a 'name' and a 'schema': {spec}")
                 schema = pa.schema(
                     [(n, pa.type_for_alias(t)) for n, t in spec.pop("schema").items()]
                 )
@@ -315,7 +317,7 @@ class Server(Ingest, Queries, flight.FlightServerBase):  # type: ignore[misc]
             self._table(body["name"]).close()
             return {}
         if kind == "fail":
-            grant.require(ADMIN, "fail", [str(body["name"])])
+            grant.require(WRITE, "fail", [str(body["name"])])
             error = errors.RemoteError(str(body["message"]), remote_type=str(body["type"]))
             self._table(body["name"]).fail(error)
             return {}
@@ -395,7 +397,10 @@ class Server(Ingest, Queries, flight.FlightServerBase):  # type: ignore[misc]
 
 
 def _read_config(path: str | Path) -> dict[str, Any]:
-    config = json.loads(Path(path).read_text())
+    try:
+        config = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not valid JSON: {exc}") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path}: a config file is a JSON object")
     unknown = sorted(set(config) - {"tokens", "limits", "tables", "topics"})
@@ -465,8 +470,13 @@ def serve(
         server.ui_url = ui.url
         server._http_stops.append(ui.stop)
         say(f"pushtable serve: browser view on {server.ui_url}")
-    if not block:
-        return server
+    if block:
+        run_until_stopped(server, say)
+    return server
+
+
+def run_until_stopped(server: Server, say: Any = print) -> None:
+    """Serve until Ctrl-C or SIGTERM, then stop ``server`` cleanly (what the command does)."""
     import signal
 
     stop = threading.Event()
@@ -484,4 +494,3 @@ def serve(
             if left
             else "pushtable serve: stopped"
         )
-    return server

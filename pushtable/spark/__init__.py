@@ -9,12 +9,16 @@ Structured Streaming query to live tables and Lance.
   process; Lance exactly once.
 - :func:`local_spark` (:mod:`pushtable.spark.session`): a quiet local session whose JVM
   output goes to a log file.
+- :func:`arrow_schema` (:mod:`pushtable.spark.arrow`): the Arrow schema of a DataFrame's
+  micro-batches, as every path above gives them to live tables and Lance (to register a
+  live table for a query).
 - :class:`RemoteBridge` (:mod:`pushtable.spark.remote`): a table on a ``pushtable serve``
   server, fed from the executors or the driver; picklable, so it runs under Spark Connect.
 """
 
 from __future__ import annotations
 
+from pushtable.spark.arrow import UnsupportedSparkTypeError, arrow_schema
 from pushtable.spark.bridge import (
     EpochReport,
     ForeachBatchBridge,
@@ -24,7 +28,7 @@ from pushtable.spark.bridge import (
 )
 from pushtable.spark.datasource import PushTableDataSource, register
 from pushtable.spark.remote import RemoteBridge, query_id_from_checkpoint
-from pushtable.spark.session import local_spark, spark_log_path
+from pushtable.spark.session import WorkerPythonError, local_spark, spark_log_path
 
 __all__ = [
     "EpochReport",
@@ -34,6 +38,9 @@ __all__ = [
     "RemoteBridge",
     "SlowReaderError",
     "StreamingQueryFailedError",
+    "UnsupportedSparkTypeError",
+    "WorkerPythonError",
+    "arrow_schema",
     "local_spark",
     "query_id_from_checkpoint",
     "register",

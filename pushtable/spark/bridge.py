@@ -15,7 +15,6 @@ so a virtualenv's pyarrow is found) unless ``PYSPARK_PYTHON`` is already set.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import threading
@@ -36,8 +35,11 @@ from pushtable.lance_epochs import (
     Mode,
     SchemaDriftError,
     conform_to,
+    write_fragments,
 )
 from pushtable.sink import TableSink
+from pushtable.spark.arrow import arrow_schema
+from pushtable.spark.session import ensure_worker_python
 from pushtable.topic import Subscription, Topic
 
 if TYPE_CHECKING:
@@ -347,9 +349,7 @@ class ForeachBatchBridge:
 
     def _check_sinks(self, batch_df: DataFrame, epoch_id: int) -> None:
         """Before the commit, once per epoch schema: detach sinks that cannot take it."""
-        from pyspark.sql.pandas.types import to_arrow_schema
-
-        schema = self._stamped_schema(to_arrow_schema(batch_df.schema))
+        schema = self._stamped_schema(arrow_schema(batch_df.schema))
         self._epoch_schema = schema
         key = schema.to_string()
         if key in self._checked:
@@ -551,28 +551,17 @@ class ForeachBatchBridge:
 
         if skipped := writer.replayed(epoch_id):
             return skipped
-        from pyspark.sql.pandas.types import to_arrow_schema
-
-        target = writer.schema_for(to_arrow_schema(batch_df.schema))  # no Spark job for it
+        ensure_worker_python(batch_df.sparkSession)
+        target = writer.schema_for(arrow_schema(batch_df.schema))  # no Spark job for it
         uri, options = writer.uri, writer.storage_options
 
         def write_partition(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-            import lance
-
-            tables = (conform_to(pa.Table.from_batches([b]), target) for b in batches if b.num_rows)
-            first = next(tables, None)
-            if first is None:  # an empty partition writes nothing
-                return
-            reader = pa.RecordBatchReader.from_batches(
-                target, (b for t in itertools.chain([first], tables) for b in t.to_batches())
-            )
-            fragments = lance.fragment.write_fragments(
-                reader, uri, schema=target, storage_options=options
-            )
-            yield pa.record_batch(
-                [pa.array([json.dumps(f.to_json()) for f in fragments], pa.string())],
-                names=["fragment"],
-            )
+            fragments = write_fragments(batches, uri, target, options)
+            if fragments:  # an empty partition writes nothing
+                yield pa.record_batch(
+                    [pa.array([json.dumps(f.to_json()) for f in fragments], pa.string())],
+                    names=["fragment"],
+                )
 
         rows = batch_df.mapInArrow(write_partition, "fragment string").collect()
         fragments = [FragmentMetadata.from_json(r["fragment"]) for r in rows]

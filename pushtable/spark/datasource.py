@@ -39,6 +39,11 @@ NAME = "pushtable"
 def register(spark: SparkSession) -> None:
     """Register ``format("pushtable")`` with ``spark`` (a classic session or Spark Connect).
 
+    It first makes sure Spark's Python workers can import pushtable: a classic session
+    created before ``import pushtable.spark`` gets this interpreter for its workers; a worker
+    interpreter the user chose that lacks pushtable, or a Spark Connect server's that does,
+    raises :class:`~pushtable.spark.session.WorkerPythonError` saying what to set.
+
     Example:
         >>> from pushtable.spark import local_spark, register
         >>> spark = local_spark("docs")                              # doctest: +SKIP
@@ -46,6 +51,12 @@ def register(spark: SparkSession) -> None:
         >>> (spark.readStream.format("pushtable")                    # doctest: +SKIP
         ...     .option("uri", "grpc://127.0.0.1:8815").option("topic", "ticks").load())
     """
+    from pushtable.spark.session import check_connect_workers, ensure_worker_python
+
+    if type(spark).__module__.startswith("pyspark.sql.connect"):
+        check_connect_workers(spark)  # its workers run on the server: ask them
+    else:
+        ensure_worker_python(spark)  # before the source is wrapped with the workers' Python
     spark.dataSource.register(PushTableDataSource)
 
 

@@ -15,7 +15,6 @@ the epoch from the driver (``toArrow``) through the same stage-and-publish step.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import logging
 import time
@@ -35,8 +34,11 @@ from pushtable.lance_epochs import (
     Mode,
     SchemaDriftError,
     conform_to,
+    write_fragments,
 )
+from pushtable.spark.arrow import arrow_schema
 from pushtable.spark.bridge import EpochReport, stamp_epoch, stamped_schema
+from pushtable.spark.session import ensure_worker_python
 
 if TYPE_CHECKING:
     from pyspark.sql import DataFrame
@@ -166,8 +168,6 @@ class RemoteBridge:
     # -- the foreachBatch callable ------------------------------------------------------
 
     def __call__(self, batch_df: DataFrame, epoch_id: int) -> None:
-        from pyspark.sql.pandas.types import to_arrow_schema
-
         epoch = int(epoch_id)
         query_id = self._query_id(batch_df)
         client = self.client()
@@ -180,8 +180,10 @@ class RemoteBridge:
             batch_df.write.format("noop").mode("overwrite").save()
             self._report(query_id, epoch, -1, started, "replayed: committed and published")
             return
-        live_schema = self.live_schema(client, to_arrow_schema(batch_df.schema))
+        live_schema = self.live_schema(client, arrow_schema(batch_df.schema))
         plan = EpochPlan(query_id, epoch, writer, lance_done, live_done, live_schema)
+        if self.push == "executors":
+            ensure_worker_python(batch_df.sparkSession)
         send = self._from_executors if self.push == "executors" else self._from_driver
         rows, result = send(batch_df, plan)
         reason = result.reason if result is not None else "no Lance dataset configured"
@@ -190,12 +192,10 @@ class RemoteBridge:
     def _from_executors(
         self, batch_df: DataFrame, plan: EpochPlan
     ) -> tuple[int, CommitResult | None]:
-        from pyspark.sql.pandas.types import to_arrow_schema
-
         writer = plan.writer
         lance_schema = None
         if writer is not None and not plan.lance_done:
-            lance_schema = writer.schema_for(to_arrow_schema(batch_df.schema))
+            lance_schema = writer.schema_for(arrow_schema(batch_df.schema))
         task = PartitionTask(
             settings=self.settings(),
             table=self.table,
@@ -423,21 +423,8 @@ class PartitionTask:
         return Share(partition, attempt, rows, fragments)
 
     def _write_fragments(self, batches: Iterator[pa.RecordBatch], schema: pa.Schema) -> list[str]:
-        import lance
-
-        conformed = (
-            part
-            for batch in batches
-            for part in conform_to(pa.Table.from_batches([batch]), schema).to_batches()
-        )
-        first = next(conformed, None)
-        if first is None:  # an empty partition writes nothing
-            return []
-        reader = pa.RecordBatchReader.from_batches(schema, itertools.chain([first], conformed))
         assert self.lance_uri is not None
-        written = lance.fragment.write_fragments(
-            reader, self.lance_uri, schema=schema, storage_options=self.storage_options
-        )
+        written = write_fragments(batches, self.lance_uri, schema, self.storage_options)
         return [json.dumps(f.to_json()) for f in written]
 
     def _fault(self, partition: int, attempt: int, step: str) -> None:

@@ -6,18 +6,27 @@ logs of processes that exited are pruned when the next local session starts.
 
 from __future__ import annotations
 
+import logging
 import os
+import subprocess
 import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pushtable.errors import PushTableError
+
 if TYPE_CHECKING:
+    import pyarrow as pa
     from pyspark.sql import SparkSession
 
 __all__ = [
+    "WorkerPythonError",
+    "check_connect_workers",
+    "ensure_worker_python",
     "local_spark",
     "local_spark_connect",
     "prune_spark_logs",
@@ -25,9 +34,98 @@ __all__ = [
     "spark_log_path",
 ]
 
+log = logging.getLogger(__name__)
+
+#: PYSPARK_PYTHON as the user set it (None: not set), before the line below sets a default
+_USER_PYTHON = os.environ.get("PYSPARK_PYTHON")
 # Spark starts workers with whatever `python3` is on PATH unless told otherwise; outside an
 # activated venv that interpreter lacks pyarrow ("No module named 'pyarrow'").
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+
+
+class WorkerPythonError(PushTableError, RuntimeError):
+    """Spark's Python workers would run an interpreter that cannot import pushtable; the
+    message names it and says what to set. Raised on the driver, before any task runs."""
+
+
+#: interpreters already asked whether they import pushtable: path -> the error, or None
+_probed: dict[str, str | None] = {}
+
+
+def ensure_worker_python(spark: SparkSession) -> None:
+    """Make sure the Python workers of ``spark`` (a classic session) can import pushtable.
+
+    A classic session fixes its workers' interpreter when it is created (``PYSPARK_PYTHON``,
+    else ``python3`` from ``PATH``). Created before ``import pushtable.spark`` outside an
+    activated venv, it would start workers that fail with ``ModuleNotFoundError`` in the
+    first task. Here the workers' interpreter is asked once whether it imports pushtable; if
+    not, and the user did not choose it, the session's workers use this interpreter
+    (``sys.executable``); if the user chose it, :class:`WorkerPythonError` says what to set.
+    A Spark Connect session's workers run on its server: see :func:`check_connect_workers`.
+    """
+    context = getattr(spark, "_sc", None)  # a classic session's SparkContext
+    exe = getattr(context, "pythonExec", None)
+    if context is None or exe is None or exe == sys.executable:
+        return
+    problem = _import_problem(exe)
+    if problem is None:
+        return
+    if _USER_PYTHON is None or exe != _USER_PYTHON:
+        log.info("Spark's Python workers run %s (%s cannot import pushtable)", sys.executable, exe)
+        context.pythonExec = sys.executable
+        return
+    raise WorkerPythonError(
+        f"Spark's Python workers run {exe} (PYSPARK_PYTHON), which cannot import pushtable: "
+        f"{problem}. Set PYSPARK_PYTHON={sys.executable} (the interpreter running pushtable) "
+        "before the SparkSession is created, or install pushtable into that interpreter"
+    )
+
+
+def check_connect_workers(spark: SparkSession) -> None:
+    """Ask a Spark Connect server's Python workers, with one small job, whether they import
+    pushtable; raise :class:`WorkerPythonError` saying what to set if not."""
+    import pyarrow as pa
+
+    def probe(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for _ in batches:
+            pass
+        try:
+            import pushtable.spark  # noqa: F401
+        except Exception as exc:  # noqa: BLE001 -- report whatever stops the import
+            yield pa.record_batch({"problem": [f"{type(exc).__name__}: {exc}"]})
+        else:
+            yield pa.record_batch({"problem": pa.array([None], pa.string())})
+
+    try:
+        rows = spark.range(1, numPartitions=1).mapInArrow(probe, "problem string").collect()
+    except Exception as exc:  # noqa: BLE001 -- a worker that cannot start at all
+        problem: str | None = str(exc).strip().splitlines()[0]
+    else:
+        problem = next((r["problem"] for r in rows if r["problem"]), None)
+    if problem is not None:
+        raise WorkerPythonError(
+            f"the Spark Connect server's Python workers cannot import pushtable: {problem}. "
+            "Start the server with PYSPARK_PYTHON (or spark.pyspark.python) naming an "
+            "interpreter that has pushtable installed"
+        )
+
+
+def _import_problem(exe: str) -> str | None:
+    """Why ``exe`` cannot import pushtable (its last error line), or None when it can."""
+    if exe not in _probed:
+        try:
+            done = subprocess.run(
+                [exe, "-c", "import pushtable.spark"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+            lines = done.stderr.strip().splitlines()
+            _probed[exe] = None if done.returncode == 0 else (lines[-1] if lines else "failed")
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            _probed[exe] = f"{type(exc).__name__}: {exc}"
+    return _probed[exe]
 
 
 def quiet_spark_start() -> None:

@@ -27,6 +27,7 @@ from pyspark.sql.datasource import DataSourceStreamArrowWriter, WriterCommitMess
 
 from pushtable.flight.client import connect
 from pushtable.lance_epochs import dataset_schema
+from pushtable.spark.arrow import arrow_schema
 from pushtable.spark.options import Options
 from pushtable.spark.remote import (
     EpochPlan,
@@ -59,8 +60,6 @@ class PushTableStreamWriter(DataSourceStreamArrowWriter):
     """Writes each micro-batch to a server's live table (and Lance) exactly once."""
 
     def __init__(self, options: Options, schema: StructType, overwrite: bool) -> None:
-        from pyspark.sql.pandas.types import to_arrow_schema
-
         if overwrite:
             raise ValueError(
                 'format("pushtable") sink takes outputMode("append"): in "complete" mode '
@@ -87,7 +86,7 @@ class PushTableStreamWriter(DataSourceStreamArrowWriter):
         if self.bridge.query_id is None and (checkpoint := options.text("checkpointLocation")):
             with contextlib.suppress(ValueError):  # not on a local file system: tasks tell
                 self.bridge.query_id = query_id_from_checkpoint(checkpoint)
-        arrow = to_arrow_schema(schema)
+        arrow = arrow_schema(schema)
         with connect(**self.bridge.settings()) as client:
             self.live_schema = self.bridge.live_schema(client, arrow)
         self.lance_schema = None if lance_uri is None else dataset_schema(lance_uri, arrow, storage)

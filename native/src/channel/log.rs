@@ -1,7 +1,7 @@
 //! The log a channel keeps and its readers' cursors: positions, backlogs, limits, the
 //! producers' waiting line, and trimming below the slowest cursor and the retention window.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Condvar};
 use std::task::Waker;
 use std::time::{Duration, Instant};
@@ -156,6 +156,8 @@ pub(super) struct State {
     /// Rows of a bounded-disorder table waiting for the watermark.
     pub(super) held: Held,
     pub(super) stats: Stats,
+    /// Batches each finished reader (cursor id) read in all: its stats stay readable.
+    pub(super) finished_reads: HashMap<u64, u64>,
 }
 
 impl State {
@@ -175,6 +177,7 @@ impl State {
             clock: i64::MIN,
             held: Held::default(),
             stats: Stats::default(),
+            finished_reads: HashMap::new(),
         }
     }
 

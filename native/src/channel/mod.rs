@@ -318,6 +318,7 @@ impl Channel {
         let Some(c) = st.cursors.iter().find(|c| c.id == id) else {
             return CursorStats {
                 state: "finished",
+                read_batches: st.finished_reads.get(&id).copied().unwrap_or(0),
                 ..Default::default()
             };
         };
@@ -353,7 +354,8 @@ impl Channel {
     fn remove_reader(&self, id: u64, why: &'static str) {
         let mut st = self.lock();
         if let Some(pos) = st.cursors.iter().position(|c| c.id == id) {
-            st.cursors.remove(pos);
+            let gone = st.cursors.remove(pos);
+            st.finished_reads.insert(id, gone.read_batches);
         }
         if !self.is_topic() {
             st.gone = Some(why);

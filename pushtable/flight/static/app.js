@@ -63,11 +63,16 @@ let running = null; // AbortController of the query being read
 let columns = [], types = [], kept = [], received = 0;
 const numeric = (t) => /^(u?int|float|double|decimal)/.test(t);
 
+const textual = (t) => /^(string|large_string|utf8|large_utf8|string_view|dictionary<.*, (string|utf8))/.test(t);
+const temporal = (t) => /^(timestamp|date|time)/.test(t);
+// A number as a person reads it: integers as they are (ids, years), fractions to 4 decimals.
+const number = (v) => (Number.isInteger(v) ? String(v) : v.toLocaleString(undefined, { maximumFractionDigits: 4 }));
+
 function drawGrid(newRows) {
   const tbody = $("grid").querySelector("tbody");
   for (const r of newRows) {
     const tr = document.createElement("tr");
-    for (const v of r) tr.append(cell(v === null ? "∅" : String(v), typeof v === "number" ? "num" : ""));
+    for (const v of r) tr.append(cell(v === null ? "∅" : typeof v === "number" ? number(v) : String(v), typeof v === "number" ? "num" : ""));
     tbody.append(tr);
   }
   while (tbody.rows.length > KEEP) tbody.deleteRow(0);
@@ -75,7 +80,10 @@ function drawGrid(newRows) {
   wrap.scrollTop = wrap.scrollHeight;
 }
 
+const MAX_SERIES = 24;
 let chartPending = false;
+// One line per group key (the non-time text columns, e.g. `level` of GROUP BY second, level)
+// and numeric column, against the first column.
 function drawChart() {
   if (chartPending) return;
   chartPending = true;
@@ -83,13 +91,34 @@ function drawChart() {
     chartPending = false;
     const ys = columns.map((c, i) => i).filter((i) => i > 0 && numeric(types[i]));
     if (!ys.length) {
-      $("chart-note").textContent = "(a line per numeric column against the first column)";
+      $("chart-note").textContent = "(a line per numeric column and group against the first column)";
       return;
     }
-    $("chart-note").textContent = `(${ys.map((i) => columns[i]).join(", ")} by ${columns[0]})`;
-    const x = kept.map((r) => r[0]);
-    const traces = ys.map((i) => ({ x, y: kept.map((r) => r[i]), name: columns[i], mode: "lines+markers", type: "scatter" }));
-    Plotly.react("chart", traces, { margin: { t: 10, r: 10, b: 70, l: 56 }, legend: { orientation: "h" } }, { displaylogo: false, responsive: true });
+    const keys = columns.map((c, i) => i).filter((i) => i > 0 && textual(types[i]) && !temporal(types[i]));
+    const groups = new Map();
+    for (const r of kept) {
+      const key = keys.map((i) => (r[i] === null ? "∅" : String(r[i]))).join(" / ");
+      if (!groups.has(key)) groups.set(key, []);
+      groups.get(key).push(r);
+    }
+    const traces = [];
+    for (const [key, rs] of groups) {
+      for (const i of ys) {
+        if (traces.length >= MAX_SERIES) break;
+        const name = !keys.length ? columns[i] : ys.length > 1 ? `${key} · ${columns[i]}` : key;
+        traces.push({ x: rs.map((r) => r[0]), y: rs.map((r) => r[i]), name, mode: "lines+markers", type: "scatter", hovertemplate: "%{x}<br>%{y:,.4~f}<extra>%{fullData.name}</extra>" });
+      }
+    }
+    const by = keys.length ? ` per ${keys.map((i) => columns[i]).join(", ")}` : "";
+    const more = groups.size * ys.length > MAX_SERIES ? ` (first ${MAX_SERIES} lines)` : "";
+    $("chart-note").textContent = `(${ys.map((i) => columns[i]).join(", ")}${by} by ${columns[0]}${more})`;
+    const layout = {
+      margin: { t: 10, r: 16, b: 10, l: 10 },
+      xaxis: { automargin: true },
+      yaxis: { automargin: true, tickformat: ",.4~f" },
+      legend: { orientation: "h", y: -0.25 },
+    };
+    Plotly.react("chart", traces, layout, { displaylogo: false, responsive: true });
   });
 }
 
