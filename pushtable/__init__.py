@@ -22,15 +22,19 @@ _cpu.check()  # before the native core loads: a clear ImportError, not SIGILL
 from pushtable.context import SessionContext, register_streaming_table
 from pushtable.dataframe import DataFrame
 from pushtable.errors import (
+    CommitFailedError,
     InvalidBatchError,
     OrderViolationError,
     PermissionDeniedError,
     PushTableError,
     ReaderGoneError,
+    RemoteError,
     ResourceLimitError,
     SchemaMismatchError,
+    SequenceError,
     ServerStoppedError,
     ServerUnavailableError,
+    SharesLostError,
     SinkClosedError,
     SlowSubscriberError,
     StatementRefusedError,
@@ -39,6 +43,7 @@ from pushtable.errors import (
     UnauthenticatedError,
     UnboundedQueryError,
     UnknownTableError,
+    UnsupportedCallError,
     UnsupportedTableError,
     WriteTimeoutError,
 )
@@ -50,6 +55,7 @@ from pushtable.topic import Subscription, SubscriptionStats, Topic, TopicStats
 __version__ = _version("pushtable")
 
 __all__ = [
+    "CommitFailedError",
     "DataFrame",
     "InvalidBatchError",
     "LiveExplanation",
@@ -57,11 +63,14 @@ __all__ = [
     "PermissionDeniedError",
     "PushTableError",
     "ReaderGoneError",
+    "RemoteError",
     "ResourceLimitError",
     "SchemaMismatchError",
+    "SequenceError",
     "ServerStoppedError",
     "ServerUnavailableError",
     "SessionContext",
+    "SharesLostError",
     "SinkClosedError",
     "SinkStats",
     "SlowSubscriberError",
@@ -76,6 +85,7 @@ __all__ = [
     "UnauthenticatedError",
     "UnboundedQueryError",
     "UnknownTableError",
+    "UnsupportedCallError",
     "UnsupportedTableError",
     "WriteTimeoutError",
     "connect",

@@ -22,6 +22,7 @@ __all__ = [
     "SequenceError",
     "ServerStoppedError",
     "ServerUnavailableError",
+    "SharesLostError",
     "SinkClosedError",
     "SlowSubscriberError",
     "StreamConsumedError",
@@ -150,6 +151,12 @@ class CommitFailedError(PushTableError, OSError):
 class SequenceError(PushTableError, ValueError):
     """An idempotent producer's batch skips sequence numbers (the server last stored an
     earlier one): a batch in between was never sent. The message names both numbers."""
+
+
+class SharesLostError(PushTableError):
+    """A Spark epoch's staged shares are not on the server any more (it restarted after the
+    tasks staged them): nothing of the epoch was published. Spark runs the batch again when
+    its query restarts; the message names the epoch and the partitions."""
 
 
 class RemoteError(PushTableError):

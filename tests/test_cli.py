@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -188,14 +189,18 @@ def test_demo_over_spark_connect_stops_at_once_when_the_live_query_fails(tmp_pat
     assert "Traceback" not in done.stderr, done.stderr
 
 
-@pytest.mark.spark
-@pytest.mark.timeout(330)  # the command's own bound (300 s) applies, not the suite's 120 s default
-def test_quick_bench_writes_json_with_every_suite(tmp_path: Path) -> None:
+#: the suites of ``bench --quick`` that run in one process in seconds; the Spark, Flight and
+#: durable suites (about two minutes more) run in the ``-m slow`` test below
+IN_PROCESS = ("core", "latency", "windows", "fanout", "memory", "bandwidth")
+
+
+def _quick_bench(tmp_path: Path, suites: tuple[str, ...]) -> dict[str, Any]:
     out = tmp_path / "bench.json"
     done = _pushtable(
         "bench",
         "--quick",
         "--no-peers",  # LaminarDB and Pathway need a venv of their own (tests/test_bench_peers.py)
+        *(arg for suite in suites for arg in ("--suite", suite)),
         "--json",
         str(out),
         "--plots",
@@ -204,12 +209,11 @@ def test_quick_bench_writes_json_with_every_suite(tmp_path: Path) -> None:
         timeout=300,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    data = json.loads(out.read_text())
-    assert set(SUITES) <= set(data)
+    data: dict[str, Any] = json.loads(out.read_text())
+    assert set(suites) <= set(data)
     assert data["machine"]["cores"] >= 1
     assert {"results", "ratios", "reader_gone"} <= set(data["core"])
     assert {r["engine"] for r in data["core"]["results"]} == {"pushtable", "duckdb", "python"}
-    assert {"to_arrow_alone", "driver_path", "executor_path", "dedupe"} <= set(data["spark"])
     assert {"capacity_bound", "max_bytes_bound"} == set(data["memory"])
     assert data["windows"]["throughput"]["verified"]
     assert [c["batch_rows"] for c in data["windows"]["close_latency"]] == [1, 100, 8192]
@@ -218,6 +222,21 @@ def test_quick_bench_writes_json_with_every_suite(tmp_path: Path) -> None:
     assert set(data["fanout"]) == {"1", "4", "16"}
     assert all(r["rows_per_s_total"] > 0 for r in data["fanout"].values())
     assert (tmp_path / "img" / "fanout.png").stat().st_size > 0
+    assert (tmp_path / "img" / "core_throughput.png").stat().st_size > 0
+    return data
+
+
+@pytest.mark.timeout(330)  # the command's own bound (300 s) applies, not the suite's 120 s default
+def test_quick_bench_of_the_in_process_suites_writes_json(tmp_path: Path) -> None:
+    _quick_bench(tmp_path, IN_PROCESS)
+
+
+@pytest.mark.slow
+@pytest.mark.spark
+@pytest.mark.timeout(330)
+def test_quick_bench_writes_json_with_every_suite(tmp_path: Path) -> None:
+    data = _quick_bench(tmp_path, SUITES)
+    assert {"to_arrow_alone", "driver_path", "executor_path", "dedupe"} <= set(data["spark"])
     assert [(r["batch_rows"], r["producers"]) for r in data["flight"]["write"]] == [
         (8_192, 1),
         (8_192, 4),
@@ -233,5 +252,4 @@ def test_quick_bench_writes_json_with_every_suite(tmp_path: Path) -> None:
     assert data["flight"]["spark"]["executors_vs_driver"] > 0
     assert 0 < data["flight"]["latency"]["p50_ms"] <= data["flight"]["latency"]["max_ms"]
     assert (tmp_path / "img" / "flight.png").stat().st_size > 0
-    assert (tmp_path / "img" / "core_throughput.png").stat().st_size > 0
     assert (tmp_path / "img" / "spark_epoch_split.png").stat().st_size > 0

@@ -103,6 +103,39 @@ def test_subscriptions_start_at_earliest_an_offset_a_time_or_latest(tmp_path: Pa
     assert keys("since") == [50, 60]
 
 
+def test_a_subscription_from_a_time_does_not_hold_up_producers(tmp_path: Path) -> None:
+    """The start time is looked up in Lance before the append lock is taken: a write goes
+    through while that lookup is still running (held here on an event), and the read then
+    has every batch from the time on, the one written meanwhile too."""
+    topic = Topic("t", SCHEMA, persist=tmp_path / "t.lance")
+    topic.write(rows(0, 1))
+    topic.flush(timeout=WAIT)
+    cut = datetime.now(timezone.utc)
+    topic.write(rows(10, 1))
+    topic.flush(timeout=WAIT)  # stored and not kept in memory: the start needs Lance
+    log = topic.durable
+    assert log is not None
+    looking, release = threading.Event(), threading.Event()
+    offset_at = log.store.offset_at
+
+    def slow_offset_at(when: datetime, version: int | None = None) -> int | None:
+        looking.set()
+        assert release.wait(WAIT), "the test did not release the lookup"
+        return offset_at(when, version)
+
+    log.store.offset_at = slow_offset_at  # type: ignore[method-assign]
+    ctx = SessionContext()
+    subscribing = Background(lambda: topic.subscribe(ctx, "since", start=cut))
+    assert looking.wait(WAIT)
+    written = Background(lambda: topic.write(rows(20, 1), timeout=WAIT))
+    written.join(timeout=WAIT)  # not blocked behind the lookup
+    release.set()
+    subscribing.join(timeout=WAIT)
+    topic.write(rows(30, 1))
+    topic.close()
+    assert ctx.sql("SELECT k FROM since ORDER BY k").to_pydict()["k"] == [10, 20, 30]
+
+
 def test_a_subscription_taken_while_writers_write_sees_no_gap_and_no_duplicate(
     tmp_path: Path,
 ) -> None:

@@ -440,8 +440,14 @@ class DurableLog:
         """Call ``then(history)`` between two appends: ``history`` holds every batch from
         ``start`` up to the newest appended (None when that is nothing), and ``then`` starts
         the live reader for what comes after."""
+        # A start time may need a scan of Lance to resolve: done before the append lock is
+        # taken, so producers are not held up by it. A start at or before now is settled
+        # then: what is appended afterwards arrives later and belongs to the read.
+        early = None
+        if isinstance(start, datetime) and start.tzinfo is not None and micros(start) <= now_us():
+            early = self.start_offset(start)
         with self._order:
-            first = self.start_offset(start)
+            first = early if early is not None else self.start_offset(start)
             return then(self._history(first))
 
     def _history(self, first: int) -> pa.RecordBatchReader | None:

@@ -281,13 +281,17 @@ class Client:
         table: str,
         query: str,
         epoch: int,
-        parts: Sequence[tuple[int, int]],
+        parts: Sequence[tuple[int, int] | tuple[int, int, int]],
         *,
         timeout: float | None = None,
         advance: int | None = None,
     ) -> bool:
         """Write the staged ``(partition, attempt)`` shares of ``epoch`` into ``table``, once:
         False if the server published this epoch (or a later one) of ``query`` before.
+        A part may carry its row count, ``(partition, attempt, rows)``: a part with rows the
+        server does not hold (it restarted since it was staged) raises
+        :class:`~pushtable.SharesLostError` and nothing of the epoch is written. Into a
+        durable topic the answer comes once a commit holds the epoch.
         ``timeout`` bounds the wait for the table's reader to make room (None: no bound).
         ``advance``: then move an ordered table's watermark there (an unordered table has
         none: nothing to move)."""

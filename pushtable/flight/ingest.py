@@ -15,6 +15,7 @@ import pyarrow.flight as flight
 
 from pushtable import errors, metrics
 from pushtable.durable import DurableLog
+from pushtable.durable.log import epoch_of, epoch_sequence
 from pushtable.errors import PushTableError, WriteTimeoutError
 from pushtable.flight import protocol
 from pushtable.flight.auth import ADMIN, WRITE, caller
@@ -22,6 +23,12 @@ from pushtable.flight.calls import POLL_S, audit, wire_errors
 from pushtable.flight.limits import Limits, Usage
 from pushtable.sink import TableSink
 from pushtable.topic import Topic
+
+
+def spark_producer(query: str) -> str:
+    """The idempotent-producer key under which a Spark query's epochs go into a durable topic
+    (one key per query: the stored sequence is its publish watermark)."""
+    return f"spark:{query}"
 
 
 class Ingest:
@@ -35,6 +42,8 @@ class Ingest:
     _acks: set[_Acks]
     _staged: dict[tuple[str, str, int], dict[tuple[int, int], _Share]]
     _published: dict[tuple[str, str], int]
+    _publishing: set[tuple[str, str]]
+    _tables: dict[str, TableSink | Topic]
 
     if TYPE_CHECKING:
 
@@ -140,12 +149,12 @@ class Ingest:
         writer: _Acks,
     ) -> int:
         """A producer's stream into a durable topic: each batch is acknowledged once a commit
-        stores it (the committer sends the counts). A producer with an id numbers its batches
-        from ``identity``'s first sequence: one stored already is acknowledged, not appended.
-        Returns the rows appended."""
+        stores it (the stream's own sender writes the counts, :class:`_CommitAcks`). A
+        producer with an id numbers its batches from ``identity``'s first sequence: one stored
+        already is acknowledged, not appended. Returns the rows appended."""
         log = topic.durable
         assert log is not None
-        acks = _CommitAcks(writer)
+        acks = _CommitAcks(writer, topic.name, self.limits.ack_timeout)
         log.listen(acks.on_commit)
         rows = count = 0
         producer_id, sequence = identity if identity is not None else (None, None)
@@ -178,6 +187,7 @@ class Ingest:
                 if context.is_cancelled() or self._stopping.is_set():
                     raise errors.ServerStoppedError("the pushtable server stopped")
             acks.on_commit(log.committed, None)
+            acks.drain()  # the last count reaches the client before the call ends
             acks.raise_failure()
             return rows
         finally:
@@ -247,12 +257,29 @@ class Ingest:
             share.release()
         return {"discarded": len(stage)}
 
+    def published_epoch(self, table: str, query: str) -> int:
+        """The newest epoch of ``query`` published into ``table`` (-1: none). For a durable
+        topic, the newest one a commit holds whole: it survives a restart."""
+        with self._lock:
+            producer = self._tables.get(table)
+        log = producer.durable if isinstance(producer, Topic) else None
+        if log is not None:
+            return epoch_of(log.last_stored_sequence(spark_producer(query)))
+        with self._lock:
+            return self._published.get((table, query), -1)
+
     def _publish(self, body: dict[str, Any]) -> dict[str, Any]:
         """Write an epoch's staged batches (the attempts the driver names) once.
 
         Shares of other attempts (failed or speculative tasks) and of older epochs are
-        dropped. If the table refuses a batch midway, the table is failed with that error:
-        its reader learns the epoch is incomplete instead of silently missing rows.
+        dropped. A part the driver says has rows but that is not staged here (the server
+        restarted since) is an error: nothing of the epoch is written, and Spark runs the
+        batch again. Into a durable topic the epoch's batches are appended under the query's
+        producer key with epoch-major sequence numbers (:func:`epoch_sequence`), so a
+        replay after a crash skips what a commit already holds, and the answer waits for the
+        commit: published means stored. A refusal midway leaves the epoch unpublished and
+        retryable there; a plain table is failed with it instead, as its reader would
+        otherwise miss rows silently.
         """
         table, query, epoch = str(body["table"]), str(body["query"]), int(body["epoch"])
         producer = self._table(table)
@@ -263,56 +290,123 @@ class Ingest:
                 "query runs; close it once no query writes to it again, or give the next run "
                 "a new table"
             )
-        named = {(int(p[0]), int(p[1])) for p in body["parts"]}
+        parts = [(int(p[0]), int(p[1]), int(p[2]) if len(p) > 2 else None) for p in body["parts"]]
+        named = {(p, a) for p, a, _ in parts}
+        log = producer.durable if isinstance(producer, Topic) else None
+        key = (table, query)
         released: list[_Share] = []
         with self._lock:
+            if key in self._publishing:
+                raise RuntimeError(
+                    f"epoch {epoch} of query {query!r}: a publish into {table!r} is in progress; "
+                    "retry once it has answered"
+                )
             stage = self._staged.pop((table, query, epoch), {})
             released.extend(stage.values())
-            dropped = [k for k in self._staged if k[:2] == (table, query) and k[2] < epoch]
+            dropped = [k for k in self._staged if k[:2] == key and k[2] < epoch]
             for k in dropped:
                 shares = self._staged.pop(k)
                 self.dropped_shares += len(shares)
                 released.extend(shares.values())
-            newest = self._published.get((table, query), -1)
+            self._publishing.add(key)
+        try:
+            newest = self.published_epoch(table, query) if log is not None else None
+            with self._lock:
+                if newest is None:
+                    newest = self._published.get(key, -1)
             if epoch <= newest:
                 self.dropped_shares += len(stage)
-                stage = {}
-                reply: dict[str, Any] | None = {
-                    "published": False,
-                    "reason": f"epoch {epoch} was published already",
-                }
+                return {"published": False, "reason": f"epoch {epoch} was published already"}
+            lost = sorted(p for p, a, rows in parts if rows and (p, a) not in stage)
+            if lost:
+                raise errors.SharesLostError(
+                    f"epoch {epoch} of query {query!r} cannot be published into {table!r}: the "
+                    f"staged shares of partition(s) {lost} are not on the server (it restarted "
+                    "after they were staged; staging is kept in memory). Nothing of the epoch "
+                    "was written: run the batch again (Spark does, when the query restarts)"
+                )
+            self.dropped_shares += len(stage.keys() - named)  # attempts Spark did not keep
+            batches = [b for part in sorted(named) if part in stage for b in stage[part].batches]
+            advance = body.get("advance")
+            if log is not None:
+                assert isinstance(producer, Topic)
+                written = self._publish_durable(producer, log, query, epoch, batches, advance)
             else:
-                reply = None
-                self._published[(table, query)] = epoch
-                # Shares of attempts Spark did not keep (failed, speculative): never written.
-                self.dropped_shares += len(stage.keys() - named)
-        try:
-            if reply is not None:
-                return reply
+                written = self._publish_live(producer, batches, advance)
+                with self._lock:
+                    self._published[key] = epoch
             missing = [p for p in named if p not in stage]
-            written = 0
-            try:
-                for part in sorted(named):
-                    share = stage.get(part)
-                    for batch in share.batches if share is not None else []:
-                        producer.write(batch)
-                        written += 1
-                advance = body.get("advance")
-                if advance is not None and producer.watermark_type is not None:
-                    producer.advance(int(advance))  # the epoch is whole: its windows close
-            except PushTableError as exc:
-                if not isinstance(exc, (errors.SinkClosedError, errors.ReaderGoneError)):
-                    producer.fail(exc)
-                raise
             return {"published": True, "batches": written, "parts_without_data": len(missing)}
         finally:
+            with self._lock:
+                self._publishing.discard(key)
             for share in released:
                 share.release()
+
+    def _publish_live(
+        self, producer: TableSink | Topic, batches: list[pa.RecordBatch], advance: Any
+    ) -> int:
+        """An epoch into a table in memory: a refusal midway fails the table (its reader
+        learns the epoch is incomplete instead of silently missing rows)."""
+        written = 0
+        try:
+            for batch in batches:
+                producer.write(batch)
+                written += 1
+            if advance is not None and producer.watermark_type is not None:
+                producer.advance(int(advance))  # the epoch is whole: its windows close
+        except PushTableError as exc:
+            if not isinstance(exc, (errors.SinkClosedError, errors.ReaderGoneError)):
+                producer.fail(exc)
+            raise
+        return written
+
+    def _publish_durable(
+        self,
+        topic: Topic,
+        log: DurableLog,
+        query: str,
+        epoch: int,
+        batches: list[pa.RecordBatch],
+        advance: Any,
+    ) -> int:
+        """An epoch into a durable topic, answered once a commit holds it. Batches a commit
+        (or this log) holds already are skipped by their sequence numbers; a refusal or a
+        failed commit is raised and ends nothing: the epoch stays retryable."""
+        producer_id, ticket, written = spark_producer(query), -1, 0
+        for i, batch in enumerate(batches):
+            sequence = epoch_sequence(epoch, i, last=i == len(batches) - 1)
+            while True:  # room in the log, unless the server stops
+                try:
+                    offset = log.append(
+                        batch, POLL_S, producer=producer_id, sequence=sequence, gaps=True
+                    )
+                    break
+                except WriteTimeoutError:
+                    if self._stopping.is_set():
+                        raise
+            if offset >= 0:
+                ticket, written = max(ticket, offset), written + 1
+        if advance is not None and topic.watermark_type is not None:
+            topic.advance(int(advance))
+        if ticket < 0:  # nothing new: what an earlier attempt appended is what to wait for
+            ticket = log.offsets()["next"] - 1
+        while ticket >= 0 and not log.wait_committed(ticket, POLL_S):
+            if self._stopping.is_set():
+                raise errors.ServerStoppedError("the pushtable server stopped")
+        return written
+
+
+#: seconds a write to a DoPut stream's metadata side may wait for the client before another
+#: thread gives up on it (a client that stopped reading: its notices are skipped)
+NOTICE_WAIT_S = 1.0
 
 
 class _Acks:
     """A DoPut stream's metadata side: acknowledgements, and the stop / idle notices sent to
-    it from another thread (one writer at a time, as gRPC requires)."""
+    it from another thread (one writer at a time, as gRPC requires). A thread other than the
+    call's own never waits long for it: a client that stops reading must not hold up the
+    idle sweep, a stopping server or a committer."""
 
     def __init__(self, writer: Any) -> None:
         self._writer = writer
@@ -328,14 +422,15 @@ class _Acks:
         self.last_active = time.monotonic()
 
     def send(self, count: int) -> int:
-        """Acknowledge ``count`` batches (returns it)."""
+        """Acknowledge ``count`` batches (returns it), on the call's own thread."""
         with self._lock:
             self.last_active = time.monotonic()
             self._writer.write(protocol.ack(count))
         return count
 
     def send_if_open(self, count: int) -> None:
-        """Acknowledge ``count`` batches from another thread (nothing once the call ended)."""
+        """Acknowledge ``count`` batches from another thread (nothing once the call ended).
+        It may wait for a client that does not read: only a stream's own sender calls it."""
         with self._lock, contextlib.suppress(flight.FlightError, pa.ArrowException, OSError):
             if not self._closed:
                 self.last_active = time.monotonic()
@@ -352,28 +447,48 @@ class _Acks:
         self._notice(protocol.IDLE)
 
     def _notice(self, notice: pa.Buffer) -> None:
-        with self._lock, contextlib.suppress(flight.FlightError, pa.ArrowException, OSError):
-            if not self._closed:  # the handler has not returned: the call is alive
-                self._writer.write(notice)
+        """A notice from another thread; skipped when the stream's writer is stuck on a client
+        that does not read (it would not read the notice either)."""
+        if not self._lock.acquire(timeout=NOTICE_WAIT_S):
+            return
+        try:
+            with contextlib.suppress(flight.FlightError, pa.ArrowException, OSError):
+                if not self._closed:  # the handler has not returned: the call is alive
+                    self._writer.write(notice)
+        finally:
+            self._lock.release()
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
+        self._closed = True  # no lock: a writer stuck on the client may hold it
 
 
 class _CommitAcks:
     """A durable stream's acknowledgements: each batch's count is sent once the commit that
-    holds its offset is done (from the committer's thread); a failed commit ends the stream
-    with its error."""
+    holds its offset is done; a failed commit ends the stream with its error.
 
-    def __init__(self, writer: _Acks) -> None:
+    The committer only notes the count (:meth:`on_commit`); the stream's own sender thread
+    writes it (the newest count only: a later one covers every earlier one), so a client
+    that stops reading its acknowledgements stalls nothing but itself. Unread for ``stall``
+    seconds (``Limits.ack_timeout``), its stream is cut off with :class:`ResourceLimitError`.
+    """
+
+    def __init__(self, writer: _Acks, topic: str, stall: float) -> None:
         self._writer = writer
-        self._lock = threading.Lock()
+        self._topic = topic
+        self._stall = stall
+        self._lock = threading.Condition()
         self._waiting: collections.deque[tuple[int, int]] = collections.deque()
-        self._sent = 0
+        self._sent = 0  # the newest count the sender was given
+        self._to_send: int | None = None
+        self._notify_failure = False
+        self._writing_since: float | None = None
         self._finished = False
         self.failure: BaseException | None = None
         self.last_ticket = -1
+        self._sender = threading.Thread(
+            target=self._send_loop, name=f"pushtable-acks-{topic}", daemon=True
+        )
+        self._sender.start()
 
     def expect(self, count: int, ticket: int, committed: int) -> None:
         """Batch ``count`` of the stream is acknowledged once offset ``ticket`` is stored."""
@@ -383,6 +498,7 @@ class _CommitAcks:
         self.on_commit(committed, None)
 
     def on_commit(self, committed: int, failure: BaseException | None) -> None:
+        """After a commit attempt (on the committer's thread): note what to send, never wait."""
         with self._lock:
             if self._finished:
                 return
@@ -390,19 +506,75 @@ class _CommitAcks:
             while self._waiting and self._waiting[0][1] < committed:
                 count = self._waiting.popleft()[0]
             if count > self._sent:
-                self._sent = count
-                self._writer.send_if_open(count)
+                self._sent = self._to_send = count
+                self._lock.notify_all()
             if failure is not None and self._waiting and self.failure is None:
                 self.failure = failure
-                self._writer.failed()  # the client ends its side: the error reaches it
+                self._notify_failure = True  # the client ends its side: the error reaches it
+                self._lock.notify_all()
+            self._check_stall()
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._lock:
+                self._lock.wait_for(
+                    lambda: self._finished or self._to_send is not None or self._notify_failure
+                )
+                if self._finished:
+                    return
+                count, self._to_send = self._to_send, None
+                notify, self._notify_failure = self._notify_failure, False
+                self._writing_since = time.monotonic()
+            try:
+                if count is not None:
+                    self._writer.send_if_open(count)
+                if notify:
+                    self._writer.failed()
+            finally:
+                with self._lock:
+                    self._writing_since = None
+                    self._lock.notify_all()
+
+    def drain(self) -> None:
+        """Wait until the sender wrote the newest count: the stream is ending and its client
+        waits for it (bounded: a client that does not read is cut off anyway)."""
+        with self._lock:
+            self._lock.wait_for(
+                lambda: (
+                    self._finished
+                    or (
+                        self._to_send is None
+                        and not self._notify_failure
+                        and not self._writing_since
+                    )
+                ),
+                timeout=self._stall,
+            )
+
+    def _check_stall(self) -> None:
+        """Cut the stream off once an acknowledgement waited unread too long (under the lock)."""
+        since = self._writing_since
+        if self.failure is None and since is not None and time.monotonic() - since > self._stall:
+            self.failure = errors.ResourceLimitError(
+                f"a producer of durable topic '{self._topic}' did not read its acknowledgements "
+                f"for {self._stall:g} s (ack_timeout): its stream is cut off (what was "
+                "acknowledged is stored; an idempotent producer resends the rest on a new stream)"
+            )
 
     def raise_failure(self) -> None:
-        if self.failure is not None:
-            raise self.failure
+        with self._lock:
+            self._check_stall()
+            failure = self.failure
+        if failure is not None:
+            raise failure
 
     def done(self) -> None:
+        """The stream ended: stop its sender (it may be stuck on a client that does not read:
+        it ends with the call, which gRPC finishes once the handler returns)."""
         with self._lock:
             self._finished = True
+            self._lock.notify_all()
+        self._sender.join(timeout=NOTICE_WAIT_S)
 
 
 class _Share:

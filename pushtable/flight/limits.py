@@ -58,6 +58,9 @@ class Limits:
     #: bytes the durable topics of ``--data-dir`` may take on disk (a write past it is
     #: refused; what is stored stays readable).
     max_data_bytes: int = 64 * GiB
+    #: seconds a durable topic's producer may leave its acknowledgements unread (while the
+    #: server waits to send one) before its stream is cut off; it never stalls others.
+    ack_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         for f in fields(self):

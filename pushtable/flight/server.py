@@ -117,6 +117,7 @@ class Server(Ingest, Queries, flight.FlightServerBase):  # type: ignore[misc]
         self.ctx = ctx if ctx is not None else _remote_session(self.limits)
         self._staged: dict[tuple[str, str, int], dict[tuple[int, int], _Share]] = {}
         self._published: dict[tuple[str, str], int] = {}
+        self._publishing: set[tuple[str, str]] = set()
         #: staged shares never written: task attempts Spark did not keep, replayed epochs
         self.dropped_shares = 0
         self._lock = threading.Lock()
@@ -350,8 +351,7 @@ class Server(Ingest, Queries, flight.FlightServerBase):  # type: ignore[misc]
             return self._discard(body)
         if kind == "published":
             grant.require(ADMIN, "read the published epoch of", [str(body["table"])])
-            with self._lock:
-                return {"epoch": self._published.get((body["table"], body["query"]), -1)}
+            return {"epoch": self.published_epoch(str(body["table"]), str(body["query"]))}
         raise ValueError(f"unknown action {kind!r}; expected one of {', '.join(protocol.ACTIONS)}")
 
     # -- lifecycle ----------------------------------------------------------------------

@@ -234,7 +234,7 @@ class RemoteBridge:
                 assert lance_schema is not None
                 fragments = [FragmentMetadata.from_json(f) for s in shares for f in s.fragments]
                 result = plan.writer.commit_fragments(plan.epoch, fragments, lance_schema)
-        self._publish(plan, [(s.partition, s.attempt) for s in shares])
+        self._publish(plan, [(s.partition, s.attempt, s.rows) for s in shares])
         return result
 
     def _from_driver(self, batch_df: DataFrame, plan: EpochPlan) -> tuple[int, CommitResult | None]:
@@ -249,10 +249,10 @@ class RemoteBridge:
             stamped = stamp_epoch(table, self.epoch_column, plan.epoch)
             data = conform_to(stamped, plan.live_schema).to_batches()
             self.client().stage(self.table, plan.query_id, plan.epoch, 0, 0, data, plan.live_schema)
-        self._publish(plan, [(0, 0)])
+        self._publish(plan, [(0, 0, table.num_rows)])
         return table.num_rows, result
 
-    def _publish(self, plan: EpochPlan, parts: list[tuple[int, int]]) -> None:
+    def _publish(self, plan: EpochPlan, parts: list[tuple[int, int, int]]) -> None:
         """After the Lance commit: the staged shares of ``parts`` into the live table, once."""
         if not plan.live_done:
             self.client().publish(

@@ -114,8 +114,9 @@ def _import_problem(exe: str) -> str | None:
     """Why ``exe`` cannot import pushtable (its last error line), or None when it can."""
     if exe not in _probed:
         try:
-            done = subprocess.run(
+            done = subprocess.run(  # not from this directory: a worker does not start here
                 [exe, "-c", "import pushtable.spark"],
+                cwd=tempfile.gettempdir(),
                 capture_output=True,
                 text=True,
                 timeout=60,

@@ -1,0 +1,227 @@
+"""Spark's stage/publish path into a durable topic, against real ``pushtable serve --data-dir``
+processes killed with SIGKILL: publish answers once a commit holds the epoch (a kill right
+after loses nothing), the publish watermark is stored in the same commit as the rows (a
+replay after a restart is not written twice), shares lost with a restart are an error (never
+"published" with nothing in it), and a refusal or a failed commit leaves the epoch
+unpublished and retryable without ending the topic."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from pushtable import CommitFailedError, SchemaMismatchError, SharesLostError, Topic
+from pushtable.flight import Client, Server, connect
+from tests.conftest import WAIT
+from tests.test_durable import break_dataset, mend_dataset
+from tests.test_durable_crash import Serve, free_port
+
+SCHEMA = pa.schema([pa.field("k", pa.int64(), nullable=False), pa.field("tag", pa.string())])
+QUERY = "query-1"
+
+
+def epoch_batches(epoch: int, parts: int = 2, rows: int = 5) -> list[list[pa.RecordBatch]]:
+    """``parts`` shares of ``rows`` rows each; k is unique over every epoch."""
+    return [
+        [
+            pa.record_batch(
+                {"k": [(epoch * parts + p) * rows + r for r in range(rows)], "tag": ["x"] * rows},
+                schema=SCHEMA,
+            )
+        ]
+        for p in range(parts)
+    ]
+
+
+def stage(
+    client: Client, epoch: int, shares: list[list[pa.RecordBatch]]
+) -> list[tuple[int, int, int]]:
+    """Stage each share as partition p, attempt 0; the parts with their rows for publish."""
+    for p, batches in enumerate(shares):
+        client.stage("events", QUERY, epoch, p, 0, batches, SCHEMA)
+    return [(p, 0, sum(b.num_rows for b in batches)) for p, batches in enumerate(shares)]
+
+
+def stored_ks(client: Client) -> list[int]:
+    end = client.offsets("events")["committed"]
+    return sorted(client.read("events", 0, end).read_all().column("k").to_pylist())
+
+
+def expected(epochs: range, parts: int = 2, rows: int = 5) -> list[int]:
+    return list(range(epochs.start * parts * rows, epochs.stop * parts * rows))
+
+
+def test_a_published_epoch_survives_a_kill_and_a_replay_is_not_written_twice(
+    tmp_path: Path,
+) -> None:
+    port = free_port()
+    server = Serve(tmp_path / "data", port)
+    try:
+        client = connect(server.location)
+        client.create_topic("events", SCHEMA, durable=True)
+        for epoch in range(2):
+            parts = stage(client, epoch, epoch_batches(epoch))
+            assert client.publish("events", QUERY, epoch, parts)
+        server.kill()  # at once: publish answered, so the commit holds epoch 1 already
+        server = Serve(tmp_path / "data", port)
+        client = connect(server.location)
+        assert stored_ks(client) == expected(range(2))
+        assert client.published("events", QUERY) == 1  # stored with the rows: survives
+        # Spark replays epoch 1 after its own restart: nothing is written twice.
+        parts = stage(client, 1, epoch_batches(1))
+        assert not client.publish("events", QUERY, 1, parts)
+        parts = stage(client, 2, epoch_batches(2))
+        assert client.publish("events", QUERY, 2, parts)
+        assert stored_ks(client) == expected(range(3))
+    finally:
+        server.stop()
+
+
+def test_shares_lost_with_a_restart_are_an_error_and_the_epoch_stays_unpublished(
+    tmp_path: Path,
+) -> None:
+    port = free_port()
+    server = Serve(tmp_path / "data", port)
+    try:
+        client = connect(server.location)
+        client.create_topic("events", SCHEMA, durable=True)
+        parts = stage(client, 0, epoch_batches(0))
+        server.kill()  # staged, not published: staging is in memory
+        server = Serve(tmp_path / "data", port)
+        client = connect(server.location)
+        with pytest.raises(SharesLostError, match=r"epoch 0 .*partition\(s\) \[0, 1\]"):
+            client.publish("events", QUERY, 0, parts)
+        assert client.published("events", QUERY) == -1
+        assert stored_ks(client) == []
+        # Spark runs the batch again: its tasks stage anew and the publish goes through.
+        parts = stage(client, 0, epoch_batches(0))
+        assert client.publish("events", QUERY, 0, parts)
+        assert stored_ks(client) == expected(range(1))
+        # A part without rows is never a lost share (an empty partition stages nothing).
+        assert client.publish("events", QUERY, 1, [(0, 0, 0)])
+    finally:
+        server.stop()
+
+
+def test_a_refused_batch_leaves_the_epoch_retryable_and_the_topic_open(tmp_path: Path) -> None:
+    server = Server(data_dir=tmp_path / "data")
+    try:
+        client = connect(server.location)
+        client.create_topic("events", SCHEMA, durable=True)
+        parts = stage(client, 0, epoch_batches(0))
+        assert client.publish("events", QUERY, 0, parts)
+        nulls = pa.record_batch(
+            {"k": pa.array([100, None], pa.int64()), "tag": ["y", "y"]},
+            schema=SCHEMA.set(0, SCHEMA.field("k").with_nullable(True)),
+        )
+        good = epoch_batches(1)
+        client.stage("events", QUERY, 1, 0, 0, good[0], SCHEMA)
+        client.stage("events", QUERY, 1, 1, 0, [nulls], nulls.schema)
+        with pytest.raises(SchemaMismatchError, match="'k'"):
+            client.publish("events", QUERY, 1, [(0, 0, 5), (1, 0, 2)])
+        assert client.published("events", QUERY) == 0  # not published: Spark may retry it
+        sink = client.sink("events")  # the topic is not ended by it: producers go on
+        sink.write(pa.record_batch({"k": [999], "tag": ["plain"]}, schema=SCHEMA))
+        sink.flush(timeout=WAIT)
+        parts = stage(client, 1, good)  # the retry, with the batch fixed
+        assert client.publish("events", QUERY, 1, parts)
+        assert stored_ks(client) == [*expected(range(2)), 999]  # the first share once
+    finally:
+        server.stop()
+
+
+def test_a_failed_commit_fails_the_publish_not_the_topic(tmp_path: Path) -> None:
+    server = Server(data_dir=tmp_path / "data")
+    try:
+        client = connect(server.location)
+        client.create_topic("events", SCHEMA, durable=True)
+        topic = server._table("events")
+        assert isinstance(topic, Topic)
+        assert topic.durable is not None
+        assert client.publish("events", QUERY, 0, stage(client, 0, epoch_batches(0)))
+        path = tmp_path / "data" / "events.lance"
+        moved = break_dataset(path)
+        parts = stage(client, 1, epoch_batches(1))
+        with pytest.raises(CommitFailedError, match="not acknowledged"):
+            client.publish("events", QUERY, 1, parts, timeout=WAIT)
+        assert client.published("events", QUERY) == 0
+        mend_dataset(path, moved)
+        topic.durable.flush(timeout=WAIT)  # the committer's retry stores what was pending
+        # Spark's retry of the batch: whatever the committer's retry stored is skipped.
+        client.publish("events", QUERY, 1, stage(client, 1, epoch_batches(1)), timeout=WAIT)
+        assert client.published("events", QUERY) == 1
+        assert not topic.closed
+        assert stored_ks(client) == expected(range(2))
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_producer_that_never_reads_its_acks_stalls_only_itself(tmp_path: Path) -> None:
+    """A raw DoPut client floods a durable topic with watermark messages for a minute and
+    never reads its acknowledgements: another producer of the same topic is acknowledged all
+    along (acknowledgements leave from each stream's own thread, not the committer's), and
+    SIGTERM then stops the server within its stop timeout."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    import pyarrow.flight as flight
+
+    from pushtable.flight import protocol
+
+    config = tmp_path / "serve.json"
+    config.write_text(json.dumps({"limits": {"ack_timeout": 2}}))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pushtable", "serve", "--port", "0", "--config", str(config)]
+        + ["--data-dir", str(tmp_path / "data")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        location = proc.stdout.readline().split("listening on ")[1].split()[0]
+        client = connect(location)
+        ordered = pa.schema([pa.field("t", pa.int64(), nullable=False)])
+        client.create_topic("events", ordered, durable=True, order_by="t")
+        raw = flight.FlightClient(location)
+        writer, _unread = raw.do_put(flight.FlightDescriptor.for_path("events"), ordered)
+        stop = threading.Event()
+        sent = [0]
+
+        def flood() -> None:
+            empty = pa.RecordBatch.from_pylist([], schema=ordered)
+            with contextlib.suppress(Exception):  # the server may end the call: stop then
+                while not stop.is_set():
+                    writer.write_with_metadata(
+                        empty, pa.py_buffer(protocol.advance_metadata(sent[0]))
+                    )
+                    sent[0] += 1
+
+        flooding = threading.Thread(target=flood, daemon=True)
+        flooding.start()
+        good = client.sink("events")
+        flushes = 0
+        until = time.monotonic() + 60
+        while time.monotonic() < until:
+            good.write(pa.record_batch({"t": [50_000_000 + flushes]}, schema=ordered))
+            good.flush(timeout=WAIT)  # acknowledged while the other stream does not read
+            flushes += 1
+        stop.set()
+        flooding.join(WAIT)
+        assert sent[0] > 10_000, sent  # the flood ran: acknowledgements piled up unread
+        assert flushes > 10
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0  # within its stop timeout, whatever the client does
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(WAIT)
