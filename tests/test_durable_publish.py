@@ -7,7 +7,6 @@ unpublished and retryable without ending the topic."""
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 
 import pyarrow as pa
@@ -157,71 +156,3 @@ def test_a_failed_commit_fails_the_publish_not_the_topic(tmp_path: Path) -> None
         assert stored_ks(client) == expected(range(2))
     finally:
         server.stop()
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_producer_that_never_reads_its_acks_stalls_only_itself(tmp_path: Path) -> None:
-    """A raw DoPut client floods a durable topic with watermark messages for a minute and
-    never reads its acknowledgements: another producer of the same topic is acknowledged all
-    along (acknowledgements leave from each stream's own thread, not the committer's), and
-    SIGTERM then stops the server within its stop timeout."""
-    import json
-    import signal
-    import subprocess
-    import sys
-    import threading
-    import time
-
-    import pyarrow.flight as flight
-
-    from pushtable.flight import protocol
-
-    config = tmp_path / "serve.json"
-    config.write_text(json.dumps({"limits": {"ack_timeout": 2}}))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pushtable", "serve", "--port", "0", "--config", str(config)]
-        + ["--data-dir", str(tmp_path / "data")],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    try:
-        assert proc.stdout is not None
-        location = proc.stdout.readline().split("listening on ")[1].split()[0]
-        client = connect(location)
-        ordered = pa.schema([pa.field("t", pa.int64(), nullable=False)])
-        client.create_topic("events", ordered, durable=True, order_by="t")
-        raw = flight.FlightClient(location)
-        writer, _unread = raw.do_put(flight.FlightDescriptor.for_path("events"), ordered)
-        stop = threading.Event()
-        sent = [0]
-
-        def flood() -> None:
-            empty = pa.RecordBatch.from_pylist([], schema=ordered)
-            with contextlib.suppress(Exception):  # the server may end the call: stop then
-                while not stop.is_set():
-                    writer.write_with_metadata(
-                        empty, pa.py_buffer(protocol.advance_metadata(sent[0]))
-                    )
-                    sent[0] += 1
-
-        flooding = threading.Thread(target=flood, daemon=True)
-        flooding.start()
-        good = client.sink("events")
-        flushes = 0
-        until = time.monotonic() + 60
-        while time.monotonic() < until:
-            good.write(pa.record_batch({"t": [50_000_000 + flushes]}, schema=ordered))
-            good.flush(timeout=WAIT)  # acknowledged while the other stream does not read
-            flushes += 1
-        stop.set()
-        flooding.join(WAIT)
-        assert sent[0] > 10_000, sent  # the flood ran: acknowledgements piled up unread
-        assert flushes > 10
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0  # within its stop timeout, whatever the client does
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(WAIT)
