@@ -7,6 +7,7 @@ unpublished and retryable without ending the topic."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
@@ -105,54 +106,58 @@ def test_shares_lost_with_a_restart_are_an_error_and_the_epoch_stays_unpublished
         server.stop()
 
 
-def test_a_refused_batch_leaves_the_epoch_retryable_and_the_topic_open(tmp_path: Path) -> None:
+@pytest.fixture
+def published_once(tmp_path: Path) -> Iterator[tuple[Server, Client]]:
+    """A server (in this process) with a durable topic holding epoch 0 of :data:`QUERY`."""
     server = Server(data_dir=tmp_path / "data")
     try:
         client = connect(server.location)
         client.create_topic("events", SCHEMA, durable=True)
-        parts = stage(client, 0, epoch_batches(0))
-        assert client.publish("events", QUERY, 0, parts)
-        nulls = pa.record_batch(
-            {"k": pa.array([100, None], pa.int64()), "tag": ["y", "y"]},
-            schema=SCHEMA.set(0, SCHEMA.field("k").with_nullable(True)),
-        )
-        good = epoch_batches(1)
-        client.stage("events", QUERY, 1, 0, 0, good[0], SCHEMA)
-        client.stage("events", QUERY, 1, 1, 0, [nulls], nulls.schema)
-        with pytest.raises(SchemaMismatchError, match="'k'"):
-            client.publish("events", QUERY, 1, [(0, 0, 5), (1, 0, 2)])
-        assert client.published("events", QUERY) == 0  # not published: Spark may retry it
-        sink = client.sink("events")  # the topic is not ended by it: producers go on
-        sink.write(pa.record_batch({"k": [999], "tag": ["plain"]}, schema=SCHEMA))
-        sink.flush(timeout=WAIT)
-        parts = stage(client, 1, good)  # the retry, with the batch fixed
-        assert client.publish("events", QUERY, 1, parts)
-        assert stored_ks(client) == [*expected(range(2)), 999]  # the first share once
-    finally:
-        server.stop()
-
-
-def test_a_failed_commit_fails_the_publish_not_the_topic(tmp_path: Path) -> None:
-    server = Server(data_dir=tmp_path / "data")
-    try:
-        client = connect(server.location)
-        client.create_topic("events", SCHEMA, durable=True)
-        topic = server._table("events")
-        assert isinstance(topic, Topic)
-        assert topic.durable is not None
         assert client.publish("events", QUERY, 0, stage(client, 0, epoch_batches(0)))
-        path = tmp_path / "data" / "events.lance"
-        moved = break_dataset(path)
-        parts = stage(client, 1, epoch_batches(1))
-        with pytest.raises(CommitFailedError, match="not acknowledged"):
-            client.publish("events", QUERY, 1, parts, timeout=WAIT)
-        assert client.published("events", QUERY) == 0
-        mend_dataset(path, moved)
-        topic.durable.flush(timeout=WAIT)  # the committer's retry stores what was pending
-        # Spark's retry of the batch: whatever the committer's retry stored is skipped.
-        client.publish("events", QUERY, 1, stage(client, 1, epoch_batches(1)), timeout=WAIT)
-        assert client.published("events", QUERY) == 1
-        assert not topic.closed
-        assert stored_ks(client) == expected(range(2))
+        yield server, client
     finally:
         server.stop()
+
+
+def test_a_refused_batch_leaves_the_epoch_retryable_and_the_topic_open(
+    published_once: tuple[Server, Client],
+) -> None:
+    _, client = published_once
+    nulls = pa.record_batch(
+        {"k": pa.array([100, None], pa.int64()), "tag": ["y", "y"]},
+        schema=SCHEMA.set(0, SCHEMA.field("k").with_nullable(True)),
+    )
+    good = epoch_batches(1)
+    client.stage("events", QUERY, 1, 0, 0, good[0], SCHEMA)
+    client.stage("events", QUERY, 1, 1, 0, [nulls], nulls.schema)
+    with pytest.raises(SchemaMismatchError, match="'k'"):
+        client.publish("events", QUERY, 1, [(0, 0, 5), (1, 0, 2)])
+    assert client.published("events", QUERY) == 0  # not published: Spark may retry it
+    sink = client.sink("events")  # the topic is not ended by it: producers go on
+    sink.write(pa.record_batch({"k": [999], "tag": ["plain"]}, schema=SCHEMA))
+    sink.flush(timeout=WAIT)
+    parts = stage(client, 1, good)  # the retry, with the batch fixed
+    assert client.publish("events", QUERY, 1, parts)
+    assert stored_ks(client) == [*expected(range(2)), 999]  # the first share once
+
+
+def test_a_failed_commit_fails_the_publish_not_the_topic(
+    published_once: tuple[Server, Client], tmp_path: Path
+) -> None:
+    server, client = published_once
+    topic = server._table("events")
+    assert isinstance(topic, Topic)
+    assert topic.durable is not None
+    path = tmp_path / "data" / "events.lance"
+    moved = break_dataset(path)
+    parts = stage(client, 1, epoch_batches(1))
+    with pytest.raises(CommitFailedError, match="not acknowledged"):
+        client.publish("events", QUERY, 1, parts, timeout=WAIT)
+    assert client.published("events", QUERY) == 0
+    mend_dataset(path, moved)
+    topic.durable.flush(timeout=WAIT)  # the committer's retry stores what was pending
+    # Spark's retry of the batch: whatever the committer's retry stored is skipped.
+    client.publish("events", QUERY, 1, stage(client, 1, epoch_batches(1)), timeout=WAIT)
+    assert client.published("events", QUERY) == 1
+    assert not topic.closed
+    assert stored_ks(client) == expected(range(2))

@@ -105,9 +105,28 @@ def text_of(browser: Any, selector: str) -> str:
     return str(text)
 
 
-def test_rows_written_after_the_page_opened_appear_on_it(tmp_path: Path) -> None:
+def run_query_on_the_page(browser: Any, url: str, sql_text: str) -> Any:
+    """Open the page, type the read token, wait for the table list, run ``sql_text``;
+    returns the WebDriverWait for what comes next."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
+
+    browser.set_page_load_timeout(WAIT)
+    browser.get(url)
+    wait = WebDriverWait(browser, WAIT)
+    token = browser.find_element(By.ID, "token")
+    token.send_keys("reader-token")
+    browser.execute_script("arguments[0].dispatchEvent(new Event('change'))", token)
+    wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#tables tr[data-table=events]"))
+    sql = browser.find_element(By.ID, "sql")
+    sql.clear()
+    sql.send_keys(sql_text)
+    browser.find_element(By.ID, "run").click()
+    return wait
+
+
+def test_rows_written_after_the_page_opened_appear_on_it(tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
 
     server = _serve_with_tokens(tmp_path)
     browser = None
@@ -115,20 +134,12 @@ def test_rows_written_after_the_page_opened_appear_on_it(tmp_path: Path) -> None
         assert server.ui_url is not None
         server.create_table("events", SCHEMA, order_by="ts")
         browser = _browser()
-        browser.set_page_load_timeout(WAIT)
-        browser.get(server.ui_url)
-        wait = WebDriverWait(browser, WAIT)
-        token = browser.find_element(By.ID, "token")
-        token.send_keys("reader-token")
-        browser.execute_script("arguments[0].dispatchEvent(new Event('change'))", token)
-        wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#tables tr[data-table=events]"))
-        sql = browser.find_element(By.ID, "sql")
-        sql.clear()
-        sql.send_keys(
+        wait = run_query_on_the_page(
+            browser,
+            server.ui_url,
             "SELECT date_bin(INTERVAL '1 second', ts) AS second, count(*) AS n, sum(k) AS total "
-            "FROM events GROUP BY 1"
+            "FROM events GROUP BY 1",
         )
-        browser.find_element(By.ID, "run").click()
         wait.until(
             lambda b: (
                 "row" in text_of(b, "#status") or b.find_elements(By.CSS_SELECTOR, "#grid thead th")
@@ -179,7 +190,6 @@ def test_the_chart_draws_a_line_per_group_with_readable_numbers_and_whole_axes(
     """``GROUP BY second, level``: one line per level (not one zig-zag through every group),
     numbers rounded for reading, and the axes' labels inside the chart (not clipped)."""
     from selenium.webdriver.common.by import By
-    from selenium.webdriver.support.ui import WebDriverWait
 
     server = _serve_with_tokens(tmp_path)
     browser = None
@@ -187,20 +197,12 @@ def test_the_chart_draws_a_line_per_group_with_readable_numbers_and_whole_axes(
         assert server.ui_url is not None
         sink = server.create_table("events", LEVELS, order_by="ts")
         browser = _browser()
-        browser.set_page_load_timeout(WAIT)
-        browser.get(server.ui_url)
-        wait = WebDriverWait(browser, WAIT)
-        token = browser.find_element(By.ID, "token")
-        token.send_keys("reader-token")
-        browser.execute_script("arguments[0].dispatchEvent(new Event('change'))", token)
-        wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#tables tr[data-table=events]"))
-        sql = browser.find_element(By.ID, "sql")
-        sql.clear()
-        sql.send_keys(
+        wait = run_query_on_the_page(
+            browser,
+            server.ui_url,
             "SELECT date_bin(INTERVAL '1 second', ts) AS second, level, avg(latency) AS latency "
-            "FROM events GROUP BY 1, 2"
+            "FROM events GROUP BY 1, 2",
         )
-        browser.find_element(By.ID, "run").click()
         wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#grid thead th"))
         for second in range(5):
             ts = [T0 + timedelta(seconds=second, milliseconds=i) for i in range(3)]
