@@ -132,7 +132,9 @@ def parser() -> argparse.ArgumentParser:
         "$PUSHTABLE_PEERS_PYTHON, or one made from the package index on first use)",
     )
     bench.add_argument(
-        "--quick", action="store_true", help="small inputs: the whole run in under two minutes"
+        "--quick",
+        action="store_true",
+        help="small inputs: the whole run in about three minutes on 2 cores",
     )
     bench.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
     bench.add_argument(

@@ -13,7 +13,13 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from pushtable import CommitFailedError, SchemaMismatchError, SharesLostError, Topic
+from pushtable import (
+    CommitFailedError,
+    SchemaMismatchError,
+    SharesLostError,
+    SinkClosedError,
+    Topic,
+)
 from pushtable.flight import Client, Server, connect
 from tests.conftest import WAIT
 from tests.test_durable import break_dataset, mend_dataset
@@ -161,3 +167,21 @@ def test_a_failed_commit_fails_the_publish_not_the_topic(
     assert client.published("events", QUERY) == 1
     assert not topic.closed
     assert stored_ks(client) == expected(range(2))
+
+
+def test_a_publish_into_a_closed_table_says_so_and_publishes_nothing() -> None:
+    """A Spark sink's live table closed by hand: the next publish names it, not a bare
+    SinkClosedError, and the epoch stays unpublished."""
+    server = Server()
+    try:
+        client = connect(server.location)
+        client.create_table("events", SCHEMA)
+        client.sink("events").close()
+        parts = stage(client, 0, epoch_batches(0))
+        with pytest.raises(
+            SinkClosedError, match=r"live table 'events' is closed \(end of stream\)"
+        ):
+            client.publish("events", QUERY, 0, parts)
+        assert client.published("events", QUERY) == -1
+    finally:
+        server.stop()
