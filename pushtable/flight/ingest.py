@@ -459,7 +459,12 @@ class _Acks:
             self._lock.release()
 
     def close(self) -> None:
-        self._closed = True  # no lock: a writer stuck on the client may hold it
+        """The handler is returning: no write may touch the call after this (gRPC forbids a
+        write to a finished call), so it waits for one in progress. A writer stuck on a client
+        that does not read holds the lock until gRPC cancels the call; only this stream's
+        handler waits for it, never the committer or a stopping server."""
+        with self._lock:
+            self._closed = True
 
 
 class _CommitAcks:
