@@ -24,6 +24,7 @@ from pushtable.dataframe import DataFrame
 from pushtable.errors import (
     CommitFailedError,
     InvalidBatchError,
+    OffsetOutOfRangeError,
     OrderViolationError,
     PermissionDeniedError,
     PushTableError,
@@ -59,6 +60,7 @@ __all__ = [
     "DataFrame",
     "InvalidBatchError",
     "LiveExplanation",
+    "OffsetOutOfRangeError",
     "OrderViolationError",
     "PermissionDeniedError",
     "PushTableError",

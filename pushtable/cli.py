@@ -187,6 +187,13 @@ def parser() -> argparse.ArgumentParser:
         "acknowledgements mean committed, and a server started on it again reopens them "
         "(docs/network.md, 'Durability')",
     )
+    serve.add_argument(
+        "--no-fsync",
+        dest="fsync",
+        action="store_false",
+        help="acknowledge durable topics' batches once committed, without syncing to disk: "
+        "faster, and they survive a killed server but not an OS crash or power loss",
+    )
     return top
 
 
@@ -230,6 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 metrics_port=args.metrics_port,
                 ui_port=args.ui_port,
                 data_dir=args.data_dir,
+                fsync=args.fsync,
                 block=False,
                 say=_say,
             )

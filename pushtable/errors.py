@@ -14,6 +14,7 @@ from collections import OrderedDict
 __all__ = [
     "CommitFailedError",
     "InvalidBatchError",
+    "OffsetOutOfRangeError",
     "OrderViolationError",
     "PushTableError",
     "ReaderGoneError",
@@ -151,6 +152,11 @@ class CommitFailedError(PushTableError, OSError):
 class SequenceError(PushTableError, ValueError):
     """An idempotent producer's batch skips sequence numbers (the server last stored an
     earlier one): a batch in between was never sent. The message names both numbers."""
+
+
+class OffsetOutOfRangeError(PushTableError, ValueError):
+    """A read of a durable topic from an offset retention has deleted (below ``earliest``)
+    or not yet written; the message names the offsets that can be read."""
 
 
 class SharesLostError(PushTableError):

@@ -14,7 +14,6 @@ import dataclasses
 import itertools
 import logging
 import re
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -23,7 +22,9 @@ from typing import Any, Literal
 
 import lance
 import pyarrow as pa
-from lance.commit import CommitConflictError
+
+from pushtable import lance_commits
+from pushtable.lance_commits import CommitContentionError, open_dataset
 
 __all__ = [
     "EPOCH_KEY",
@@ -61,44 +62,6 @@ class _Mark:
     version: int
     epoch: int
     mode: str | None
-
-
-def _not_found(exc: BaseException) -> bool:
-    """Whether a Lance error says a version, manifest or tag does not exist.
-
-    Only that may end a history walk or stand for "no tag": any other error (I/O, auth,
-    throttling) must propagate, or a fresh process would think an epoch uncommitted and
-    write it twice. pylance 14 raises ``ValueError("Ref not found ...")`` for a missing tag
-    and ``OSError("... was not found: Not found: ...")`` for a missing manifest.
-    """
-    if isinstance(exc, FileNotFoundError):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, (OSError, ValueError)) and (
-        "not found" in text or "does not exist" in text
-    )
-
-
-not_found = _not_found
-
-
-def open_dataset(
-    uri: str, storage_options: dict[str, str] | None = None
-) -> lance.LanceDataset | None:
-    """The dataset at ``uri``, or None when there is none yet (any other error propagates)."""
-    try:
-        return lance.dataset(uri, storage_options=storage_options)
-    except (OSError, ValueError) as exc:
-        if _not_found(exc):
-            return None
-        raise
-
-
-def _props(tx: Any) -> dict[str, str] | None:
-    """A transaction's properties ({} when it has none); None when it is gone."""
-    if tx is None:
-        return None
-    return dict(tx.transaction_properties or {})
 
 
 @dataclass(frozen=True)
@@ -307,49 +270,19 @@ class LanceEpochWriter:
 
     def _walk(self, ds: lance.LanceDataset) -> _Mark | None:
         floor = self._mark
-        tagged = self._tagged_version(ds)
+        tagged = lance_commits.read_tag(ds, self._tag)
         if tagged is not None and (floor is None or tagged > floor.version):
-            floor = self._mark_at(ds, tagged) or floor
-        stop = 0 if floor is None else floor.version
-        # Newest first, in growing pages: a steady query finds itself in the first page.
-        page, seen = 8, 0
-        while ds.version - seen > stop:
-            want = min(page, ds.version - stop)
-            try:
-                txs = ds.get_transactions(want)
-            except (OSError, ValueError) as exc:
-                if not _not_found(exc):
-                    raise  # I/O, auth, throttling: Spark fails the epoch and retries it
-                return floor  # a cleaned-up version: the walk ends here
-            for offset in range(seen, len(txs)):
-                version = ds.version - offset
-                props = _props(txs[offset])
-                if props is None:  # cleaned up
-                    return floor
-                if props.get(QUERY_KEY) == self.query_id:
-                    return _Mark(version, int(props[EPOCH_KEY]), props.get(MODE_KEY))
-            if len(txs) < want:
-                return floor
-            seen, page = want, page * 4
-        return floor
+            floor = self._mark_at(tagged, lance_commits.props_at(ds, tagged)) or floor
+        found = lance_commits.newest_stamp(
+            ds,
+            lambda props: props.get(QUERY_KEY) == self.query_id,
+            0 if floor is None else floor.version,
+        )
+        return floor if found is None else self._mark_at(*found)
 
-    def _tagged_version(self, ds: lance.LanceDataset) -> int | None:
-        try:
-            return int(ds.tags.get_version(self._tag))
-        except (OSError, ValueError) as exc:
-            if not _not_found(exc):
-                raise
-            return None  # no tag yet (or its version was removed)
-
-    def _mark_at(self, ds: lance.LanceDataset, version: int) -> _Mark | None:
-        try:
-            props = _props(ds.read_transaction(version))
-        except (OSError, ValueError) as exc:
-            if not _not_found(exc):
-                raise
-            return None  # the tagged version was cleaned up: ignore the tag
+    def _mark_at(self, version: int, props: dict[str, str] | None) -> _Mark | None:
         if props is None or props.get(QUERY_KEY) != self.query_id:
-            return None
+            return None  # the tagged version was cleaned up, or is not this query's
         return _Mark(version, int(props[EPOCH_KEY]), props.get(MODE_KEY))
 
     # -- committing ---------------------------------------------------------------------
@@ -432,51 +365,42 @@ class LanceEpochWriter:
     ) -> CommitResult:
         if self._fault:
             self._fault("before_commit", epoch_id)
-        for attempt in range(self.max_retries + 1):
-            if attempt:  # someone committed meanwhile: re-read, and re-check for a replay
-                ds = self._dataset() or ds
-                if skipped := self.replayed(epoch_id, ds):
-                    return skipped
+
+        def transaction(ds: lance.LanceDataset) -> lance.Transaction:
+            props = self.properties(epoch_id)
             if callable(fragments):  # an upsert: its transaction depends on the version read
-                tx = dataclasses.replace(
-                    fragments(ds), transaction_properties=self.properties(epoch_id)
-                )
-            else:
-                operation = (
-                    lance.LanceOperation.Overwrite(ds.schema, list(fragments))
-                    if self.mode == "complete"
-                    else lance.LanceOperation.Append(list(fragments))
-                )
-                tx = lance.Transaction(
-                    ds.version, operation, transaction_properties=self.properties(epoch_id)
-                )
-            try:
-                new = lance.LanceDataset.commit(ds, tx, storage_options=self.storage_options)
-            except OSError as exc:  # CommitConflictError is an OSError too
-                text = str(exc).lower()
-                contention = "too many concurrent writers" in text or "commit conflict" in text
-                if not isinstance(exc, CommitConflictError) and not contention:
-                    raise  # storage trouble, not contention: Spark retries the epoch
-                # Lance retries compatible conflicts itself and gives up under heavy
-                # contention ("Too many concurrent writers", or "Commit conflict for version
-                # N: ... after 20 retries", a plain OSError): back off and try again too.
-                self.conflicts += 1
-                if isinstance(exc, CommitConflictError) and not exc.retryable:
-                    raise EpochCommitError(
-                        f"epoch {epoch_id} of query {self.query_id} conflicts with a concurrent "
-                        f"change to {self.uri} that retrying cannot resolve: {exc}"
-                    ) from exc
-                if attempt == self.max_retries:
-                    raise EpochCommitError(
-                        f"epoch {epoch_id} of query {self.query_id}: still conflicting after "
-                        f"{self.max_retries} retries: {exc}"
-                    ) from exc
-                time.sleep(self.backoff * (2**attempt))
-                continue
-            self._mark = _Mark(new.version, epoch_id, self.mode)
-            self._after_commit(new, epoch_id)
-            return CommitResult(True, new.version, epoch_id, f"committed epoch {epoch_id}")
-        raise AssertionError("unreachable")
+                upsert: lance.Transaction = fragments(ds)
+                return dataclasses.replace(upsert, transaction_properties=props)
+            operation = (
+                lance.LanceOperation.Overwrite(ds.schema, list(fragments))
+                if self.mode == "complete"
+                else lance.LanceOperation.Append(list(fragments))
+            )
+            return lance.Transaction(ds.version, operation, transaction_properties=props)
+
+        def counted(_: OSError) -> None:
+            self.conflicts += 1
+
+        try:
+            new = lance_commits.commit(
+                ds,
+                transaction,
+                storage_options=self.storage_options,
+                retries=self.max_retries,
+                backoff=self.backoff,
+                recheck=lambda ds: self.replayed(epoch_id, ds),  # committed meanwhile?
+                on_conflict=counted,
+            )
+        except CommitContentionError as exc:
+            raise EpochCommitError(
+                f"epoch {epoch_id} of query {self.query_id}: {exc}"
+                + ("" if exc.retryable else " (retrying cannot resolve it)")
+            ) from exc
+        if isinstance(new, CommitResult):
+            return new
+        self._mark = _Mark(new.version, epoch_id, self.mode)
+        self._after_commit(new, epoch_id)
+        return CommitResult(True, new.version, epoch_id, f"committed epoch {epoch_id}")
 
     def _refuse_mode_switch(self) -> None:
         """A query that appended must never start overwriting (or the reverse) on restart."""
@@ -506,26 +430,16 @@ class LanceEpochWriter:
     def _after_commit(self, ds: lance.LanceDataset, epoch_id: int) -> None:
         if self._fault:
             self._fault("after_commit", epoch_id)
-        try:
-            ds.tags.update(self._tag, ds.version)
-        except (OSError, ValueError) as exc:
-            if not _not_found(exc):
-                raise
-            ds.tags.create(self._tag, ds.version)  # first commit of this query: no tag yet
+        lance_commits.move_tag(ds, self._tag, ds.version)
         self._commits += 1
         if self.compact_every and self._commits % self.compact_every == 0:
-            self.upkeep(ds)
+            self.upkeep()
 
-    def upkeep(self, ds: lance.LanceDataset | None = None) -> None:
+    def upkeep(self) -> None:
         """Compact small fragments and, if configured, clean up old versions.
 
         Cleanup never removes a tagged version, and this query's newest commit is tagged.
         """
-        ds = ds if ds is not None else self._dataset()
-        if ds is None:
-            return
-        ds.optimize.compact_files()
-        if self.cleanup_older_than is not None:
-            lance.dataset(self.uri, storage_options=self.storage_options).cleanup_old_versions(
-                older_than=self.cleanup_older_than, error_if_tagged_old_versions=False
-            )
+        lance_commits.upkeep(
+            self.uri, older_than=self.cleanup_older_than, storage_options=self.storage_options
+        )

@@ -48,8 +48,10 @@ class TopicStats(SinkStats):
     has still to read, plus the retention window); ``subscribers`` are the live ones;
     ``detached`` counts subscribers cut loose for falling behind. A durable topic adds its
     offsets (``next_offset``; every offset below ``committed_offset`` is stored), what waits
-    for a commit (``pending_batches``/``pending_bytes``), ``commits``, ``commit_failures`` and
-    ``consumers`` (each consumer's position, e.g. a Spark query's: see ``consumed``).
+    for a commit (``pending_batches``/``pending_bytes``), ``commits``, ``commit_failures``,
+    ``consumers`` (each consumer's position, e.g. a Spark query's: see ``consumed``),
+    ``earliest_offset`` (retention deleted what is below it) and ``expirations`` (its
+    deletions).
     """
 
     subscribers: int = 0
@@ -62,6 +64,8 @@ class TopicStats(SinkStats):
     commits: int = 0
     commit_failures: int = 0
     consumers: dict[str, int] = field(default_factory=dict)
+    earliest_offset: int = 0
+    expirations: int = 0
 
 
 @dataclass(frozen=True)
@@ -119,6 +123,12 @@ class Topic(_Producer):
     continues its offsets. ``retain``/``retain_bytes`` then bound the committed batches also
     kept in memory (history is read from Lance); ``upkeep_interval`` seconds apart, small
     fragments are compacted and versions older than ten minutes removed, while writes go on.
+    ``retention`` (a ``timedelta``) and ``retention_bytes`` bound the stored history, as
+    Kafka's ``retention.ms`` / ``retention.bytes``: whole old fragments are deleted, the
+    ``earliest`` offset advances, and a read below it raises
+    :class:`~pushtable.OffsetOutOfRangeError`. ``fsync`` (default on) syncs each commit's
+    files before it counts as stored, so an acknowledged batch survives a power loss; off,
+    it survives a killed process but an OS crash may lose the last seconds.
 
     Example:
         >>> import pyarrow as pa
@@ -151,6 +161,9 @@ class Topic(_Producer):
         persist: str | Path | None = None,
         commit_interval: float = 0.1,
         upkeep_interval: float | None = 60.0,
+        retention: timedelta | None = None,
+        retention_bytes: int | None = None,
+        fsync: bool = True,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string, got {name!r}")
@@ -164,6 +177,11 @@ class Topic(_Producer):
         order = order_columns(order_by, late)
         delay = delay_units(schema, order, max_delay)
         durable = persist is not None
+        if not durable and (retention, retention_bytes, fsync) != (None, None, True):
+            raise ValueError(
+                "retention, retention_bytes and fsync are options of a durable topic's stored "
+                "history (Topic(..., persist=...)); retain/retain_bytes bound one in memory"
+            )
         native = _native.topic(
             name,
             schema,
@@ -189,7 +207,10 @@ class Topic(_Producer):
                 "arrival_column": arrival_column,
                 "validate": validate,
                 "commit_interval": commit_interval,
+                "retention_bytes": retention_bytes,
+                "fsync": fsync,
                 **_delay_config(max_delay),
+                **_retention_config(retention),
             }
             self.durable = DurableLog(
                 name,
@@ -201,6 +222,9 @@ class Topic(_Producer):
                 retain=retain,
                 retain_bytes=retain_bytes,
                 upkeep_interval=upkeep_interval,
+                retention=retention,
+                retention_bytes=retention_bytes,
+                fsync=fsync,
             )
         metrics.track(self)
 
@@ -223,6 +247,8 @@ class Topic(_Producer):
         schema, config = describe(persist)
         if "max_delay_us" in config:
             config["max_delay"] = timedelta(microseconds=config.pop("max_delay_us"))
+        if "retention_us" in config:
+            config["retention"] = timedelta(microseconds=config.pop("retention_us"))
         config.update(options)
         topic_name = name if name is not None else Path(persist).name.removesuffix(".lance")
         return cls(topic_name, schema, persist=persist, **config)
@@ -393,6 +419,11 @@ class Topic(_Producer):
         subscription = Subscription(native, name, self)
         metrics.track(subscription, session=ctx.session_id())
         return subscription
+
+
+def _retention_config(retention: timedelta | None) -> dict[str, Any]:
+    """``retention`` as a durable topic's stored option (JSON has no timedelta)."""
+    return {} if retention is None else {"retention_us": retention // timedelta(microseconds=1)}
 
 
 def _delay_config(max_delay: timedelta | int | None) -> dict[str, Any]:

@@ -40,15 +40,19 @@ def free_port() -> int:
 class Serve:
     """``pushtable serve --data-dir`` in a child process on a fixed port."""
 
-    def __init__(self, data_dir: Path, port: int) -> None:
+    def __init__(
+        self, data_dir: Path, port: int, *extra: str, prefix: tuple[str, ...] = ()
+    ) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pushtable", "serve", "--port", str(port)]
-            + ["--data-dir", str(data_dir)],
+            [*prefix, sys.executable, "-m", "pushtable", "serve", "--port", str(port)]
+            + ["--data-dir", str(data_dir), *extra],
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
             text=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            start_new_session=bool(prefix),  # a tracer and its server: signalled together
         )
+        self.group = bool(prefix)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         assert line.startswith("pushtable serve: listening on grpc://127.0.0.1:"), line
@@ -59,7 +63,10 @@ class Serve:
         self.proc.wait(WAIT)
 
     def stop(self) -> None:
-        self.proc.terminate()
+        if self.group:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        else:
+            self.proc.terminate()
         try:
             self.proc.wait(WAIT)
         except subprocess.TimeoutExpired:

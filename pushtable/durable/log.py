@@ -30,9 +30,10 @@ from typing import Any
 
 import pyarrow as pa
 
-from pushtable.durable.store import LogStore, StoredBatch, micros, now_us
+from pushtable.durable.store import LogStore, Stamp, StoredBatch, micros, now_us
 from pushtable.errors import (
     CommitFailedError,
+    OffsetOutOfRangeError,
     SequenceError,
     SinkClosedError,
     WriteTimeoutError,
@@ -73,6 +74,24 @@ def epoch_of(sequence: int) -> int:
     return epoch if index == EPOCH_BATCHES - 1 else epoch - 1
 
 
+def check_retention(retention: timedelta | None, retention_bytes: int | None) -> None:
+    """Refuse a retention that cannot be meant (a non-positive age or size)."""
+    if retention is not None and (
+        not isinstance(retention, timedelta) or retention <= timedelta(0)
+    ):
+        raise ValueError(f"retention must be a positive timedelta or None, got {retention!r}")
+    if retention_bytes is not None and (
+        isinstance(retention_bytes, bool)
+        or not isinstance(retention_bytes, int)
+        or retention_bytes <= 0
+    ):
+        raise ValueError(f"retention_bytes must be an integer > 0 or None, got {retention_bytes!r}")
+
+
+def _micros(delta: timedelta) -> int:
+    return delta // timedelta(microseconds=1)
+
+
 @dataclass(frozen=True)
 class _Entry:
     offset: int
@@ -102,13 +121,26 @@ class DurableLog:
         keep_versions: timedelta = timedelta(minutes=10),
         reserve: Callable[[int], None] | None = None,
         storage_options: dict[str, str] | None = None,
+        retention: timedelta | None = None,
+        retention_bytes: int | None = None,
+        fsync: bool = True,
+        room: Callable[[], int | None] | None = None,
     ) -> None:
         if commit_interval <= 0:
             raise ValueError(f"commit_interval must be > 0 seconds, got {commit_interval!r}")
+        check_retention(retention, retention_bytes)
         self.name = name
         self.schema = schema
-        self.store = LogStore(uri, schema, config, storage_options=storage_options)
+        self.store = LogStore(uri, schema, config, storage_options=storage_options, sync=fsync)
         recovered = self.store.recover()
+        #: history older than this is deleted, whole fragments at a time (None: kept)
+        self.retention = retention
+        #: history beyond this many bytes on disk is deleted, oldest first (None: kept)
+        self.retention_bytes = retention_bytes
+        #: bytes upkeep may add to the data dir now (None: no limit)
+        self.room = room
+        self._earliest = recovered.earliest
+        self._expired_at = 0.0  # monotonic time of the last retention check
         self._live = live
         self.commit_interval = float(commit_interval)
         self.retain = retain
@@ -138,6 +170,8 @@ class DurableLog:
         self._listeners: list[Listener] = []
         self.commits = 0
         self.commit_failures = 0
+        #: retention's deletions so far
+        self.expirations = 0
         self._committer = threading.Thread(
             target=self._commit_loop, name=f"pushtable-commit-{name}", daemon=True
         )
@@ -290,20 +324,16 @@ class DurableLog:
         while True:
             with self._cond:
                 while not self._pending and not self._closing:
-                    self._cond.wait()
-                if not self._pending:
+                    if not self._cond.wait(self._retention_wait()):
+                        break
+                if not self._pending and self._closing:
                     return  # closing with nothing left
-                # The oldest waiting batch is to be stored one interval after it arrived: the
-                # commit starts early by what recent commits took (their slowest of 8).
-                lead = min(max(self._took, default=0.0), self.commit_interval)
-                waited = time.time() - self._pending[0].time_us / 1e6
-                due = time.monotonic() + max(0.0, self.commit_interval - lead - waited)
-                while not (self._urgent or self._closing) and time.monotonic() < due:
-                    self._cond.wait(max(0.0, due - time.monotonic()))
-                self._urgent = False
-                entries = list(self._pending)
-                stored = dict(self._stored)
-                consumers = dict(self._consumers)
+                idle = None if self._pending else self._stamp()
+                if idle is None:
+                    entries, stored, consumers, earliest = self._gather()
+            if idle is not None:  # nothing to commit: retention still deletes what ages out
+                self._expire(idle)
+                continue
             for e in entries:
                 if e.producer is not None:
                     assert e.sequence is not None
@@ -312,8 +342,7 @@ class DurableLog:
             try:
                 version = self.store.append(
                     [StoredBatch(e.offset, e.time_us, e.batch) for e in entries],
-                    stored,
-                    consumers,
+                    Stamp(entries[-1].offset + 1, stored, consumers, earliest),
                 )
             except BaseException as exc:  # I/O, a full disk, a read-only dir, a Lance panic
                 if isinstance(exc, (KeyboardInterrupt, SystemExit)):
@@ -326,6 +355,68 @@ class DurableLog:
                 continue
             self._took.append(time.monotonic() - started)
             self._succeeded(entries, stored, version)
+            if time.monotonic() - self._expired_at >= self._retention_check:
+                with self._cond:
+                    stamp = self._stamp()
+                self._expire(stamp)
+
+    # -- retention ----------------------------------------------------------------------
+
+    @property
+    def _retention_check(self) -> float:
+        """Seconds between two retention checks: a tenth of the age kept, 0.1 s to 5 s; at
+        most 0.5 s with a bound in bytes (a fast producer fills it quickly)."""
+        every = 5.0 if self.retention_bytes is None else 0.5
+        if self.retention is None:
+            return every
+        return min(every, max(0.1, self.retention.total_seconds() / 10))
+
+    def _retention_wait(self) -> float | None:
+        if self.retention is None and self.retention_bytes is None:
+            return None
+        return max(0.0, self._expired_at + self._retention_check - time.monotonic())
+
+    def _stamp(self) -> Stamp:
+        """What the newest commit says is stored (the caller holds ``_cond``)."""
+        return Stamp(self._committed, dict(self._stored), dict(self._consumers), self._earliest)
+
+    def _expire(self, stamp: Stamp) -> None:
+        """Delete the history retention no longer keeps (on the committer's thread: it is
+        the one writer of stamped commits). A failure is logged and retried at the next
+        check: it never fails the topic."""
+        self._expired_at = time.monotonic()
+        if self.retention is None and self.retention_bytes is None:
+            return
+        cutoff = None if self.retention is None else now_us() - _micros(self.retention)
+        try:
+            done = self.store.expire(stamp, cutoff, self.retention_bytes)
+        except Exception as exc:  # noqa: BLE001 (the next check tries again)
+            log.warning("retention of durable topic '%s' failed: %s", self.name, exc)
+            return
+        if done is None:
+            return
+        earliest, version = done
+        with self._cond:
+            self._earliest = max(self._earliest, earliest)
+            if version > self._version:
+                self._version = version
+            while self._tail and self._tail[0].offset < self._earliest:
+                self._tail_bytes -= self._tail.popleft().nbytes
+            self.expirations += 1
+
+    def _gather(self) -> tuple[list[_Entry], dict[str, int], dict[str, int], int]:
+        """Wait for the commit's moment, then take what it stores (holding ``_cond``).
+
+        The oldest waiting batch is to be stored one interval after it arrived: the commit
+        starts early by what recent commits took (their slowest of 8)."""
+        lead = min(max(self._took, default=0.0), self.commit_interval)
+        waited = time.time() - self._pending[0].time_us / 1e6
+        due = time.monotonic() + max(0.0, self.commit_interval - lead - waited)
+        while not (self._urgent or self._closing) and time.monotonic() < due:
+            self._cond.wait(max(0.0, due - time.monotonic()))
+        self._urgent = False
+        entries = list(self._pending)
+        return entries, dict(self._stored), dict(self._consumers), self._earliest
 
     def _failed(self, entries: list[_Entry], exc: BaseException) -> None:
         error = CommitFailedError(
@@ -378,13 +469,13 @@ class DurableLog:
     def _upkeep_loop(self, interval: float) -> None:
         while not self._upkeep_stop.wait(interval):
             try:
-                self.store.upkeep(self._keep_versions)
+                self.upkeep()
             except Exception as exc:  # noqa: BLE001 (best effort: the next round tries again)
                 log.warning("upkeep of durable topic '%s' failed: %s", self.name, exc)
 
     def upkeep(self) -> None:
         """Compact and clean up now (it also runs every ``upkeep_interval`` seconds)."""
-        self.store.upkeep(self._keep_versions)
+        self.store.upkeep(self._keep_versions, None if self.room is None else self.room())
 
     # -- reading ------------------------------------------------------------------------
 
@@ -406,15 +497,16 @@ class DurableLog:
         """``earliest`` (the first stored offset), ``committed`` (every offset below it is
         stored) and ``next`` (the offset the next batch gets)."""
         with self._cond:
-            return {"earliest": 0, "committed": self._committed, "next": self._next}
+            return {"earliest": self._earliest, "committed": self._committed, "next": self._next}
 
     def start_offset(self, start: Start) -> int:
         """The offset a read from ``start`` begins at."""
         with self._cond:
             nxt, version, committed = self._next, self._version, self._committed
             recent = [*self._tail, *self._pending]
+            earliest = self._earliest
         if start == "earliest":
-            return 0
+            return earliest
         if start in ("latest", "now"):
             return nxt
         if isinstance(start, datetime):
@@ -424,13 +516,11 @@ class DurableLog:
             if recent and recent[0].time_us <= us:
                 return next((e.offset for e in recent if e.time_us >= us), nxt)
             found = self.store.offset_at(start, version) if committed else None
-            return found if found is not None else next((e.offset for e in recent), nxt)
+            found = found if found is not None else next((e.offset for e in recent), nxt)
+            return max(found, earliest)
         if isinstance(start, int) and not isinstance(start, bool):
-            if not 0 <= start <= nxt:
-                raise ValueError(
-                    f"offset {start} is outside durable topic '{self.name}': offsets 0..{nxt} "
-                    "(the next batch's) can be read from"
-                )
+            if not earliest <= start <= nxt:
+                raise self._out_of_range(f"offset {start}", earliest, nxt)
             return start
         raise ValueError(
             f"start must be 'earliest', 'latest', an offset or a datetime, got {start!r}"
@@ -456,6 +546,8 @@ class DurableLog:
             memory = [e for e in (*self._tail, *self._pending) if e.offset >= first]
         if first >= nxt:
             return None
+        if first < self._earliest:  # retention deleted it between start_offset and here
+            raise self._out_of_range(f"offset {first}", self._earliest, nxt)
         # The tail ends where the pending batches begin: memory is contiguous up to nxt.
         stored: pa.RecordBatchReader | None = None
         if not (memory and memory[0].offset == first):
@@ -475,15 +567,25 @@ class DurableLog:
         with self._cond:
             committed, version = self._committed, self._version
             tail = [e for e in self._tail if start <= e.offset < end]
-        if not 0 <= start <= end <= committed:
-            raise ValueError(
-                f"durable topic '{self.name}': offsets [{start}, {end}) cannot be read; "
-                f"offsets 0..{committed} are committed"
+        if not self._earliest <= start <= end <= committed:
+            raise self._out_of_range(
+                f"offsets [{start}, {end})", self._earliest, committed, "committed"
             )
         if tail and tail[0].offset == start and len(tail) == end - start:
             arrays = [pa.RecordBatch.from_arrays(e.batch.columns, schema=self.schema) for e in tail]
             return pa.RecordBatchReader.from_batches(self.schema, arrays)
         return self.store.read(start, end, version)
+
+    def _out_of_range(
+        self, what: str, earliest: int, end: int, kind: str = "the next batch's"
+    ) -> OffsetOutOfRangeError:
+        error = OffsetOutOfRangeError(
+            f"{what} cannot be read from durable topic '{self.name}': offsets "
+            f"{earliest}..{end} ({kind}) can be"
+            + (f"; retention has deleted those below {earliest}" if earliest else "")
+        )
+        error.earliest = earliest  # type: ignore[attr-defined]
+        return error
 
     # -- ending -------------------------------------------------------------------------
 
@@ -515,7 +617,9 @@ class DurableLog:
                 "committed_offset": self._committed,
                 "pending_batches": len(self._pending),
                 "pending_bytes": self._pending_bytes,
+                "earliest_offset": self._earliest,
                 "commits": self.commits,
                 "commit_failures": self.commit_failures,
+                "expirations": self.expirations,
                 "consumers": dict(self._consumers),
             }

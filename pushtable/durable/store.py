@@ -11,6 +11,7 @@ restart reads it back without scanning any data.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -25,9 +26,11 @@ import lance
 import numpy as np
 import pyarrow as pa
 
-from pushtable.lance_epochs import not_found, open_dataset, write_fragments
+from pushtable import lance_commits
+from pushtable.lance_commits import open_dataset
+from pushtable.lance_epochs import write_fragments
 
-__all__ = ["OFFSET", "TIMESTAMP", "LogStore", "Recovered", "StoredBatch"]
+__all__ = ["OFFSET", "TIMESTAMP", "LogStore", "Recovered", "Stamp", "StoredBatch"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +43,8 @@ _TIME_TYPE = pa.timestamp("us", tz="UTC")
 NEXT_KEY = "pushtable.next_offset"
 PRODUCERS_KEY = "pushtable.producers"
 CONSUMERS_KEY = "pushtable.consumers"
+#: the first offset retention has not deleted
+EARLIEST_KEY = "pushtable.earliest"
 #: the schema metadata key holding the topic's options (order_by, retain...)
 CONFIG_KEY = "pushtable.topic"
 #: the tag on the newest stamped commit, moved at each upkeep so cleanup keeps it
@@ -64,6 +69,38 @@ class Recovered:
     version: int
     #: consumer -> the offset it said it has read up to (Spark's ``commit(end)``)
     consumers: dict[str, int] = field(default_factory=dict)
+    #: the first offset still stored (retention deletes whole fragments below it)
+    earliest: int = 0
+
+
+@dataclass(frozen=True)
+class Stamp:
+    """What a commit says is stored: written in its transaction properties."""
+
+    next_offset: int
+    producers: dict[str, int]
+    consumers: dict[str, int]
+    earliest: int
+
+    def props(self) -> dict[str, str]:
+        props = {
+            NEXT_KEY: str(self.next_offset),
+            PRODUCERS_KEY: json.dumps(self.producers, separators=(",", ":")),
+            EARLIEST_KEY: str(self.earliest),
+        }
+        if self.consumers:
+            props[CONSUMERS_KEY] = json.dumps(self.consumers, separators=(",", ":"))
+        return props
+
+
+@dataclass(frozen=True)
+class _Bounds:
+    """A fragment's offsets and newest arrival time, and its bytes on disk."""
+
+    first: int
+    last: int
+    newest_us: int
+    nbytes: int
 
 
 class LogStore:
@@ -73,7 +110,7 @@ class LogStore:
         >>> import tempfile, pyarrow as pa
         >>> store = LogStore(tempfile.mkdtemp() + "/t.lance", pa.schema([("v", pa.int64())]))
         >>> batch = pa.record_batch({"v": [1, 2]})
-        >>> version = store.append([StoredBatch(0, 0, batch)], {"p": 0})
+        >>> version = store.append([StoredBatch(0, 0, batch)], Stamp(1, {"p": 0}, {}, 0))
         >>> store.recover().next_offset, store.recover().producers
         (1, {'p': 0})
         >>> store.read(0, 1, version).read_all().to_pydict()
@@ -87,6 +124,7 @@ class LogStore:
         config: dict[str, Any] | None = None,
         *,
         storage_options: dict[str, str] | None = None,
+        sync: bool = True,
     ) -> None:
         for name in (OFFSET, TIMESTAMP):
             if name in schema.names:
@@ -97,6 +135,11 @@ class LogStore:
         self.uri = str(uri)
         self.schema = schema.remove_metadata()
         self.storage_options = storage_options
+        #: fsync what each commit wrote before it counts as stored (local datasets)
+        self.sync = sync
+        #: fragments' bounds by their first data file (a fragment's files never change;
+        #: compaction writes new ones)
+        self._bounds: dict[str, _Bounds] = {}
         ds = self._open()
         if ds is None:
             stamps = [pa.field(OFFSET, pa.int64(), False), pa.field(TIMESTAMP, _TIME_TYPE, False)]
@@ -126,73 +169,121 @@ class LogStore:
         ds = self._open()  # its own handle: upkeep calls this beside the committer
         if ds is None:
             return Recovered(0, {}, 0)
-        page = 8
-        while True:
-            want = min(page, ds.version)
-            try:
-                txs = ds.get_transactions(want)
-            except (OSError, ValueError) as exc:
-                if not not_found(exc):
-                    raise
-                txs = []
-            for i, tx in enumerate(txs):
-                if tx is None:  # cleaned up: what is older is gone too
-                    return self._from_tag(ds)
-                props = dict(tx.transaction_properties or {})
-                if NEXT_KEY in props:
-                    return _recovered(props, ds.version - i)
-            if len(txs) < want or want == ds.version:
-                return self._from_tag(ds) if len(txs) < want else Recovered(0, {}, ds.version)
-            page *= 4
-
-    def _from_tag(self, ds: lance.LanceDataset) -> Recovered:
-        try:
-            version = int(ds.tags.get_version(TAG))
-            tx = ds.read_transaction(version)
-            props = dict(tx.transaction_properties or {}) if tx is not None else {}
-        except (OSError, ValueError, AttributeError) as exc:
-            if isinstance(exc, AttributeError) or not_found(exc):
+        found = lance_commits.newest_stamp(ds, lambda props: NEXT_KEY in props)
+        if found is None:  # cleaned up past the newest stamp: upkeep tagged it
+            tagged = lance_commits.read_tag(ds, TAG)
+            props = None if tagged is None else lance_commits.props_at(ds, tagged)
+            if tagged is None or props is None or NEXT_KEY not in props:
                 return Recovered(0, {}, ds.version)
-            raise
-        return _recovered(props, version) if NEXT_KEY in props else Recovered(0, {}, ds.version)
+            found = tagged, props
+        return _recovered(found[1], found[0])
 
     # -- writing ------------------------------------------------------------------------
 
-    def append(
-        self,
-        batches: Sequence[StoredBatch],
-        producers: dict[str, int],
-        consumers: dict[str, int] | None = None,
-    ) -> int:
-        """Store ``batches`` (consecutive offsets) in one transaction stamped with the offset
-        after the last, ``producers``' sequences and ``consumers``' positions; returns the new
-        version. Lance's commit is atomic: on any error nothing of it is visible."""
+    def append(self, batches: Sequence[StoredBatch], stamp: Stamp) -> int:
+        """Store ``batches`` (consecutive offsets) in one transaction stamped with ``stamp``
+        (which counts them); returns the new version. Lance's commit is atomic: on any error
+        nothing of it is visible. With :attr:`sync`, it is on disk when this returns."""
         table = self._stamped(batches)
         fragments = write_fragments(table, self.uri, self._ds.schema, self.storage_options)
-        props = {
-            NEXT_KEY: str(batches[-1].offset + 1),
-            PRODUCERS_KEY: json.dumps(producers, separators=(",", ":")),
-        }
-        if consumers:
-            props[CONSUMERS_KEY] = json.dumps(consumers, separators=(",", ":"))
-        for attempt in range(6):
-            tx = lance.Transaction(
-                self._ds.version,
-                lance.LanceOperation.Append(fragments),
-                transaction_properties=props,
+        if self.sync:
+            lance_commits.sync_fragments(self.uri, fragments)
+        props = stamp.props()
+        self._ds = self._commit(
+            lambda ds: lance.Transaction(
+                ds.version, lance.LanceOperation.Append(fragments), transaction_properties=props
             )
-            try:
-                self._ds = lance.LanceDataset.commit(
-                    self._ds, tx, storage_options=self.storage_options
-                )
-                return int(self._ds.version)
-            except OSError as exc:  # upkeep committed meanwhile: Lance rebases, or we retry
-                text = str(exc).lower()
-                if ("conflict" not in text and "concurrent" not in text) or attempt == 5:
-                    raise
-                time.sleep(0.01 * 2**attempt)
-                self._ds = self._open() or self._ds
-        raise AssertionError("unreachable")
+        )
+        bounds = _Bounds(
+            batches[0].offset,
+            batches[-1].offset,
+            max(b.time_us for b in batches),
+            0,
+        )
+        for fragment in fragments:  # whole group commits expire together
+            size = sum(f.file_size_bytes or 0 for f in fragment.files)
+            self._bounds[fragment.files[0].path] = dataclasses.replace(bounds, nbytes=size)
+        return int(self._ds.version)
+
+    def _commit(self, transaction: Any) -> lance.LanceDataset:
+        new = lance_commits.commit(
+            self._ds,
+            transaction,
+            storage_options=self.storage_options,
+            retries=6,  # upkeep committed meanwhile: Lance rebases, or we retry
+            sync=self.sync,
+        )
+        assert isinstance(new, lance.LanceDataset)
+        return new
+
+    # -- retention ----------------------------------------------------------------------
+
+    def expire(
+        self, stamp: Stamp, older_than_us: int | None, keep_bytes: int | None
+    ) -> tuple[int, int] | None:
+        """Delete the oldest whole fragments whose rows all arrived before ``older_than_us``,
+        and the oldest while the history holds more than ``keep_bytes``: one Lance
+        transaction, stamped with ``stamp`` and the new earliest offset. Returns (earliest,
+        version), or None when nothing is due. Readers of older versions keep their rows
+        until cleanup removes those versions."""
+        plan: dict[str, Any] = {}
+
+        def transaction(ds: lance.LanceDataset) -> lance.Transaction:
+            ids, earliest = self._due(ds, stamp.next_offset, older_than_us, keep_bytes)
+            plan["earliest"] = earliest
+            props = dataclasses.replace(stamp, earliest=earliest).props()
+            delete = lance.LanceOperation.Delete([], ids, f"{OFFSET} < {earliest}")
+            return lance.Transaction(ds.version, delete, transaction_properties=props)
+
+        ids, _ = self._due(self._ds, stamp.next_offset, older_than_us, keep_bytes)
+        if not ids:
+            return None
+        self._ds = self._commit(transaction)
+        live = {fragment.metadata.files[0].path for fragment in self._ds.get_fragments()}
+        self._bounds = {k: v for k, v in self._bounds.items() if k in live}
+        return int(plan["earliest"]), int(self._ds.version)
+
+    def _due(
+        self,
+        ds: lance.LanceDataset,
+        next_offset: int,
+        older_than_us: int | None,
+        keep_bytes: int | None,
+    ) -> tuple[list[int], int]:
+        """The ids of the oldest fragments retention deletes (a prefix in offset order: no
+        gap is ever left) and the first offset after them."""
+        fragments = [(f.fragment_id, self._bounds_of(f)) for f in ds.get_fragments()]
+        total = sum(b.nbytes for _, b in fragments)
+        ids: list[int] = []
+        last = -1
+        for fid, bounds in fragments:
+            if bounds.first <= last:
+                break  # not in offset order (never seen): stop rather than leave a gap
+            aged = older_than_us is not None and bounds.newest_us < older_than_us
+            large = keep_bytes is not None and total > keep_bytes
+            if not (aged or large):
+                return ids, bounds.first
+            ids.append(fid)
+            total -= bounds.nbytes
+            last = bounds.last
+        return ids, (next_offset if len(ids) == len(fragments) else fragments[len(ids)][1].first)
+
+    def _bounds_of(self, fragment: lance.LanceFragment) -> _Bounds:
+        meta = fragment.metadata
+        key = meta.files[0].path
+        known = self._bounds.get(key)
+        if known is None:  # compacted, or stored before this process: read its two columns
+            table = fragment.to_table(columns=[OFFSET, TIMESTAMP])
+            offsets = pa.compute.min_max(table.column(OFFSET))
+            newest = pa.compute.max(table.column(TIMESTAMP).cast(pa.int64()))
+            known = _Bounds(
+                int(offsets["min"].as_py()),
+                int(offsets["max"].as_py()),
+                int(newest.as_py()),
+                sum(f.file_size_bytes or 0 for f in meta.files),
+            )
+            self._bounds[key] = known
+        return known
 
     def _stamped(self, batches: Sequence[StoredBatch]) -> pa.Table:
         columns: list[list[pa.Array]] = [[] for _ in self.schema]
@@ -242,28 +333,41 @@ class LogStore:
 
     # -- upkeep -------------------------------------------------------------------------
 
-    def upkeep(self, keep_versions: timedelta) -> None:
+    def upkeep(self, keep_versions: timedelta, room: int | None = None) -> None:
         """Compact small fragments into larger ones and remove versions older than
         ``keep_versions`` (the newest stamped commit is tagged first, so cleanup keeps what
-        a restart reads). Commits may run meanwhile: Lance rebases them over the compaction.
-        It uses handles of its own: the committer's must not be touched from this thread."""
+        a restart reads). Compaction writes its new files before cleanup removes the old: it
+        is skipped when the small fragments' bytes do not fit in ``room``. Commits may run
+        meanwhile: Lance rebases them over the compaction. It uses handles of its own: the
+        committer's must not be touched from this thread."""
         ds = self._open()
         if ds is None:
             return
-        ds.optimize.compact_files()
-        recovered = self.recover()
-        ds = self._open() or ds
-        try:
-            ds.tags.update(TAG, recovered.version)
-        except (OSError, ValueError) as exc:
-            if not not_found(exc):
-                raise
-            ds.tags.create(TAG, recovered.version)
-        ds.cleanup_old_versions(older_than=keep_versions, error_if_tagged_old_versions=False)
+        compact = room is None or _small_bytes(ds) <= room
+        if not compact:
+            log.info("upkeep of %s skips compaction: %s bytes of room left", self.uri, room)
+        lance_commits.upkeep(
+            self.uri,
+            compact=compact,
+            keep={TAG: self.recover().version},
+            older_than=keep_versions,
+            storage_options=self.storage_options,
+        )
 
     def disk_bytes(self) -> int:
         """Bytes the dataset's files take on disk now (local datasets)."""
         return directory_bytes(Path(self.uri))
+
+
+def _small_bytes(ds: lance.LanceDataset) -> int:
+    """Bytes of the fragments compaction would rewrite (those under its default target)."""
+    target = 1024 * 1024
+    return sum(
+        f.file_size_bytes or 0
+        for fragment in ds.get_fragments()
+        if fragment.metadata.physical_rows < target
+        for f in fragment.metadata.files
+    )
 
 
 def _aligned(batch: pa.RecordBatch) -> pa.RecordBatch:
@@ -312,6 +416,7 @@ def _recovered(props: dict[str, str], version: int) -> Recovered:
         {str(k): int(v) for k, v in producers.items()},
         version,
         {str(k): int(v) for k, v in consumers.items()},
+        int(props.get(EARLIEST_KEY, 0)),
     )
 
 

@@ -131,13 +131,17 @@ class Client:
         if_not_exists: bool = False,
         durable: bool = False,
         commit_interval: float | None = None,
+        retention: timedelta | None = None,
+        retention_bytes: int | None = None,
     ) -> None:
         """Declare a topic on the server (see :class:`pushtable.Topic`).
 
         ``durable=True`` (an ``admin`` call) stores it in the server's data dir as
         ``<name>.lance``: each acknowledgement then means committed, it survives a restart,
         and subscriptions and :meth:`read` start at any offset. ``commit_interval``
-        (seconds, default 0.1) is how long its group commits gather batches.
+        (seconds, default 0.1) is how long its group commits gather batches;
+        ``retention`` / ``retention_bytes`` bound its stored history (whole old fragments
+        are deleted; a read below ``earliest`` raises :class:`~pushtable.OffsetOutOfRangeError`).
         """
         body: dict[str, Any] = {
             "name": name,
@@ -152,6 +156,10 @@ class Client:
             body["durable"] = True
         if commit_interval is not None:
             body["commit_interval"] = commit_interval
+        if retention is not None:
+            body["retention_us"] = retention // timedelta(microseconds=1)
+        if retention_bytes is not None:
+            body["retention_bytes"] = retention_bytes
         self._action("create_table", body)
 
     def subscribe(

@@ -265,6 +265,13 @@ class DataBudget:
                 )
             self.used += nbytes
 
+    def room(self) -> int:
+        """Bytes the data dir may still grow by, measured now (upkeep asks before it
+        compacts: compaction writes new files before cleanup removes the old)."""
+        with self._lock:
+            self.used = directory_bytes(self.path)
+            return max(0, self.limit - self.used)
+
 
 class Slot:
     """A held query slot. ``release()`` is idempotent and thread-safe."""

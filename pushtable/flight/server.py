@@ -89,8 +89,11 @@ class Server(Ingest, Queries, flight.FlightServerBase):  # type: ignore[misc]
         ctx: SessionContext | None = None,
         limits: Limits | None = None,
         data_dir: str | Path | None = None,
+        fsync: bool = True,
     ) -> None:
         self.limits = limits if limits is not None else Limits()
+        #: whether durable topics sync each commit to disk before acknowledging it
+        self.fsync = fsync
         self.usage = Usage(self.limits)
         self._tables: dict[str, TableSink | Topic] = {}
         #: where durable topics are stored (``DIR/<name>.lance``); None: no durable topics
@@ -100,10 +103,7 @@ class Server(Ingest, Queries, flight.FlightServerBase):  # type: ignore[misc]
             self.data_dir.mkdir(parents=True, exist_ok=True)
             self._budget = DataBudget(self.data_dir, self.limits.max_data_bytes, self.usage)
             for path in sorted(self.data_dir.glob("*.lance")):
-                topic = Topic.reopen(path)
-                assert topic.durable is not None
-                topic.durable.reserve = self._budget.reserve
-                self._tables[topic.name] = topic
+                self._tables[path.stem] = self._budgeted(Topic.reopen(path, fsync=fsync))
         if tls is not None and location.startswith("grpc://"):
             location = "grpc+tls://" + location.removeprefix("grpc://")
         self.tokens = _tokens(token, tokens)
@@ -187,9 +187,17 @@ class Server(Ingest, Queries, flight.FlightServerBase):  # type: ignore[misc]
                 f"a durable topic's name is its dataset's file name: letters, digits, '_', "
                 f"'-' and '.', not starting with '.' or '-'; got {name!r}"
             )
-        topic = Topic(name, schema, persist=self.data_dir / f"{name}.lance", **options)
+        if (us := options.pop("retention_us", None)) is not None:
+            options["retention"] = timedelta(microseconds=int(us))
+        path = self.data_dir / f"{name}.lance"
+        return self._budgeted(Topic(name, schema, persist=path, fsync=self.fsync, **options))
+
+    def _budgeted(self, topic: Topic) -> Topic:
+        """``topic``'s writes and upkeep held to the data dir's ``max_data_bytes``."""
         assert topic.durable is not None
+        assert self._budget is not None
         topic.durable.reserve = self._budget.reserve
+        topic.durable.room = self._budget.room
         return topic
 
     @classmethod
@@ -229,6 +237,8 @@ class Server(Ingest, Queries, flight.FlightServerBase):  # type: ignore[misc]
                 )
                 if spec.get("durable"):  # a restart found it in the data dir already
                     spec.setdefault("if_not_exists", True)
+                if (seconds := spec.pop("retention_seconds", None)) is not None:
+                    spec["retention"] = timedelta(seconds=seconds)
                 self.create_table(spec.pop("name"), schema, topic=is_topic, **spec)
 
     def _durable(self, name: str) -> Topic:
@@ -270,7 +280,7 @@ class Server(Ingest, Queries, flight.FlightServerBase):  # type: ignore[misc]
         if kind == "create_table":
             name = str(body.pop("name"))
             grant.require(ADMIN, "create", [name])
-            for key in ("persist", "upkeep_interval"):
+            for key in ("persist", "upkeep_interval", "fsync"):
                 if key in body:
                     raise PermissionDeniedError(
                         f"a remote client cannot set {key!r}: the server places durable topics "
@@ -431,6 +441,7 @@ def serve(
     metrics_port: int | None = None,
     ui_port: int | None = None,
     data_dir: str | Path | None = None,
+    fsync: bool = True,
     block: bool = True,
     say: Any = print,
 ) -> Server:
@@ -438,22 +449,29 @@ def serve(
 
     ``metrics_port`` serves Prometheus metrics; ``ui_port`` serves the browser view (tables,
     rates, a live query; see :mod:`pushtable.flight.ui`) and ``/metrics`` too. ``data_dir``
-    holds durable topics; a server started on it again reopens each of them.
+    holds durable topics; a server started on it again reopens each of them; with ``fsync``
+    (default) their acknowledgements wait until each commit is synced to disk.
     With ``block=True`` (the command) it serves until Ctrl-C or SIGTERM, then stops cleanly;
     with ``block=False`` it returns the running :class:`Server` (call ``stop()``).
     """
     scheme = "grpc+tls" if tls else "grpc"
     location = f"{scheme}://{host}:{port}"
     if config is not None:
-        server = Server.from_config(config, location, token=token, tls=tls, data_dir=data_dir)
+        server = Server.from_config(
+            config, location, token=token, tls=tls, data_dir=data_dir, fsync=fsync
+        )
     else:
-        server = Server(location, token=token, tls=tls, data_dir=data_dir)
+        server = Server(location, token=token, tls=tls, data_dir=data_dir, fsync=fsync)
     names = server.tokens.names
     auth = f"bearer tokens required: {', '.join(names)}" if names else "no auth"
     say(f"pushtable serve: listening on {server.location} ({auth})")
     if server.data_dir is not None:
         durable = [n for n, t in server._tables.items() if isinstance(t, Topic) and t.durable]
-        say(f"pushtable serve: data dir {server.data_dir} ({len(durable)} durable topic(s))")
+        synced = "fsync on" if fsync else "fsync OFF: an OS crash may lose acknowledged batches"
+        say(
+            f"pushtable serve: data dir {server.data_dir} ({len(durable)} durable topic(s), "
+            f"{synced})"
+        )
     if metrics_port is not None:
         import prometheus_client
 

@@ -486,17 +486,9 @@ class ForeachBatchBridge:
             return self._topic
         ds = None
         if self.lance_uri is not None:
-            import lance
+            from pushtable.lance_commits import open_dataset
 
-            from pushtable.lance_epochs import _not_found
-
-            try:
-                ds = lance.dataset(
-                    self.lance_uri, storage_options=self._writer_options["storage_options"]
-                )
-            except (OSError, ValueError) as exc:
-                if not _not_found(exc):
-                    raise
+            ds = open_dataset(self.lance_uri, self._writer_options["storage_options"])
         if schema is None:
             if ds is not None:
                 schema = ds.schema

@@ -1,0 +1,302 @@
+"""Stamped Lance commits: the one mechanism behind a durable topic's group commits and a
+Spark query's epochs.
+
+A writer that must survive a restart without writing twice stamps each commit (Lance
+transaction properties) with what it has stored, then on restart walks the history newest
+first for its last stamp (Iceberg's approach: no fixed window), with a tag on that commit so
+cleanup keeps it. Commits that meet a concurrent writer (compaction, another query) are
+retried with backoff; upkeep compacts and removes old versions. With ``sync`` a commit is on
+disk before it returns: Lance's local store writes without fsync, so the files a commit wrote
+(data files, its transaction, its manifest) and their directories are synced here.
+
+Example:
+    >>> import tempfile, lance, pyarrow as pa
+    >>> uri = tempfile.mkdtemp() + "/t.lance"
+    >>> ds = lance.write_dataset(pa.table({"v": [1]}), uri)
+    >>> frags = lance.fragment.write_fragments(pa.table({"v": [2]}), uri, schema=ds.schema)
+    >>> ds = commit(
+    ...     ds,
+    ...     lambda d: lance.Transaction(
+    ...         d.version, lance.LanceOperation.Append(frags), transaction_properties={"me": "1"}
+    ...     ),
+    ...     sync=True,
+    ... )
+    >>> newest_stamp(ds, lambda props: "me" in props)
+    (2, {'me': '1'})
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TypeVar
+
+import lance
+from lance.commit import CommitConflictError
+
+__all__ = [
+    "CommitContentionError",
+    "commit",
+    "is_local",
+    "move_tag",
+    "newest_stamp",
+    "not_found",
+    "open_dataset",
+    "props_at",
+    "read_tag",
+    "sync_fragments",
+    "upkeep",
+]
+
+T = TypeVar("T")
+
+#: a commit's transaction properties
+Props = dict[str, str]
+
+
+class CommitContentionError(OSError):
+    """A commit still met concurrent writers after its retries, or met a change that no retry
+    can resolve (``retryable`` False)."""
+
+    def __init__(self, message: str, retryable: bool) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+def not_found(exc: BaseException) -> bool:
+    """Whether a Lance error says a version, manifest or tag does not exist.
+
+    Only that may end a history walk or stand for "no tag": any other error (I/O, auth,
+    throttling) must propagate, or a fresh process would think a commit missing and write it
+    twice. pylance 14 raises ``ValueError("Ref not found ...")`` for a missing tag and
+    ``OSError("... was not found: Not found: ...")`` for a missing manifest: it has no
+    narrower type for either, so this one function reads the text.
+    """
+    if isinstance(exc, FileNotFoundError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, (OSError, ValueError)) and (
+        "not found" in text or "does not exist" in text
+    )
+
+
+def _contention(exc: OSError) -> bool:
+    """Whether a failed commit met concurrent writers. Lance retries compatible conflicts
+    itself and then raises ``CommitConflictError``, or a plain OSError when it gives up
+    ("Too many concurrent writers", "Commit conflict for version N ... after 20 retries")."""
+    if isinstance(exc, CommitConflictError):
+        return True
+    text = str(exc).lower()
+    return "too many concurrent writers" in text or "commit conflict" in text
+
+
+def open_dataset(
+    uri: str, storage_options: dict[str, str] | None = None, version: int | None = None
+) -> lance.LanceDataset | None:
+    """The dataset at ``uri``, or None when there is none yet (any other error propagates)."""
+    try:
+        return lance.dataset(uri, version=version, storage_options=storage_options)
+    except (OSError, ValueError) as exc:
+        if not_found(exc):
+            return None
+        raise
+
+
+# -- history ----------------------------------------------------------------------------
+
+
+def newest_stamp(
+    ds: lance.LanceDataset, match: Callable[[Props], bool], stop: int = 0
+) -> tuple[int, Props] | None:
+    """The newest commit above version ``stop`` whose properties ``match``: its version and
+    properties; None when history down to ``stop`` (or down to what cleanup removed) has none.
+
+    Newest first, in growing pages: a steady writer finds itself in the first page."""
+    page, seen = 8, 0
+    while ds.version - seen > stop:
+        want = min(page, ds.version - stop)
+        try:
+            txs = ds.get_transactions(want)
+        except (OSError, ValueError) as exc:
+            if not not_found(exc):
+                raise  # I/O, auth, throttling: never taken for "no stamp"
+            return None  # a cleaned-up version: the walk ends here
+        for i in range(seen, len(txs)):
+            tx = txs[i]
+            if tx is None:  # cleaned up: what is older is gone too
+                return None
+            props = dict(tx.transaction_properties or {})
+            if match(props):
+                return ds.version - i, props
+        if len(txs) < want:
+            return None
+        seen, page = want, page * 4
+    return None
+
+
+def props_at(ds: lance.LanceDataset, version: int) -> Props | None:
+    """The properties of the commit that made ``version`` (None: it was cleaned up)."""
+    try:
+        tx = ds.read_transaction(version)
+    except (OSError, ValueError) as exc:
+        if not not_found(exc):
+            raise
+        return None
+    return None if tx is None else dict(tx.transaction_properties or {})
+
+
+def read_tag(ds: lance.LanceDataset, tag: str) -> int | None:
+    """The version ``tag`` points at (None: no such tag)."""
+    try:
+        return int(ds.tags.get_version(tag))
+    except (OSError, ValueError) as exc:
+        if not not_found(exc):
+            raise
+        return None
+
+
+def move_tag(ds: lance.LanceDataset, tag: str, version: int) -> None:
+    """Point ``tag`` at ``version`` (creating it): cleanup keeps a tagged version."""
+    try:
+        ds.tags.update(tag, version)
+    except (OSError, ValueError) as exc:
+        if not not_found(exc):
+            raise
+        ds.tags.create(tag, version)
+
+
+# -- committing -------------------------------------------------------------------------
+
+
+def commit(
+    ds: lance.LanceDataset,
+    transaction: Callable[[lance.LanceDataset], lance.Transaction],
+    *,
+    storage_options: dict[str, str] | None = None,
+    retries: int = 8,
+    backoff: float = 0.01,
+    recheck: Callable[[lance.LanceDataset], T | None] | None = None,
+    on_conflict: Callable[[OSError], None] | None = None,
+    sync: bool = False,
+) -> lance.LanceDataset | T:
+    """Commit ``transaction(ds)``; when it meets a concurrent writer, read the dataset again
+    and retry with a growing backoff. ``recheck`` runs on each re-read version first: what it
+    returns (not None) ends the attempt instead (an epoch another process committed). With
+    ``sync`` the commit's files are on disk when this returns (:func:`sync_commit`).
+
+    Raises :class:`CommitContentionError` when the conflicts outlast ``retries`` or cannot
+    be retried; any other error as Lance raised it."""
+    for attempt in range(retries + 1):
+        if attempt:
+            ds = open_dataset(ds.uri, storage_options) or ds
+            if recheck is not None and (settled := recheck(ds)) is not None:
+                return settled
+        started = time.time_ns() - 1_000_000  # mtimes can trail the clock slightly
+        try:
+            new = lance.LanceDataset.commit(ds, transaction(ds), storage_options=storage_options)
+        except OSError as exc:
+            if not _contention(exc):
+                raise  # storage trouble, not contention
+            if on_conflict is not None:
+                on_conflict(exc)
+            retryable = not isinstance(exc, CommitConflictError) or bool(exc.retryable)
+            if not retryable or attempt == retries:
+                why = "cannot be retried" if not retryable else f"after {retries} retries"
+                raise CommitContentionError(
+                    f"commit to {ds.uri} conflicts with a concurrent change ({why}): {exc}",
+                    retryable,
+                ) from exc
+            time.sleep(backoff * 2**attempt)
+            continue
+        if sync:
+            sync_commit(new, started)
+        return new
+    raise AssertionError("unreachable")
+
+
+# -- durability -------------------------------------------------------------------------
+
+
+def is_local(uri: str) -> bool:
+    """Whether ``uri`` is a local path (an object store's put is durable when it returns)."""
+    return "://" not in uri or uri.startswith("file://")
+
+
+def _path(uri: str) -> Path:
+    return Path(uri.removeprefix("file://"))
+
+
+def _fsync(path: Path, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sync_fragments(uri: str, fragments: Iterable[Any]) -> None:
+    """fsync the data files of ``fragments`` (Lance ``FragmentMetadata``) and the data
+    directory: before their commit, so a stored manifest never names data still in memory."""
+    if not is_local(uri):
+        return
+    data = _path(uri) / "data"
+    for fragment in fragments:
+        for file in fragment.files:
+            _fsync(data / file.path)
+        if fragment.deletion_file is not None:
+            _fsync(_path(uri) / "_deletions")
+    if data.exists():
+        _fsync(data, directory=True)
+
+
+def sync_commit(ds: lance.LanceDataset, since_ns: int = 0) -> None:
+    """fsync what the commit of ``ds.version`` wrote: its manifest, the transaction files
+    written since ``since_ns`` (``time.time_ns()``), and their directories (a new file is
+    durable only once its directory entry is)."""
+    if not is_local(ds.uri):
+        return
+    root = _path(ds.uri)
+    versions = root / "_versions"
+    for name in (f"{(1 << 64) - 1 - ds.version:020d}.manifest", f"{ds.version}.manifest"):
+        with contextlib.suppress(FileNotFoundError):
+            _fsync(versions / name)
+    txs = root / "_transactions"
+    if txs.exists():
+        with os.scandir(txs) as entries:
+            for entry in entries:
+                with contextlib.suppress(FileNotFoundError):  # removed by a cleanup meanwhile
+                    if entry.stat().st_mtime_ns >= since_ns:
+                        _fsync(Path(entry.path))
+        _fsync(txs, directory=True)
+    _fsync(versions, directory=True)
+    _fsync(root, directory=True)
+
+
+# -- upkeep -----------------------------------------------------------------------------
+
+
+def upkeep(
+    uri: str,
+    *,
+    keep: dict[str, int] | None = None,
+    older_than: timedelta | None = None,
+    compact: bool = True,
+    storage_options: dict[str, str] | None = None,
+) -> None:
+    """Compact small fragments (if ``compact``), move each tag of ``keep`` to its version,
+    then remove versions older than ``older_than`` (never a tagged one). Commits may run
+    meanwhile: Lance rebases them over the compaction."""
+    ds = open_dataset(uri, storage_options)
+    if ds is None:
+        return
+    if compact:
+        ds.optimize.compact_files()
+    ds = open_dataset(uri, storage_options) or ds
+    for tag, version in (keep or {}).items():
+        move_tag(ds, tag, version)
+    if older_than is not None:
+        ds.cleanup_old_versions(older_than=older_than, error_if_tagged_old_versions=False)

@@ -1,0 +1,192 @@
+"""Retention and fsync of durable topics, against real ``pushtable serve --data-dir`` processes.
+
+Retention (Kafka's ``retention.ms`` / ``retention.bytes``) deletes whole old fragments in a
+Lance transaction stamped with the new ``earliest`` offset: it survives a SIGKILL, a read
+below it is an :class:`OffsetOutOfRangeError` naming it, and what is left reads back with no
+gap. ``fsync`` (default on) syncs each commit's files before acknowledging it: counted here
+with strace on the server process, on and off.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from decimal import Decimal
+from pathlib import Path
+
+import lance
+import pyarrow as pa
+import pytest
+
+from pushtable import OffsetOutOfRangeError, SessionContext, Topic
+from pushtable.durable.store import OFFSET, LogStore, Stamp, StoredBatch
+from pushtable.flight import Client, connect
+from tests.conftest import WAIT
+from tests.test_durable_crash import Serve, free_port
+
+SCHEMA = pa.schema(
+    [
+        pa.field("k", pa.int64(), nullable=False),
+        pa.field("at", pa.timestamp("us", tz="Europe/Paris")),
+        pa.field("amount", pa.decimal128(12, 2)),
+        pa.field("tags", pa.list_(pa.string())),
+    ]
+)
+ROWS = 200
+
+
+def batch(i: int) -> pa.RecordBatch:
+    """Batch ``i``: keys ``i*ROWS ..``, zoned times, decimals, nested lists and nulls."""
+    ks = list(range(i * ROWS, (i + 1) * ROWS))
+    return pa.record_batch(
+        {
+            "k": ks,
+            "at": [None if k % 7 == 0 else k * 1_000_000 for k in ks],
+            "amount": [None if k % 5 == 0 else Decimal(k * 101) / 100 for k in ks],
+            "tags": [None if k % 3 == 0 else [str(k), "x"] for k in ks],
+        },
+        schema=SCHEMA,
+    )
+
+
+def until(check: Callable[[], bool], what: str) -> None:
+    """Wait (at most ``WAIT`` seconds) for ``check()``: retention runs on its own clock."""
+    deadline = time.monotonic() + WAIT
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def write_committed(client: Client, n: int, first: int = 0) -> None:
+    """Write batches ``first..first+n`` to ``events``, each acknowledged (one commit each);
+    the topic stays open (a sink's ``close()`` would end it)."""
+    sink = client.sink("events", producer_id="p", retry=WAIT)
+    for i in range(first, first + n):
+        sink.write(batch(i))
+        sink.flush()
+
+
+def test_retention_by_bytes_deletes_whole_fragments_and_survives_a_kill(tmp_path: Path) -> None:
+    port = free_port()
+    server = Serve(tmp_path, port)
+    try:
+        client = connect(server.location)
+        client.create_topic("events", SCHEMA, durable=True, retention_bytes=40_000)
+        write_committed(client, 30)
+        until(lambda: client.offsets("events")["earliest"] > 0, "retention to delete")
+        offsets = client.offsets("events")
+        earliest = offsets["earliest"]
+        assert 0 < earliest < offsets["committed"] == 30
+        with pytest.raises(OffsetOutOfRangeError, match=f"below {earliest}"):
+            client.read("events", 0, offsets["committed"]).read_all()
+        server.kill()
+        server = Serve(tmp_path, port)
+        client = connect(server.location)
+        again = client.offsets("events")
+        assert again["earliest"] >= earliest  # stamped in the commit: a restart keeps it
+        earliest = again["earliest"]
+        got = client.read("events", earliest, again["committed"]).read_all()
+        want = pa.Table.from_batches([batch(i) for i in range(earliest, 30)])
+        assert got.cast(SCHEMA).equals(want)  # no gap, nothing past the bound
+        # On disk: whole fragments went (every stored row is at or above earliest), and the
+        # history is held near the bound (at most one fragment above it).
+        ds = lance.dataset(str(tmp_path / "events.lance"))
+        stored_offsets = ds.to_table(columns=[OFFSET]).column(OFFSET)
+        assert pa.compute.min(stored_offsets).as_py() == earliest
+        sizes = [
+            sum(f.file_size_bytes or 0 for f in fr.metadata.files) for fr in ds.get_fragments()
+        ]
+        assert sum(sizes) <= 40_000 + max(sizes)
+    finally:
+        server.stop()
+
+
+def test_retention_by_age_deletes_while_the_topic_is_idle(tmp_path: Path) -> None:
+    topic = Topic(
+        "events",
+        SCHEMA,
+        persist=tmp_path / "events.lance",
+        retention=timedelta(milliseconds=300),
+        upkeep_interval=None,
+    )
+    try:
+        for i in range(5):
+            topic.write(batch(i))
+            topic.flush()
+        # No write after this: the committer still deletes what ages out.
+        until(lambda: topic.offsets()["earliest"] == 5, "the aged history to go")
+        assert topic.stats.expirations >= 1
+        ctx = SessionContext()
+        with pytest.raises(OffsetOutOfRangeError, match=r"offsets 5\.\.5"):
+            topic.subscribe(ctx, "old", start=2)
+        topic.subscribe(ctx, "rest", start="earliest")
+        topic.write(batch(5))
+    finally:
+        topic.close()
+    assert ctx.sql("SELECT min(k) AS lo, count(*) AS n FROM rest").to_pydict() == {
+        "lo": [5 * ROWS],
+        "n": [ROWS],
+    }
+    again = Topic.reopen(tmp_path / "events.lance", upkeep_interval=None)
+    try:
+        assert again.offsets()["earliest"] >= 5  # batch 5 may have aged out too by now
+        assert again.durable is not None
+        assert again.durable.retention == timedelta(milliseconds=300)  # stored with the topic
+    finally:
+        again.close()
+
+
+def test_upkeep_does_not_compact_past_the_room_it_is_given(tmp_path: Path) -> None:
+    store = LogStore(tmp_path / "t.lance", SCHEMA)
+    for i in range(6):
+        store.append([StoredBatch(i, 0, batch(i))], Stamp(i + 1, {}, {}, 0))
+    before = len(lance.dataset(str(tmp_path / "t.lance")).get_fragments())
+    store.upkeep(timedelta(0), room=100)  # far less than the small fragments' bytes
+    assert len(lance.dataset(str(tmp_path / "t.lance")).get_fragments()) == before == 6
+    store.upkeep(timedelta(0), room=None)
+    assert len(lance.dataset(str(tmp_path / "t.lance")).get_fragments()) == 1
+    assert store.recover().next_offset == 6  # the tag keeps the stamped commit readable
+
+
+def test_bad_retention_is_refused(tmp_path: Path) -> None:
+    for bad in ({"retention": timedelta(0)}, {"retention_bytes": 0}, {"retention_bytes": 1.5}):
+        with pytest.raises(ValueError, match="retention"):
+            Topic("t", SCHEMA, persist=tmp_path / "t.lance", **bad)
+    with pytest.raises(ValueError, match="durable topic's stored history"):
+        Topic("t", SCHEMA, retention_bytes=10)
+
+
+def _syncs(trace: Path) -> int:
+    return sum(
+        1
+        for line in trace.read_text().splitlines()
+        if ("fsync(" in line or "fdatasync(" in line) and "= 0" in line
+    )
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace (Debian: strace)")
+@pytest.mark.parametrize("fsync", [True, False], ids=["fsync", "no-fsync"])
+def test_a_server_syncs_each_commit_before_acknowledging_it(tmp_path: Path, fsync: bool) -> None:
+    probe = subprocess.run(["strace", "-o", "/dev/null", "true"], capture_output=True, check=False)
+    if probe.returncode != 0:
+        pytest.skip(f"strace cannot trace here: {probe.stderr.decode().strip()}")
+    trace = tmp_path / "trace"
+    extra = () if fsync else ("--no-fsync",)
+    prefix = ("strace", "-f", "-e", "trace=fsync,fdatasync", "-o", str(trace))
+    server = Serve(tmp_path / "data", free_port(), *extra, prefix=prefix)
+    try:
+        client = connect(server.location)
+        client.create_topic("events", SCHEMA, durable=True)
+        before = _syncs(trace)
+        write_committed(client, 3)
+        after = _syncs(trace)
+    finally:
+        server.stop()
+    if fsync:
+        # each commit: its data file and directory, manifest, transaction, three directories
+        assert after - before >= 3 * 5
+    else:
+        assert after == before == 0
