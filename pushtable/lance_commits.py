@@ -28,6 +28,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -51,6 +52,8 @@ __all__ = [
     "sync_fragments",
     "upkeep",
 ]
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -288,13 +291,20 @@ def upkeep(
     storage_options: dict[str, str] | None = None,
 ) -> None:
     """Compact small fragments (if ``compact``), move each tag of ``keep`` to its version,
-    then remove versions older than ``older_than`` (never a tagged one). Commits may run
-    meanwhile: Lance rebases them over the compaction."""
+    then remove versions older than ``older_than`` (never a tagged one) and the files no
+    version needs. Commits may run meanwhile: Lance rebases them over the compaction; a
+    compaction that meets one it cannot rebase over (a deletion of the same fragments) is
+    dropped, and cleanup still runs (it also removes what the dropped compaction wrote)."""
     ds = open_dataset(uri, storage_options)
     if ds is None:
         return
     if compact:
-        ds.optimize.compact_files()
+        try:
+            ds.optimize.compact_files()
+        except OSError as exc:
+            if not _contention(exc) and "preempted" not in str(exc).lower():
+                raise
+            log.info("compaction of %s gave way to a concurrent commit: %s", uri, exc)
     ds = open_dataset(uri, storage_options) or ds
     for tag, version in (keep or {}).items():
         move_tag(ds, tag, version)

@@ -122,10 +122,12 @@ class Topic(_Producer):
     raise :class:`~pushtable.CommitFailedError`). A topic made again on the same path
     continues its offsets. ``retain``/``retain_bytes`` then bound the committed batches also
     kept in memory (history is read from Lance); ``upkeep_interval`` seconds apart, small
-    fragments are compacted and versions older than ten minutes removed, while writes go on.
-    ``retention`` (a ``timedelta``) and ``retention_bytes`` bound the stored history, as
-    Kafka's ``retention.ms`` / ``retention.bytes``: whole old fragments are deleted, the
-    ``earliest`` offset advances, and a read below it raises
+    fragments are compacted and versions older than ``keep_versions`` (ten minutes) removed,
+    while writes go on: readers of an older version have that long, and what retention
+    deleted leaves the disk that much later. ``retention`` (a ``timedelta``) and
+    ``retention_bytes`` bound the stored history, as Kafka's ``retention.ms`` /
+    ``retention.bytes``: whole old fragments are deleted, the ``earliest`` offset advances,
+    and a read below it raises
     :class:`~pushtable.OffsetOutOfRangeError`. ``fsync`` (default on) syncs each commit's
     files before it counts as stored, so an acknowledged batch survives a power loss; off,
     it survives a killed process but an OS crash may lose the last seconds.
@@ -164,6 +166,7 @@ class Topic(_Producer):
         retention: timedelta | None = None,
         retention_bytes: int | None = None,
         fsync: bool = True,
+        keep_versions: timedelta = timedelta(minutes=10),
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string, got {name!r}")
@@ -177,10 +180,16 @@ class Topic(_Producer):
         order = order_columns(order_by, late)
         delay = delay_units(schema, order, max_delay)
         durable = persist is not None
-        if not durable and (retention, retention_bytes, fsync) != (None, None, True):
+        if not durable and (retention, retention_bytes, fsync, keep_versions) != (
+            None,
+            None,
+            True,
+            timedelta(minutes=10),
+        ):
             raise ValueError(
-                "retention, retention_bytes and fsync are options of a durable topic's stored "
-                "history (Topic(..., persist=...)); retain/retain_bytes bound one in memory"
+                "retention, retention_bytes, fsync and keep_versions are options of a durable "
+                "topic's stored history (Topic(..., persist=...)); retain/retain_bytes bound "
+                "one in memory"
             )
         native = _native.topic(
             name,
@@ -225,6 +234,7 @@ class Topic(_Producer):
                 retention=retention,
                 retention_bytes=retention_bytes,
                 fsync=fsync,
+                keep_versions=keep_versions,
             )
         metrics.track(self)
 

@@ -4,12 +4,18 @@
   topic with one live ``count/sum`` query, in memory vs durable (``persist=``), timed from
   the first write to the query's answer after ``close`` (which, durable, returns once the
   last commit holds everything); and over Flight, an idempotent producer into a memory vs a
-  durable topic on ``pushtable serve``, timed to the last acknowledgement. Alternating runs.
+  durable topic on ``pushtable serve``, timed to the last acknowledgement. Alternating runs,
+  fsync on (the default). Beside them, the goal's yardstick: Lance's own
+  ``write_fragments`` + commit of the same batches in one process, fsync'd the same way.
 - ``ack``: per-batch acknowledgement latency of a durable topic written at a steady rate
-  (append -> the commit that holds it), and a producer's ``flush()`` over Flight.
+  (append -> the commit that holds it), and a producer's ``flush()`` over Flight, with fsync
+  on and off.
+- ``memwal``: Lance's own write-ahead log (``mem_wal_writer``, fsync'd) measured as an
+  acknowledgement path: a ``put``'s latency at the same rate, and its ingest rate.
 - ``restart``: reopening a topic of 10 M rows (its schema, next offset and producers).
-- ``upkeep``: a steady run with upkeep (compaction + cleanup): the dataset's versions and
-  fragments at the end, and the worst acknowledgement while upkeep ran.
+- ``retention``: a steady run with retention by bytes and upkeep (compaction + cleanup):
+  disk use sampled over the run (flat once retention and cleanup keep pace), the dataset's
+  versions and fragments at the end, and the worst acknowledgement meanwhile.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import statistics
 import tempfile
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +33,7 @@ import numpy as np
 import pyarrow as pa
 
 from pushtable import SessionContext, Topic
+from pushtable.lance_commits import sync_commit, sync_fragments
 
 SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.float64()), ("s", pa.string())])
 
@@ -83,17 +91,35 @@ def _remote(durable: bool, data: list[pa.RecordBatch], count: int, where: Path) 
         server.stop()
 
 
+def _lance(data: list[pa.RecordBatch], count: int, where: Path) -> float:
+    """Lance's own write of the same batches in one process: ``write_fragments`` of all of
+    them, then one commit, each fsync'd as a durable topic's commit is."""
+    uri = str(where / f"l{time.monotonic_ns()}.lance")
+    ds = lance.write_dataset(SCHEMA.empty_table(), uri)
+    started = time.perf_counter()
+    reader = pa.RecordBatchReader.from_batches(SCHEMA, (data[i % len(data)] for i in range(count)))
+    fragments = lance.fragment.write_fragments(reader, uri, schema=ds.schema)
+    sync_fragments(uri, fragments)
+    before = time.time_ns()
+    op = lance.LanceOperation.Append(fragments)
+    ds = lance.LanceDataset.commit(ds, lance.Transaction(ds.version, op))
+    sync_commit(ds, before)
+    return time.perf_counter() - started
+
+
 def ingest(quick: bool, where: Path) -> list[dict[str, Any]]:
     rounds = 2 if quick else 3
-    out = []
+    out: list[dict[str, Any]] = []
     for rows in (8_192, 65_536):
         data = batches(rows)
         count = max(16, (4_000_000 if quick else 20_000_000) // rows)
+        lance_times = []
         for path, fn in (("in-process", _local), ("flight", _remote)):
             times: dict[bool, list[float]] = {False: [], True: []}
             for _ in range(rounds):
                 for durable in (False, True):
                     times[durable].append(fn(durable, data, count, where))
+                lance_times.append(_lance(data, count, where))
             memory = count * rows / statistics.median(times[False]) / 1e6
             durable_rate = count * rows / statistics.median(times[True]) / 1e6
             out.append(
@@ -106,13 +132,24 @@ def ingest(quick: bool, where: Path) -> list[dict[str, Any]]:
                     "ratio": durable_rate / memory,
                 }
             )
+        lance_rate = count * rows / statistics.median(lance_times) / 1e6
+        for row in out[-2:]:
+            row["lance_m_rows_s"] = lance_rate
+            row["vs_lance"] = float(row["durable_m_rows_s"]) / lance_rate
     return out
 
 
 def ack(quick: bool, where: Path) -> dict[str, Any]:
-    """Append -> commit latency of every batch at a steady rate; a remote flush's latency."""
+    """Append -> commit latency at a steady rate and a remote flush's, fsync on and off."""
+    return {
+        "fsync": _ack(quick, where / "on", fsync=True),
+        "no_fsync": _ack(quick, where / "off", fsync=False),
+    }
+
+
+def _ack(quick: bool, where: Path, fsync: bool) -> dict[str, Any]:
     data = batches(8_192)
-    topic = Topic("t", SCHEMA, persist=where / "ack.lance")
+    topic = Topic("t", SCHEMA, persist=where / "ack.lance", fsync=fsync)
     log = topic.durable
     assert log is not None
     appended: dict[int, float] = {}
@@ -138,7 +175,7 @@ def ack(quick: bool, where: Path) -> dict[str, Any]:
             appended[offset] = now
     topic.flush()
     topic.close()
-    flushes = _remote_flushes(50 if quick else 300, where)
+    flushes = _remote_flushes(50 if quick else 300, where, fsync)
     ms = sorted(x * 1e3 for x in latencies)
     return {
         "rate_batches_s": rate,
@@ -154,11 +191,11 @@ def ack(quick: bool, where: Path) -> dict[str, Any]:
     }
 
 
-def _remote_flushes(count: int, where: Path) -> list[float]:
+def _remote_flushes(count: int, where: Path, fsync: bool) -> list[float]:
     from pushtable.flight import Server, connect
 
     data = batches(8_192)
-    server = Server(data_dir=where / "flush")
+    server = Server(data_dir=where / "flush", fsync=fsync)
     try:
         client = connect(server.location)
         client.create_topic("t", SCHEMA, durable=True)
@@ -174,6 +211,54 @@ def _remote_flushes(count: int, where: Path) -> list[float]:
         return sorted(out)
     finally:
         server.stop()
+
+
+def memwal(quick: bool, where: Path) -> dict[str, Any]:
+    """Lance's MemWAL as an acknowledgement path (one unsharded writer, ``durable_write``:
+    a ``put`` returns once its WAL flush is fsync'd): put latency at 200 batches/s of 8,192
+    rows with a 1 ms and a 10 ms flush interval, and the ingest rate of 65,536-row batches."""
+    import uuid
+
+    def writer(flush_ms: int) -> Any:
+        uri = str(where / f"wal{time.monotonic_ns()}.lance")
+        lance.write_dataset(SCHEMA.empty_table(), uri)
+        ds = lance.dataset(uri)
+        ds.initialize_mem_wal(
+            unsharded=True, durable_write=True, max_wal_flush_interval_ms=flush_ms
+        )
+        return lance.dataset(uri).mem_wal_writer(
+            str(uuid.uuid4()), durable_write=True, max_wal_flush_interval_ms=flush_ms
+        )
+
+    out: dict[str, Any] = {}
+    small = batches(8_192)
+    count = 400 if quick else 2_000
+    for flush_ms in (1, 10):
+        w = writer(flush_ms)
+        ms = []
+        start = time.perf_counter()
+        for i in range(count):
+            target = start + i / 200.0
+            while (now := time.perf_counter()) < target:
+                time.sleep(min(0.002, target - now))
+            w.put(small[i % len(small)])
+            ms.append((time.perf_counter() - now) * 1e3)
+        w.close()
+        ms.sort()
+        out[f"put_{flush_ms}ms"] = {
+            "p50_ms": ms[len(ms) // 2],
+            "p99_ms": ms[int(len(ms) * 0.99)],
+            "samples": len(ms),
+        }
+    big = batches(65_536)
+    total = max(16, (4_000_000 if quick else 20_000_000) // 65_536)
+    w = writer(10)
+    started = time.perf_counter()
+    for i in range(total):
+        w.put(big[i % len(big)])
+    w.close()
+    out["ingest_m_rows_s"] = total * 65_536 / (time.perf_counter() - started) / 1e6
+    return out
 
 
 def restart(quick: bool, where: Path) -> dict[str, Any]:
@@ -205,13 +290,23 @@ def restart(quick: bool, where: Path) -> dict[str, Any]:
     }
 
 
-def upkeep(quick: bool, where: Path) -> dict[str, Any]:
-    """Steady ingest with upkeep: 10 minutes (30 s with --quick), 8,192-row batches at
-    100/s, upkeep every minute (every 10 s with --quick)."""
-    seconds, every = (30.0, 10.0) if quick else (600.0, 60.0)
+def retention(quick: bool, where: Path) -> dict[str, Any]:
+    """Steady ingest into a topic with ``retention_bytes``: 10 minutes (60 s with --quick),
+    8,192-row batches at 100/s, upkeep every 60 s (10 s), versions kept 60 s (10 s). Disk
+    use is sampled every second; flat means the last half's samples stay within the first
+    half's range, up to one upkeep's worth of new fragments."""
+    seconds, every = (60.0, 10.0) if quick else (600.0, 60.0)
+    keep = 256 * 2**20
     data = batches(8_192)
-    path = where / "upkeep.lance"
-    topic = Topic("t", SCHEMA, persist=path, upkeep_interval=every)
+    path = where / "retention.lance"
+    topic = Topic(
+        "t",
+        SCHEMA,
+        persist=path,
+        upkeep_interval=every,
+        retention_bytes=keep,
+        keep_versions=timedelta(seconds=every),
+    )
     log = topic.durable
     assert log is not None
     appended: dict[int, float] = {}
@@ -226,9 +321,12 @@ def upkeep(quick: bool, where: Path) -> dict[str, Any]:
                 worst = max(worst, now - appended.pop(offset))
 
     log.listen(on_commit)
+    samples: list[tuple[float, int]] = []
     start = time.perf_counter()
     i = 0
     while (now := time.perf_counter()) - start < seconds:
+        if not samples or now - start - samples[-1][0] >= 1.0:
+            samples.append((now - start, log.store.disk_bytes()))
         target = start + i / 100.0
         if now < target:
             time.sleep(min(0.005, target - now))
@@ -238,15 +336,21 @@ def upkeep(quick: bool, where: Path) -> dict[str, Any]:
         i += 1
     topic.close()
     ds = lance.dataset(str(path))
+    half = [b for t, b in samples if t >= seconds / 2]
+    first = [b for t, b in samples if t < seconds / 2]
     return {
         "seconds": seconds,
         "upkeep_every_s": every,
+        "retention_bytes": keep,
         "batches": i,
         "commits": log.commits,
+        "expirations": log.expirations,
+        "earliest": log.offsets()["earliest"],
         "versions_kept": len(ds.versions()),
-        "latest_version": ds.version,
         "fragments": len(ds.get_fragments()),
-        "disk_mb": log.store.disk_bytes() / 1e6,
+        "disk_mb_first_half": [min(first) / 1e6, max(first) / 1e6],
+        "disk_mb_second_half": [min(half) / 1e6, max(half) / 1e6],
+        "disk_mb_samples": [round(b / 1e6, 1) for _, b in samples],
         "worst_ack_ms": worst * 1e3,
     }
 
@@ -257,36 +361,55 @@ def run(quick: bool) -> dict[str, Any]:
         return {
             "ingest": ingest(quick, where),
             "ack": ack(quick, where),
+            "memwal": memwal(quick, where),
             "restart": restart(quick, where),
-            "upkeep": upkeep(quick, where),
+            "retention": retention(quick, where),
             "lance": lance.__version__,
         }
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = ["durable topics vs memory topics (M rows/s, median of alternating runs)"]
-    lines.append(f"{'path':<11} {'rows/batch':>10} {'memory':>8} {'durable':>8} {'ratio':>6}")
+    lines = ["durable topics (fsync on) vs memory topics and Lance's own write (M rows/s)"]
+    lines.append(
+        f"{'path':<11} {'rows/batch':>10} {'memory':>8} {'durable':>8} {'ratio':>6} "
+        f"{'lance':>6} {'vs lance':>8}"
+    )
     for r in result["ingest"]:
         lines.append(
             f"{r['path']:<11} {r['batch_rows']:>10,} {r['memory_m_rows_s']:>8.1f} "
-            f"{r['durable_m_rows_s']:>8.1f} {r['ratio']:>5.2f}x"
+            f"{r['durable_m_rows_s']:>8.1f} {r['ratio']:>5.2f}x {r['lance_m_rows_s']:>6.1f} "
+            f"{r['vs_lance']:>7.2f}x"
         )
-    a = result["ack"]
+    for mode, a in result["ack"].items():
+        lines.append(
+            f"ack latency ({mode}) at {a['rate_batches_s']:.0f} batches/s (commit interval "
+            f"{a['commit_interval_ms']:.0f} ms): p50 {a['p50_ms']:.1f} ms, p99 "
+            f"{a['p99_ms']:.1f} ms, max {a['max_ms']:.1f} ms over {a['samples']}; remote flush "
+            f"p50 {a['flush_p50_ms']:.1f} ms, p99 {a['flush_p99_ms']:.1f} ms"
+        )
+    m = result["memwal"]
     lines.append(
-        f"ack latency at {a['rate_batches_s']:.0f} batches/s (commit interval "
-        f"{a['commit_interval_ms']:.0f} ms): p50 {a['p50_ms']:.1f} ms, p99 {a['p99_ms']:.1f} ms, "
-        f"max {a['max_ms']:.1f} ms over {a['samples']}; remote flush p50 "
-        f"{a['flush_p50_ms']:.1f} ms, p99 {a['flush_p99_ms']:.1f} ms"
+        "Lance MemWAL put (fsync'd) at 200 batches/s: "
+        + ", ".join(
+            f"flush {k.split('_')[1]}: p50 {v['p50_ms']:.1f} ms, p99 {v['p99_ms']:.1f} ms"
+            for k, v in m.items()
+            if k.startswith("put_")
+        )
+        + f"; ingest {m['ingest_m_rows_s']:.1f} M rows/s"
     )
     r = result["restart"]
     lines.append(
         f"restart: reopen a topic of {r['rows']:,} rows in {r['reopen_ms']:.1f} ms; a server "
         f"on its data dir starts in {r['server_start_ms']:.1f} ms"
     )
-    u = result["upkeep"]
+    u = result["retention"]
+    lo1, hi1 = u["disk_mb_first_half"]
+    lo2, hi2 = u["disk_mb_second_half"]
     lines.append(
-        f"upkeep: {u['seconds']:.0f} s at 100 batches/s, {u['commits']} commits -> "
-        f"{u['versions_kept']} versions kept (latest {u['latest_version']}), "
-        f"{u['fragments']} fragments, {u['disk_mb']:.0f} MB; worst ack {u['worst_ack_ms']:.0f} ms"
+        f"retention: {u['seconds']:.0f} s at 100 batches/s, retention_bytes "
+        f"{u['retention_bytes'] / 1e6:.0f} MB: disk {lo1:.0f}-{hi1:.0f} MB in the first half, "
+        f"{lo2:.0f}-{hi2:.0f} MB in the second; {u['commits']} commits, {u['expirations']} "
+        f"deletions (earliest offset {u['earliest']:,}), {u['versions_kept']} versions, "
+        f"{u['fragments']} fragments; worst ack {u['worst_ack_ms']:.0f} ms"
     )
     return "\n".join(lines)

@@ -154,6 +154,10 @@ class RemoteBridge:
         self.last_report: EpochReport | None = None
         #: test hook: (partition, step) at which attempt 0 of that partition's task fails
         self.fail_first_attempt: tuple[int, str] | None = None
+        #: test hook: a path; before each publish the driver creates ``<path>.<epoch>.reached``
+        #: and waits (at most two minutes) for ``<path>.<epoch>.go`` (a test kills the server
+        #: between stage and publish)
+        self.pause_before_publish: str | None = None
         self._client: Client | None = None
         self._writers: dict[str, LanceEpochWriter] = {}
 
@@ -254,6 +258,8 @@ class RemoteBridge:
 
     def _publish(self, plan: EpochPlan, parts: list[tuple[int, int, int]]) -> None:
         """After the Lance commit: the staged shares of ``parts`` into the live table, once."""
+        if self.pause_before_publish is not None:
+            _pause(f"{self.pause_before_publish}.{plan.epoch}")
         if not plan.live_done:
             self.client().publish(
                 self.table,
@@ -430,3 +436,11 @@ class PartitionTask:
     def _fault(self, partition: int, attempt: int, step: str) -> None:
         if self.fail_first_attempt == (partition, step) and attempt == 0:
             raise RuntimeError(f"injected failure: partition {partition}, attempt 0, {step}")
+
+
+def _pause(path: str) -> None:
+    """The ``pause_before_publish`` test hook: say where the driver is, wait for the go."""
+    Path(f"{path}.reached").touch()
+    deadline = time.monotonic() + 120
+    while not Path(f"{path}.go").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)

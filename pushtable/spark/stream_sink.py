@@ -83,6 +83,7 @@ class PushTableStreamWriter(DataSourceStreamArrowWriter):
         if fault is not None:
             partition, step = fault.split(":")
             self.bridge.fail_first_attempt = (int(partition), step)
+        self.bridge.pause_before_publish = options.text("pushtable.test.pause_before_publish")
         if self.bridge.query_id is None and (checkpoint := options.text("checkpointLocation")):
             with contextlib.suppress(ValueError):  # not on a local file system: tasks tell
                 self.bridge.query_id = query_id_from_checkpoint(checkpoint)
