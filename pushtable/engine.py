@@ -19,7 +19,7 @@ from typing import Any
 import datafusion
 
 from pushtable import _native
-from pushtable.errors import UnsupportedTableError
+from pushtable.errors import UnboundedQueryError, UnsupportedTableError
 
 __all__ = ["TableSources", "engine_threads", "plan_live"]
 
@@ -97,7 +97,9 @@ def plan_live(
     or when the engine cannot plan it (datafusion-python then runs it, as before).
 
     Raises :class:`UnsupportedTableError` when the query reads an ordered live table together
-    with a table the engine cannot read, naming that table and what to do instead.
+    with a table the engine cannot read, naming that table and what to do instead, and
+    :class:`UnboundedQueryError` for a shape that would never answer (a join of two live
+    tables without a time bound between their order columns), naming what is missing.
     """
     names = _native.table_references(sql)
     live = [n for n in names if n in sources.live]
@@ -114,6 +116,10 @@ def plan_live(
             unsupported[name] = why
     try:
         return engine.plan(sql)
+    except _native.QueryRefused as exc:  # no engine may run it: it would never answer
+        refused = UnboundedQueryError(str(exc))
+        refused.operator = "SymmetricHashJoinExec"
+        raise refused from None
     except RuntimeError:  # DataFusion's planning error (any other error is a bug: raised)
         if unsupported and any(sources.live[n].ordered for n in live):
             name, what = next(iter(unsupported.items()))

@@ -130,7 +130,10 @@ def explain_live(ctx: datafusion.SessionContext, sql: str) -> LiveExplanation:
     if sources is not None:
         from pushtable.engine import plan_live
 
-        live = plan_live(ctx, sources, sql)
+        try:
+            live = plan_live(ctx, sources, sql)
+        except UnboundedQueryError as exc:
+            return LiveExplanation("rejected", [str(exc)], None, "", "pushtable")
         if live is not None and live.reasons:
             return LiveExplanation(
                 "incremental",

@@ -288,19 +288,24 @@ def upkeep(
     keep: dict[str, int] | None = None,
     older_than: timedelta | None = None,
     compact: bool = True,
+    exclude: Callable[[lance.LanceDataset], list[int]] | None = None,
     storage_options: dict[str, str] | None = None,
 ) -> None:
     """Compact small fragments (if ``compact``), move each tag of ``keep`` to its version,
     then remove versions older than ``older_than`` (never a tagged one) and the files no
     version needs. Commits may run meanwhile: Lance rebases them over the compaction; a
     compaction that meets one it cannot rebase over (a deletion of the same fragments) is
-    dropped, and cleanup still runs (it also removes what the dropped compaction wrote)."""
+    dropped, and cleanup still runs. ``exclude`` names fragments compaction must leave alone
+    (those a retention delete may take meanwhile: the files of a compaction that lost to it
+    would stay on disk until Lance's 7-day sweep of unreferenced files)."""
     ds = open_dataset(uri, storage_options)
     if ds is None:
         return
     if compact:
         try:
-            ds.optimize.compact_files()
+            ds.optimize.compact_files(
+                excluded_fragment_ids=None if exclude is None else exclude(ds)
+            )
         except OSError as exc:
             if not _contention(exc) and "preempted" not in str(exc).lower():
                 raise

@@ -94,6 +94,12 @@ create_exception!(
     NativeError,
     "A batch breaks the table's declared ordering."
 );
+create_exception!(
+    _native,
+    QueryRefused,
+    NativeError,
+    "The live engine refuses a query that would never answer (no engine may run it)."
+);
 
 /// Run a conversion that third-party data can make panic (arrow-rs asserts on some
 /// malformed input) and turn a panic into a Python error instead of an abort.
@@ -303,5 +309,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("InputError", py.get_type::<InputError>())?;
     m.add("Cancelled", py.get_type::<Cancelled>())?;
     m.add("OrderError", py.get_type::<OrderError>())?;
+    m.add("QueryRefused", py.get_type::<QueryRefused>())?;
     Ok(())
 }

@@ -475,7 +475,9 @@ class DurableLog:
 
     def upkeep(self) -> None:
         """Compact and clean up now (it also runs every ``upkeep_interval`` seconds)."""
-        self.store.upkeep(self._keep_versions, None if self.room is None else self.room())
+        room = None if self.room is None else self.room()
+        retained = self.retention is not None or self.retention_bytes is not None
+        self.store.upkeep(self._keep_versions, room, spare_oldest=retained)
 
     # -- reading ------------------------------------------------------------------------
 

@@ -333,13 +333,17 @@ class LogStore:
 
     # -- upkeep -------------------------------------------------------------------------
 
-    def upkeep(self, keep_versions: timedelta, room: int | None = None) -> None:
+    def upkeep(
+        self, keep_versions: timedelta, room: int | None = None, spare_oldest: bool = False
+    ) -> None:
         """Compact small fragments into larger ones and remove versions older than
         ``keep_versions`` (the newest stamped commit is tagged first, so cleanup keeps what
         a restart reads). Compaction writes its new files before cleanup removes the old: it
         is skipped when the small fragments' bytes do not fit in ``room``. Commits may run
         meanwhile: Lance rebases them over the compaction. It uses handles of its own: the
-        committer's must not be touched from this thread."""
+        committer's must not be touched from this thread. With ``spare_oldest`` (a topic with
+        retention) the oldest half of the fragments is left alone: retention deletes from
+        there, and a compaction that lost that race would leave its files behind."""
         ds = self._open()
         if ds is None:
             return
@@ -349,6 +353,7 @@ class LogStore:
         lance_commits.upkeep(
             self.uri,
             compact=compact,
+            exclude=_oldest_half if spare_oldest else None,
             keep={TAG: self.recover().version},
             older_than=keep_versions,
             storage_options=self.storage_options,
@@ -357,6 +362,12 @@ class LogStore:
     def disk_bytes(self) -> int:
         """Bytes the dataset's files take on disk now (local datasets)."""
         return directory_bytes(Path(self.uri))
+
+
+def _oldest_half(ds: lance.LanceDataset) -> list[int]:
+    """The ids of the oldest half of ``ds``'s fragments (appended in offset order)."""
+    fragments = ds.get_fragments()
+    return [f.fragment_id for f in fragments[: (len(fragments) + 1) // 2]]
 
 
 def _small_bytes(ds: lance.LanceDataset) -> int:

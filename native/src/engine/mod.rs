@@ -36,6 +36,7 @@ use datafusion::execution::{SessionStateBuilder, TaskContext, TaskContextProvide
 use datafusion::logical_expr::{Expr, TableProviderFilterPushDown, TableType};
 use datafusion::physical_optimizer::optimizer::PhysicalOptimizer;
 use datafusion::physical_plan::aggregates::AggregateExec;
+use datafusion::physical_plan::joins::SymmetricHashJoinExec;
 use datafusion::physical_plan::windows::BoundedWindowAggExec;
 use datafusion::physical_plan::{displayable, ExecutionPlan, InputOrderMode};
 use datafusion::prelude::{SQLOptions, SessionConfig, SessionContext};
@@ -132,10 +133,13 @@ impl TableProvider for EngineTable {
 }
 
 fn session(batch_size: usize, memory_limit: Option<usize>) -> DFResult<SessionContext> {
-    let config = SessionConfig::new()
+    let mut config = SessionConfig::new()
         .with_target_partitions(1)
         .with_batch_size(batch_size)
         .with_information_schema(false);
+    // A join of two live tables reads both in one partition (no hash repartition holding
+    // rows back until it has a batch of them).
+    config.options_mut().optimizer.repartition_joins = false;
     let mut rules = PhysicalOptimizer::new().rules;
     // After partial and final aggregates are combined, before sorting is enforced.
     let at = rules
@@ -178,6 +182,11 @@ fn uses_of_order(plan: &Arc<dyn ExecutionPlan>, out: &mut Vec<String>) -> bool {
         Some("incremental: windows emit as they close (and on watermarks)")
     } else if plan.is::<join::LookupJoinExec>() {
         Some("incremental: joined rows stream as they arrive")
+    } else if plan.is::<SymmetricHashJoinExec>() {
+        Some(
+            "incremental: a join of two live tables emits each match once both rows are in; \
+             its state is pruned by the time bound between their orders",
+        )
     } else if plan.is::<BoundedWindowAggExec>() {
         Some("incremental: window functions stream in the table's order")
     } else if let Some(agg) = plan.downcast_ref::<AggregateExec>() {
@@ -301,7 +310,16 @@ impl PyEngine {
                 df.create_physical_plan().await
             })
         });
-        let plan = planned.map_err(py_err)?;
+        let plan = planned.map_err(|e| {
+            let text = e.to_string();
+            match text.find(rule::REFUSED) {
+                // A refusal, not a planning failure: no other engine may run it either.
+                Some(at) => {
+                    crate::QueryRefused::new_err(text[at + rule::REFUSED.len()..].to_string())
+                }
+                None => py_err(text),
+            }
+        })?;
         let mut reasons = Vec::new();
         uses_of_order(&plan, &mut reasons);
         let display = displayable(plan.as_ref()).indent(true).to_string();

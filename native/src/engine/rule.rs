@@ -1,7 +1,10 @@
 //! The engine's physical optimizer rule: a `GROUP BY` over an ordered live input whose key
 //! includes a window of the order column becomes a [`WindowAggregateExec`]; a hash join of a
-//! live table with a bounded one becomes a [`LookupJoinExec`]; window functions above them
-//! are fitted to the order they now declare.
+//! live table with a bounded one becomes a [`LookupJoinExec`]; a join of two live tables
+//! becomes DataFusion's `SymmetricHashJoinExec` when a time bound between their order
+//! columns lets it prune its state, and is refused otherwise ([`REFUSED`]): a hash join
+//! would read one side whole before the other and hang; window functions above them are
+//! fitted to the order they now declare.
 //!
 //! It runs right after DataFusion combines partial and final aggregates and before sorting
 //! is enforced (so an `ORDER BY window` above it costs nothing: the output is in window
@@ -11,20 +14,24 @@
 
 use std::sync::Arc;
 
-use arrow::datatypes::Schema;
+use arrow::datatypes::{DataType, Schema, TimeUnit};
 use datafusion::common::config::ConfigOptions;
 use datafusion::common::tree_node::{Transformed, TransformedResult, TreeNode};
-use datafusion::common::{Result, ScalarValue};
+use datafusion::common::{plan_err, JoinType, NullEquality, Result, ScalarValue};
 use datafusion::logical_expr::interval_arithmetic::Interval;
 use datafusion::logical_expr::sort_properties::{ExprProperties, SortProperties};
 use datafusion::logical_expr::Operator;
-use datafusion::physical_expr::expressions::{BinaryExpr, Column, Literal};
-use datafusion::physical_expr::PhysicalExpr;
+use datafusion::physical_expr::expressions::{BinaryExpr, CastExpr, Column, Literal};
+use datafusion::physical_expr::intervals::utils::check_support;
+use datafusion::physical_expr::{PhysicalExpr, PhysicalExprRef};
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
 use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
 use datafusion::physical_plan::filter::FilterExec;
-use datafusion::physical_plan::joins::{HashJoinExec, PartitionMode};
+use datafusion::physical_plan::joins::utils::JoinFilter;
+use datafusion::physical_plan::joins::{
+    HashJoinExec, PartitionMode, StreamJoinPartitionMode, SymmetricHashJoinExec,
+};
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::repartition::RepartitionExec;
 use datafusion::physical_plan::sorts::sort::SortExec;
@@ -54,7 +61,10 @@ impl PhysicalOptimizerRule for EmitOnWindowClose {
                 Some(new) => Some(new),
                 None => match lookup_join(&node)? {
                     Some(new) => Some(new),
-                    None => refit_window_function(&node)?,
+                    None => match stream_join(&node)? {
+                        Some(new) => Some(new),
+                        None => refit_window_function(&node)?,
+                    },
                 },
             };
             Ok(match new {
@@ -205,6 +215,201 @@ fn lookup_join(node: &Arc<dyn ExecutionPlan>) -> Result<Option<Arc<dyn Execution
         Arc::clone(join.join_schema()),
     )?;
     Ok(Some(Arc::new(exec)))
+}
+
+/// What starts the message of a query the engine refuses (never hands to another engine).
+pub const REFUSED: &str = "pushtable refuses this live query: ";
+
+/// A join of two live tables: DataFusion's `SymmetricHashJoinExec`, which reads both sides
+/// as they come and emits each match once both rows are in, pruning what a time bound
+/// between the two order columns says can no longer match. Without such a bound (or
+/// without a declared order on both sides) its state would only grow: refused, naming
+/// what is missing. A hash join would read one side whole first: a producer writing the
+/// other would block forever.
+fn stream_join(node: &Arc<dyn ExecutionPlan>) -> Result<Option<Arc<dyn ExecutionPlan>>> {
+    if let Some(shj) = node.downcast_ref::<SymmetricHashJoinExec>() {
+        if !(reads_live(shj.left()) && reads_live(shj.right())) {
+            return Ok(None);
+        }
+        let filter = shj.filter().map(prunable_filter).transpose()?.flatten();
+        if filter.as_ref().map(|f| f.expression()) == shj.filter().map(|f| f.expression()) {
+            return match shj.check_if_order_information_available()? {
+                true => Ok(None),
+                false => refuse_join(),
+            };
+        }
+        return symmetric(
+            shj.left(),
+            shj.right(),
+            shj.on().to_vec(),
+            filter,
+            shj.join_type(),
+            shj.null_equality(),
+            None,
+        )
+        .map(Some);
+    }
+    let Some(join) = node.downcast_ref::<HashJoinExec>() else {
+        return Ok(None);
+    };
+    if !(reads_live(join.left()) && reads_live(join.right())) {
+        return Ok(None);
+    }
+    let filter = join.filter().map(prunable_filter).transpose()?.flatten();
+    let projection = join.projection.as_ref().map(|p| p.to_vec());
+    symmetric(
+        join.left(),
+        join.right(),
+        join.on().to_vec(),
+        filter,
+        join.join_type(),
+        join.null_equality(),
+        projection,
+    )
+    .map(Some)
+}
+
+/// A `SymmetricHashJoinExec` of two live inputs ordered by the columns its (prunable)
+/// `filter` bounds, under `projection` if any; refused when it could not prune.
+fn symmetric(
+    left: &Arc<dyn ExecutionPlan>,
+    right: &Arc<dyn ExecutionPlan>,
+    on: Vec<(PhysicalExprRef, PhysicalExprRef)>,
+    filter: Option<JoinFilter>,
+    join_type: &JoinType,
+    null_equality: NullEquality,
+    projection: Option<Vec<usize>>,
+) -> Result<Arc<dyn ExecutionPlan>> {
+    if filter.is_none() {
+        return refuse_join();
+    }
+    let shj = SymmetricHashJoinExec::try_new(
+        Arc::clone(left),
+        Arc::clone(right),
+        on,
+        filter,
+        join_type,
+        null_equality,
+        left.output_ordering().cloned(),
+        right.output_ordering().cloned(),
+        StreamJoinPartitionMode::SinglePartition,
+    )?;
+    if !shj.check_if_order_information_available()? {
+        return refuse_join();
+    }
+    let shj: Arc<dyn ExecutionPlan> = Arc::new(shj);
+    let Some(projection) = projection else {
+        return Ok(shj);
+    };
+    let schema = shj.schema();
+    let columns = projection.iter().map(|&i| {
+        let column: Arc<dyn PhysicalExpr> = Arc::new(Column::new(schema.field(i).name(), i));
+        (column, schema.field(i).name().to_string())
+    });
+    Ok(Arc::new(ProjectionExec::try_new(columns, shj)?))
+}
+
+/// `filter` in a form whose bounds DataFusion's interval analysis can follow (None: it
+/// cannot, so the join could never forget a row). DataFusion 54 prunes by intervals over
+/// numbers and timestamps but not interval literals: `b.ts <= a.ts + INTERVAL '1 second'`
+/// is rewritten to compare the timestamps' ticks, `CAST(b.ts AS BIGINT) <= CAST(a.ts AS
+/// BIGINT) + 1000000` (microseconds), which means the same for intervals of fixed length.
+fn prunable_filter(filter: &JoinFilter) -> Result<Option<JoinFilter>> {
+    let schema = filter.schema();
+    let expression = Arc::clone(filter.expression())
+        .transform_up(|e| {
+            let Some(b) = e.downcast_ref::<BinaryExpr>() else {
+                return Ok(Transformed::no(e));
+            };
+            let comparison = matches!(
+                b.op(),
+                Operator::Lt | Operator::LtEq | Operator::Gt | Operator::GtEq | Operator::Eq
+            );
+            match (
+                comparison,
+                ticks(b.left(), schema),
+                ticks(b.right(), schema),
+            ) {
+                (true, Some(l), Some(r)) => {
+                    let compared: Arc<dyn PhysicalExpr> = Arc::new(BinaryExpr::new(l, *b.op(), r));
+                    Ok(Transformed::yes(compared))
+                }
+                _ => Ok(Transformed::no(e)),
+            }
+        })?
+        .data;
+    let rewritten = JoinFilter::new(
+        expression,
+        filter.column_indices().to_vec(),
+        Arc::clone(filter.schema()),
+    );
+    Ok(check_support(rewritten.expression(), rewritten.schema()).then_some(rewritten))
+}
+
+/// A timestamp column, or one plus or minus an interval of fixed length, as an `Int64`
+/// count of the column's unit (None: another expression).
+fn ticks(expr: &Arc<dyn PhysicalExpr>, schema: &Schema) -> Option<Arc<dyn PhysicalExpr>> {
+    if let Some(c) = expr.downcast_ref::<Column>() {
+        let DataType::Timestamp(..) = schema.field(c.index()).data_type() else {
+            return None;
+        };
+        return Some(Arc::new(CastExpr::new(
+            Arc::clone(expr),
+            DataType::Int64,
+            None,
+        )));
+    }
+    let b = expr.downcast_ref::<BinaryExpr>()?;
+    if !matches!(b.op(), Operator::Plus | Operator::Minus) {
+        return None;
+    }
+    let c = b.left().downcast_ref::<Column>()?;
+    let DataType::Timestamp(unit, tz) = schema.field(c.index()).data_type() else {
+        return None;
+    };
+    let (days, nanos) = match b.right().downcast_ref::<Literal>()?.value() {
+        ScalarValue::IntervalMonthDayNano(Some(v)) if v.months == 0 => {
+            (i128::from(v.days), i128::from(v.nanoseconds))
+        }
+        ScalarValue::IntervalDayTime(Some(v)) => {
+            (i128::from(v.days), i128::from(v.milliseconds) * 1_000_000)
+        }
+        _ => return None,
+    };
+    // A day is 24 hours in UTC only: elsewhere a day can be 23 or 25 (daylight saving).
+    let utc = tz
+        .as_deref()
+        .is_none_or(|z| matches!(z, "UTC" | "+00:00" | "Z"));
+    if days != 0 && !utc {
+        return None;
+    }
+    let per: i128 = match unit {
+        TimeUnit::Second => 1_000_000_000,
+        TimeUnit::Millisecond => 1_000_000,
+        TimeUnit::Microsecond => 1_000,
+        TimeUnit::Nanosecond => 1,
+    };
+    let total = days * 86_400_000_000_000 + nanos;
+    if total % per != 0 {
+        return None;
+    }
+    let amount = Literal::new(ScalarValue::Int64(Some(i64::try_from(total / per).ok()?)));
+    Some(Arc::new(BinaryExpr::new(
+        ticks(b.left(), schema)?,
+        *b.op(),
+        Arc::new(amount),
+    )))
+}
+
+fn refuse_join<T>() -> Result<T> {
+    plan_err!(
+        "{REFUSED}a join of two live tables needs a time bound between their order columns, \
+         e.g. `ON a.k = b.k AND b.ts BETWEEN a.ts AND a.ts + INTERVAL '1 second'` with both \
+         tables registered with order_by='ts' (comparisons of the two order columns, each \
+         plus or minus a constant or an interval of fixed length); without one it would \
+         hold both streams in memory forever. Join a live table with a bounded one (a Lance \
+         dataset, in-memory data) for lookups without a bound"
+    )
 }
 
 /// A window function over an input whose order changed (a window aggregate below it now
