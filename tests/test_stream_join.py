@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pushtable import SessionContext, UnboundedQueryError, explain_live
+from pushtable.flight import Client, Server
 from tests.conftest import WAIT, Background
 from tests.test_live_answers import Results
 
@@ -142,6 +143,25 @@ def test_one_thread_writing_both_tables_in_turn_is_never_blocked() -> None:
 
 
 @pytest.mark.parametrize("unbounded", [False, True], ids=["bounded", "unbounded"])
+def test_one_thread_writing_a_burst_to_one_table_then_the_other_is_never_blocked(
+    unbounded: bool,
+) -> None:
+    """50 batches into ``a`` (capacity 2) before any into ``b``: each side is read as it is
+    written (a join that waited on the empty side would leave this producer blocked)."""
+    ctx, a, b = live(unbounded, capacity=2)
+    result = Background(lambda: ctx.sql(sql("LEFT JOIN")).to_arrow_table())
+    da = [a_rows([(i % 3, 100 * i)]) for i in range(50)]
+    db = [b_rows([(i % 3, 100 * i + 50)]) for i in range(50)]
+    for x in da:
+        a.write(x, timeout=WAIT)
+    for y in db:
+        b.write(y, timeout=WAIT)
+    a.close()
+    b.close()
+    assert rows(result.join()) == whole(sql("LEFT JOIN"), da, db)
+
+
+@pytest.mark.parametrize("unbounded", [False, True], ids=["bounded", "unbounded"])
 @pytest.mark.parametrize(
     "bound",
     ["", "a.amount > 0"],
@@ -227,3 +247,20 @@ def test_a_long_join_keeps_its_state_within_the_time_bound() -> None:
     b.close()
     # each a row matches the b row 5 ms after it (same key: r % 1000), no other within 1 s
     assert result.join() == {"n": [rows_per * batches]}
+
+
+def test_remote_sql_runs_a_join_of_two_live_tables_and_refuses_one_without_a_bound(
+    server: Server, client: Client
+) -> None:
+    client.create_table("a", A, 4, order_by="ts")
+    client.create_table("b", B, 4, order_by="ts")
+    with pytest.raises(UnboundedQueryError, match="time bound"):
+        client.sql(sql(bound="")).read_all()
+    result = client.sql(sql("LEFT JOIN"))
+    da = [a_rows([(k, 400 * i + k) for k in range(3)]) for i in range(10)]
+    db = [b_rows([(k, 400 * i + 2 * k + 1) for k in range(2)]) for i in range(10)]
+    with client.sink("a") as a, client.sink("b") as b:
+        for x, y in zip(da, db, strict=True):
+            a.write(x)
+            b.write(y)
+    assert rows(result.read_all()) == whole(sql("LEFT JOIN"), da, db)

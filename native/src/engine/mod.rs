@@ -11,12 +11,14 @@
 //! - [`window`]: the window aggregate operator ([`runs`]: its groups when the window is
 //!   the only key);
 //! - [`join`]: the lookup join of a live table with a bounded one;
+//! - [`readahead`]: each side of a join of two live tables, read as it is written;
 //! - [`rule`]: where they replace DataFusion's operators;
 //! - [`export`]: a running query as a table of the caller's session.
 
 mod export;
 mod frames;
 mod join;
+mod readahead;
 mod rule;
 mod runs;
 mod window;

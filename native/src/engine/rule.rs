@@ -42,6 +42,7 @@ use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 
 use super::frames;
 use super::join::LookupJoinExec;
+use super::readahead::ReadAheadExec;
 use super::window::WindowAggregateExec;
 use crate::channel::WatermarkCell;
 use crate::provider::LiveScanExec;
@@ -228,16 +229,11 @@ pub const REFUSED: &str = "pushtable refuses this live query: ";
 /// other would block forever.
 fn stream_join(node: &Arc<dyn ExecutionPlan>) -> Result<Option<Arc<dyn ExecutionPlan>>> {
     if let Some(shj) = node.downcast_ref::<SymmetricHashJoinExec>() {
-        if !(reads_live(shj.left()) && reads_live(shj.right())) {
+        let done = shj.left().is::<ReadAheadExec>();
+        if done || !(reads_live(shj.left()) && reads_live(shj.right())) {
             return Ok(None);
         }
         let filter = shj.filter().map(prunable_filter).transpose()?.flatten();
-        if filter.as_ref().map(|f| f.expression()) == shj.filter().map(|f| f.expression()) {
-            return match shj.check_if_order_information_available()? {
-                true => Ok(None),
-                false => refuse_join(),
-            };
-        }
         return symmetric(
             shj.left(),
             shj.right(),
@@ -283,9 +279,11 @@ fn symmetric(
     if filter.is_none() {
         return refuse_join();
     }
+    let left: Arc<dyn ExecutionPlan> = Arc::new(ReadAheadExec::new(Arc::clone(left)));
+    let right: Arc<dyn ExecutionPlan> = Arc::new(ReadAheadExec::new(Arc::clone(right)));
     let shj = SymmetricHashJoinExec::try_new(
-        Arc::clone(left),
-        Arc::clone(right),
+        Arc::clone(&left),
+        Arc::clone(&right),
         on,
         filter,
         join_type,

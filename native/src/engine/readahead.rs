@@ -1,0 +1,112 @@
+//! Read-ahead: an input read as fast as it produces, whatever its consumer polls.
+//!
+//! DataFusion's `SymmetricHashJoinExec` polls its two inputs in turn and waits on the one it
+//! chose: with a producer that writes many batches to one live table before it writes the
+//! other, the join would wait on the empty table while the full one's producer blocks on
+//! its queue, for good. Below each side of such a join this operator drains its input into
+//! a queue of its own, counted in the session's memory pool (past the pool's limit the
+//! query fails with DataFusion's "Resources exhausted" naming it, never an unbounded
+//! buffer outside it), so each producer is read as it writes.
+
+use std::fmt;
+use std::sync::{Arc, Mutex};
+
+use datafusion::common::{DataFusionError, Result};
+use datafusion::execution::memory_pool::MemoryConsumer;
+use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
+use datafusion::physical_plan::{DisplayAs, DisplayFormatType, ExecutionPlan, PlanProperties};
+use futures::StreamExt;
+
+/// Reads `input` eagerly into a queue (see the module's docs); same output, same order.
+pub struct ReadAheadExec {
+    input: Arc<dyn ExecutionPlan>,
+}
+
+impl ReadAheadExec {
+    pub fn new(input: Arc<dyn ExecutionPlan>) -> Self {
+        Self { input }
+    }
+}
+
+impl fmt::Debug for ReadAheadExec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ReadAheadExec").finish()
+    }
+}
+
+impl DisplayAs for ReadAheadExec {
+    fn fmt_as(&self, _t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
+        write!(f, "ReadAheadExec")
+    }
+}
+
+impl ExecutionPlan for ReadAheadExec {
+    fn name(&self) -> &str {
+        "ReadAheadExec"
+    }
+
+    fn properties(&self) -> &Arc<PlanProperties> {
+        self.input.properties()
+    }
+
+    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
+        vec![&self.input]
+    }
+
+    fn maintains_input_order(&self) -> Vec<bool> {
+        vec![true]
+    }
+
+    fn with_new_children(
+        self: Arc<Self>,
+        mut children: Vec<Arc<dyn ExecutionPlan>>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        Ok(Arc::new(Self::new(children.pop().expect("one child"))))
+    }
+
+    fn execute(
+        &self,
+        partition: usize,
+        context: Arc<TaskContext>,
+    ) -> Result<SendableRecordBatchStream> {
+        let mut input = self.input.execute(partition, Arc::clone(&context))?;
+        let reservation = Arc::new(Mutex::new(
+            MemoryConsumer::new(format!("ReadAheadExec[{partition}]"))
+                .register(context.memory_pool()),
+        ));
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let held = Arc::clone(&reservation);
+        // On the engine's runtime (the caller polls from datafusion-python's). The reader
+        // stops when the input ends, fails, or the query drops the receiver.
+        let runtime = super::runtime().map_err(|e| DataFusionError::Execution(e.to_string()))?;
+        runtime.spawn(async move {
+            while let Some(item) = input.next().await {
+                let item = item.and_then(|batch| {
+                    let size = batch.get_array_memory_size();
+                    held.lock().expect("reservation").try_grow(size)?;
+                    Ok((batch, size))
+                });
+                let failed = item.is_err();
+                if tx.send(item).is_err() || failed {
+                    break;
+                }
+            }
+        });
+        let schema = self.input.schema();
+        let output = futures::stream::unfold(rx, move |mut rx| {
+            let reservation = Arc::clone(&reservation);
+            async move {
+                let item = rx.recv().await?;
+                Some((
+                    item.map(|(batch, size)| {
+                        reservation.lock().expect("reservation").shrink(size);
+                        batch
+                    }),
+                    rx,
+                ))
+            }
+        });
+        Ok(Box::pin(RecordBatchStreamAdapter::new(schema, output)))
+    }
+}
