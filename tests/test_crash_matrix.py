@@ -119,7 +119,8 @@ def crash_and_restart_upserts(tmp: Path, step: str, epoch: int) -> None:
     check_upserts(tmp / "out.lance")
 
 
-@pytest.mark.timeout(600)  # three Spark starts in a row
+@pytest.mark.slow  # three Spark starts (49 s): the default suite stays under eight minutes
+@pytest.mark.timeout(600)
 def test_crashes_of_an_upserting_query_before_and_after_a_commit(tmp_path: Path) -> None:
     crash_chain(tmp_path, [("before_commit", 1), ("after_commit", 2)], "update")
     check_upserts(tmp_path / "out.lance")

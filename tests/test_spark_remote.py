@@ -176,6 +176,7 @@ HOWS = ("format", "foreachBatch")
 
 
 @pytest.mark.spark
+@pytest.mark.slow  # a Spark Connect server of its own (68 s); the demo test runs Connect by default
 def test_spark_connect_with_a_task_that_fails_once(
     tmp_path: Path, server: Server, spark: SparkSession
 ) -> None:

@@ -213,6 +213,11 @@ impl fmt::Debug for LiveScanExec {
 }
 
 impl LiveScanExec {
+    /// The live table it scans.
+    pub fn table(&self) -> &str {
+        &self.name
+    }
+
     /// Where this scan hands on the watermarks it passes (scanned by the engine only).
     pub fn watermark(&self) -> Option<&Arc<WatermarkCell>> {
         self.markers.as_ref().map(|m| &m.cell)

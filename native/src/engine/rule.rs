@@ -175,6 +175,26 @@ fn window_aggregate(node: &Arc<dyn ExecutionPlan>) -> Result<Option<Arc<dyn Exec
     Ok(Some(Arc::new(exec)))
 }
 
+/// The live tables `plan` scans.
+fn live_tables(plan: &Arc<dyn ExecutionPlan>) -> Vec<String> {
+    let mut out: Vec<String> = plan
+        .children()
+        .into_iter()
+        .flat_map(live_tables)
+        .collect();
+    if let Some(scan) = plan.downcast_ref::<LiveScanExec>() {
+        out.push(scan.table().to_string());
+    }
+    out
+}
+
+/// Whether a join reads two different live tables, one on each side (a self-join of one
+/// single-scan table is left alone: its second scan raises the single-scan error).
+fn two_live_inputs(left: &Arc<dyn ExecutionPlan>, right: &Arc<dyn ExecutionPlan>) -> bool {
+    let (l, r) = (live_tables(left), live_tables(right));
+    !l.is_empty() && !r.is_empty() && !l.iter().any(|t| r.contains(t))
+}
+
 /// Whether `plan` reads a live table.
 fn reads_live(plan: &Arc<dyn ExecutionPlan>) -> bool {
     plan.is::<LiveScanExec>() || plan.children().into_iter().any(reads_live)
@@ -230,7 +250,7 @@ pub const REFUSED: &str = "pushtable refuses this live query: ";
 fn stream_join(node: &Arc<dyn ExecutionPlan>) -> Result<Option<Arc<dyn ExecutionPlan>>> {
     if let Some(shj) = node.downcast_ref::<SymmetricHashJoinExec>() {
         let done = shj.left().is::<ReadAheadExec>();
-        if done || !(reads_live(shj.left()) && reads_live(shj.right())) {
+        if done || !two_live_inputs(shj.left(), shj.right()) {
             return Ok(None);
         }
         let filter = shj.filter().map(prunable_filter).transpose()?.flatten();
@@ -248,7 +268,7 @@ fn stream_join(node: &Arc<dyn ExecutionPlan>) -> Result<Option<Arc<dyn Execution
     let Some(join) = node.downcast_ref::<HashJoinExec>() else {
         return Ok(None);
     };
-    if !(reads_live(join.left()) && reads_live(join.right())) {
+    if !two_live_inputs(join.left(), join.right()) {
         return Ok(None);
     }
     let filter = join.filter().map(prunable_filter).transpose()?.flatten();
