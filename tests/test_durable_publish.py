@@ -67,20 +67,33 @@ def expected(epochs: range, parts: int = 2, rows: int = 5) -> list[int]:
     return list(range(epochs.start * parts * rows, epochs.stop * parts * rows))
 
 
+class Killable:
+    """A ``pushtable serve --data-dir`` process holding the durable topic ``events``, and a
+    client of it; ``restart()`` kills it (SIGKILL) and starts it again on the same port."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir, self.port = data_dir, free_port()
+        self.server = Serve(data_dir, self.port)
+        self.client = connect(self.server.location)
+        self.client.create_topic("events", SCHEMA, durable=True)
+
+    def restart(self) -> Client:
+        self.server.kill()
+        self.server = Serve(self.data_dir, self.port)
+        self.client = connect(self.server.location)
+        return self.client
+
+
 def test_a_published_epoch_survives_a_kill_and_a_replay_is_not_written_twice(
     tmp_path: Path,
 ) -> None:
-    port = free_port()
-    server = Serve(tmp_path / "data", port)
+    served = Killable(tmp_path / "data")
     try:
-        client = connect(server.location)
-        client.create_topic("events", SCHEMA, durable=True)
+        client = served.client
         for epoch in range(2):
             parts = stage(client, epoch, epoch_batches(epoch))
             assert client.publish("events", QUERY, epoch, parts)
-        server.kill()  # at once: publish answered, so the commit holds epoch 1 already
-        server = Serve(tmp_path / "data", port)
-        client = connect(server.location)
+        client = served.restart()  # at once: publish answered, the commit holds epoch 1
         assert stored_ks(client) == expected(range(2))
         assert client.published("events", QUERY) == 1  # stored with the rows: survives
         # Spark replays epoch 1 after its own restart: nothing is written twice.
@@ -90,21 +103,16 @@ def test_a_published_epoch_survives_a_kill_and_a_replay_is_not_written_twice(
         assert client.publish("events", QUERY, 2, parts)
         assert stored_ks(client) == expected(range(3))
     finally:
-        server.stop()
+        served.server.stop()
 
 
 def test_shares_lost_with_a_restart_are_an_error_and_the_epoch_stays_unpublished(
     tmp_path: Path,
 ) -> None:
-    port = free_port()
-    server = Serve(tmp_path / "data", port)
+    served = Killable(tmp_path / "data")
     try:
-        client = connect(server.location)
-        client.create_topic("events", SCHEMA, durable=True)
-        parts = stage(client, 0, epoch_batches(0))
-        server.kill()  # staged, not published: staging is in memory
-        server = Serve(tmp_path / "data", port)
-        client = connect(server.location)
+        parts = stage(served.client, 0, epoch_batches(0))
+        client = served.restart()  # staged, not published: staging is in memory
         with pytest.raises(SharesLostError, match=r"epoch 0 .*partition\(s\) \[0, 1\]"):
             client.publish("events", QUERY, 0, parts)
         assert client.published("events", QUERY) == -1
@@ -116,7 +124,7 @@ def test_shares_lost_with_a_restart_are_an_error_and_the_epoch_stays_unpublished
         # A part without rows is never a lost share (an empty partition stages nothing).
         assert client.publish("events", QUERY, 1, [(0, 0, 0)])
     finally:
-        server.stop()
+        served.server.stop()
 
 
 @pytest.fixture
