@@ -199,8 +199,9 @@ def commit(
             if recheck is not None and (settled := recheck(ds)) is not None:
                 return settled
         started = time.time_ns() - 1_000_000  # mtimes can trail the clock slightly
+        tx = transaction(ds)
         try:
-            new = lance.LanceDataset.commit(ds, transaction(ds), storage_options=storage_options)
+            new = lance.LanceDataset.commit(ds, tx, storage_options=storage_options)
         except OSError as exc:
             if not _contention(exc):
                 raise  # storage trouble, not contention
@@ -216,7 +217,7 @@ def commit(
             time.sleep(backoff * 2**attempt)
             continue
         if sync:
-            sync_commit(new, started)
+            sync_commit(new, started, f"{tx.read_version}-")
         return new
     raise AssertionError("unreachable")
 
@@ -256,10 +257,11 @@ def sync_fragments(uri: str, fragments: Iterable[Any]) -> None:
         _fsync(data, directory=True)
 
 
-def sync_commit(ds: lance.LanceDataset, since_ns: int = 0) -> None:
-    """fsync what the commit of ``ds.version`` wrote: its manifest, the transaction files
-    written since ``since_ns`` (``time.time_ns()``), and their directories (a new file is
-    durable only once its directory entry is)."""
+def sync_commit(ds: lance.LanceDataset, since_ns: int = 0, prefix: str | None = None) -> None:
+    """fsync what the commit of ``ds.version`` wrote: its manifest, its transaction file
+    (Lance names it ``<read version>-<uuid>.txn``: ``prefix``; without one, or when no file
+    has it, every transaction file written since ``since_ns``), and their directories (a new
+    file is durable only once its directory entry is)."""
     if not is_local(ds.uri):
         return
     root = _path(ds.uri)
@@ -269,11 +271,15 @@ def sync_commit(ds: lance.LanceDataset, since_ns: int = 0) -> None:
             _fsync(versions / name)
     txs = root / "_transactions"
     if txs.exists():
-        with os.scandir(txs) as entries:
-            for entry in entries:
-                with contextlib.suppress(FileNotFoundError):  # removed by a cleanup meanwhile
-                    if entry.stat().st_mtime_ns >= since_ns:
-                        _fsync(Path(entry.path))
+        # Listing names is cheap; a stat of each (thousands, with ten minutes of versions
+        # kept) is not, on the acknowledgement path: only without a match are mtimes read.
+        names = os.listdir(txs)
+        mine = [n for n in names if prefix is not None and n.startswith(prefix)]
+        for name in mine or names:
+            with contextlib.suppress(FileNotFoundError):  # removed by a cleanup meanwhile
+                path = txs / name
+                if mine or path.stat().st_mtime_ns >= since_ns:
+                    _fsync(path)
         _fsync(txs, directory=True)
     _fsync(versions, directory=True)
     _fsync(root, directory=True)
