@@ -13,6 +13,7 @@ registered, so that the engine can register the same tables when a query needs i
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,23 @@ import datafusion
 from pushtable import _native
 from pushtable.errors import UnboundedQueryError, UnsupportedTableError
 
-__all__ = ["TableSources", "engine_threads", "plan_live"]
+__all__ = ["TableSources", "engine_threads", "plan_live", "split_emit_changes"]
+
+_EMIT_CHANGES = re.compile(r"\s+EMIT\s+CHANGES\s*;?\s*\Z", re.IGNORECASE)
+
+
+def split_emit_changes(sql: str) -> tuple[str, bool]:
+    """``sql`` without a trailing ``EMIT CHANGES`` clause, and whether it had one.
+
+    ``EMIT CHANGES`` (ksqlDB's and LaminarDB's words) asks an aggregate over a bounded live
+    table for its changes while rows arrive, as it always answers over an unbounded one.
+
+    Example:
+        >>> split_emit_changes("SELECT k, count(*) FROM t GROUP BY k EMIT CHANGES")
+        ('SELECT k, count(*) FROM t GROUP BY k', True)
+    """
+    match = _EMIT_CHANGES.search(sql)
+    return (sql[: match.start()], True) if match else (sql, False)
 
 
 def engine_threads() -> int:
@@ -93,19 +110,28 @@ def _register(
 def plan_live(
     ctx: datafusion.SessionContext, sources: TableSources, sql: str
 ) -> _native.LivePlan | None:
-    """Plan ``sql`` with the engine when it reads a live table; None when it reads none,
-    or when the engine cannot plan it (datafusion-python then runs it, as before).
+    """Plan ``sql`` with the engine when it needs it (it uses a live table's order, or holds
+    an updating aggregate, or ends with ``EMIT CHANGES``); None when it reads no live table,
+    when the engine is not needed, or when the engine cannot plan it (datafusion-python then
+    runs it, as before).
 
     Raises :class:`UnsupportedTableError` when the query reads an ordered live table together
     with a table the engine cannot read, naming that table and what to do instead, and
     :class:`UnboundedQueryError` for a shape that would never answer (a join of two live
-    tables without a time bound between their order columns), naming what is missing.
+    tables without a time bound between their order columns, a ``HAVING`` over an updating
+    aggregate), naming what is missing; ``ValueError`` for ``EMIT CHANGES`` over no live table.
     """
+    sql, changes = split_emit_changes(sql)
     names = _native.table_references(sql)
     live = [n for n in names if n in sources.live]
     if not live:
+        if changes:
+            raise ValueError(
+                "EMIT CHANGES asks a query over a live table for its changes while rows "
+                f"arrive; this one reads none (tables: {', '.join(names) or 'none'})"
+            )
         return None
-    engine = _native.Engine(memory_limit=sources.memory_limit)
+    engine = _native.Engine(memory_limit=sources.memory_limit, changes=changes)
     unsupported: dict[str, str] = {}
     for name in names:
         try:
@@ -115,12 +141,15 @@ def plan_live(
         if why is not None:
             unsupported[name] = why
     try:
-        return engine.plan(sql)
+        plan = engine.plan(sql)
     except _native.QueryRefused as exc:  # no engine may run it: it would never answer
-        refused = UnboundedQueryError(str(exc))
-        refused.operator = "SymmetricHashJoinExec"
+        why, operator = exc.args
+        refused = UnboundedQueryError(why)
+        refused.operator = operator
         raise refused from None
     except RuntimeError:  # DataFusion's planning error (any other error is a bug: raised)
+        if changes:
+            raise
         if unsupported and any(sources.live[n].ordered for n in live):
             name, what = next(iter(unsupported.items()))
             raise UnsupportedTableError(
@@ -132,3 +161,4 @@ def plan_live(
                 "(register_record_batches, from_arrow, from_pandas)"
             ) from None
         return None
+    return plan if plan.reasons or changes else None

@@ -85,7 +85,8 @@ def _classify(node: datafusion.ExecutionPlan, found: list[tuple[Mode, str, str |
                 "GROUP BY/aggregates over a live table need the whole stream",
                 "aggregates answer at close(); declare the table's order (order_by=, or an "
                 "arrival column) and GROUP BY a window of it (date_bin, date_trunc, ts / n) "
-                "for windows that emit as they close",
+                "for windows that emit as they close, or end the query with EMIT CHANGES for "
+                "an updating answer (the changed groups after each batch)",
             )
         )
     elif name == "SortExec":
@@ -134,7 +135,7 @@ def explain_live(ctx: datafusion.SessionContext, sql: str) -> LiveExplanation:
             live = plan_live(ctx, sources, sql)
         except UnboundedQueryError as exc:
             return LiveExplanation("rejected", [str(exc)], None, "", "pushtable")
-        if live is not None and live.reasons:
+        if live is not None:
             return LiveExplanation(
                 "incremental",
                 [r.split(": ", 1)[-1] for r in live.reasons],

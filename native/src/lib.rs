@@ -192,7 +192,7 @@ fn streaming_table(
         gate,
         reorder,
     );
-    let table = provider::live_table(reader, unbounded, &order_by);
+    let table = provider::live_table(reader, unbounded, &order_by, false);
     Ok((
         Sink::new(channel, order_by, full_check)?,
         PyTableProvider::new(table),

@@ -202,6 +202,9 @@ pub struct LiveScanExec {
     markers: Option<Markers>,
     limit: Option<usize>,
     props: Arc<PlanProperties>,
+    /// A topic subscription's scan: aggregates over it answer with changes (its stream
+    /// ends only when the topic closes).
+    changes: bool,
 }
 
 impl fmt::Debug for LiveScanExec {
@@ -216,6 +219,11 @@ impl LiveScanExec {
     /// The live table it scans.
     pub fn table(&self) -> &str {
         &self.name
+    }
+
+    /// Whether aggregates over this scan answer with changes even when it is bounded.
+    pub fn changes(&self) -> bool {
+        self.changes
     }
 
     /// Where this scan hands on the watermarks it passes (scanned by the engine only).
@@ -319,6 +327,7 @@ pub struct LiveTable {
     source: Arc<ScanSource>,
     sort_order: Vec<SortExpr>,
     infinite: bool,
+    changes: bool,
 }
 
 impl fmt::Debug for LiveTable {
@@ -329,8 +338,14 @@ impl fmt::Debug for LiveTable {
     }
 }
 
-/// Build the DataFusion table read through `reader`, ascending on `order_by` (may be empty).
-pub fn live_table(reader: Reader, unbounded: bool, order_by: &[String]) -> LiveTable {
+/// Build the DataFusion table read through `reader`, ascending on `order_by` (may be empty);
+/// `changes` for a topic subscription (aggregates over it answer with changes).
+pub fn live_table(
+    reader: Reader,
+    unbounded: bool,
+    order_by: &[String],
+    changes: bool,
+) -> LiveTable {
     let channel = Arc::clone(reader.channel());
     let source = ScanSource {
         reader: Mutex::new(Some(reader)),
@@ -344,6 +359,7 @@ pub fn live_table(reader: Reader, unbounded: bool, order_by: &[String]) -> LiveT
         source: Arc::new(source),
         sort_order,
         infinite: unbounded,
+        changes,
     }
 }
 
@@ -500,6 +516,7 @@ impl LiveTable {
             markers,
             limit,
             props: Arc::new(props),
+            changes: self.changes,
         })
     }
 }

@@ -405,7 +405,7 @@ impl Sink {
             prelude,
         );
         let watch = reader.watch();
-        let table = provider::live_table(reader, unbounded, &self.order_by);
+        let table = provider::live_table(reader, unbounded, &self.order_by, true);
         Ok((PySubscription { watch }, PyTableProvider::new(table)))
     }
 

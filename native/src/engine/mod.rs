@@ -21,6 +21,7 @@ mod join;
 mod readahead;
 mod rule;
 mod runs;
+mod updating;
 mod window;
 
 use std::ffi::CString;
@@ -134,7 +135,11 @@ impl TableProvider for EngineTable {
     }
 }
 
-fn session(batch_size: usize, memory_limit: Option<usize>) -> DFResult<SessionContext> {
+fn session(
+    batch_size: usize,
+    memory_limit: Option<usize>,
+    changes: bool,
+) -> DFResult<SessionContext> {
     let mut config = SessionConfig::new()
         .with_target_partitions(1)
         .with_batch_size(batch_size)
@@ -148,7 +153,12 @@ fn session(batch_size: usize, memory_limit: Option<usize>) -> DFResult<SessionCo
         .iter()
         .position(|r| r.name() == "EnforceSorting")
         .unwrap_or(rules.len() - 1);
-    rules.insert(at, Arc::new(rule::EmitOnWindowClose));
+    // An updating aggregate's state is held to the session's memory limit, else a default.
+    let state_limit = memory_limit.unwrap_or(updating::DEFAULT_STATE_LIMIT);
+    rules.insert(
+        at,
+        Arc::new(rule::EmitOnWindowClose::new(changes, state_limit)),
+    );
     // Last, so no later rule rebuilds a filter with the session's batch size.
     rules.push(Arc::new(rule::PassFilteredBatches));
     let mut builder = SessionStateBuilder::new();
@@ -188,6 +198,11 @@ fn uses_of_order(plan: &Arc<dyn ExecutionPlan>, out: &mut Vec<String>) -> bool {
         Some(
             "incremental: a join of two live tables emits each match once both rows are in; \
              its state is pruned by the time bound between their orders",
+        )
+    } else if plan.is::<updating::UpdatingAggregateExec>() {
+        Some(
+            "incremental: an updating aggregate emits the groups changed by each batch with \
+             their current values (an upsert changelog keyed by the GROUP BY columns)",
         )
     } else if plan.is::<BoundedWindowAggExec>() {
         Some("incremental: window functions stream in the table's order")
@@ -238,9 +253,9 @@ fn py_err(e: impl fmt::Display) -> PyErr {
 #[pymethods]
 impl PyEngine {
     #[new]
-    #[pyo3(signature = (batch_size=8192, memory_limit=None))]
-    fn new(batch_size: usize, memory_limit: Option<usize>) -> PyResult<Self> {
-        let ctx = session(batch_size.max(1), memory_limit)
+    #[pyo3(signature = (batch_size=8192, memory_limit=None, changes=false))]
+    fn new(batch_size: usize, memory_limit: Option<usize>, changes: bool) -> PyResult<Self> {
+        let ctx = session(batch_size.max(1), memory_limit, changes)
             .map_err(|e| py_err(format!("cannot build the live engine's session: {e}")))?;
         Ok(Self { ctx: Arc::new(ctx) })
     }
@@ -316,8 +331,11 @@ impl PyEngine {
             let text = e.to_string();
             match text.find(rule::REFUSED) {
                 // A refusal, not a planning failure: no other engine may run it either.
+                // "<operator>: <why>", raised as (why, operator).
                 Some(at) => {
-                    crate::QueryRefused::new_err(text[at + rule::REFUSED.len()..].to_string())
+                    let refusal = &text[at + rule::REFUSED.len()..];
+                    let (operator, why) = refusal.split_once(": ").unwrap_or(("", refusal));
+                    crate::QueryRefused::new_err((why.to_string(), operator.to_string()))
                 }
                 None => py_err(text),
             }

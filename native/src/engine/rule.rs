@@ -24,6 +24,7 @@ use datafusion::logical_expr::Operator;
 use datafusion::physical_expr::expressions::{BinaryExpr, CastExpr, Column, Literal};
 use datafusion::physical_expr::intervals::utils::check_support;
 use datafusion::physical_expr::{PhysicalExpr, PhysicalExprRef};
+use datafusion::physical_optimizer::output_requirements::OutputRequirementExec;
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
 use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
@@ -43,13 +44,32 @@ use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 use super::frames;
 use super::join::LookupJoinExec;
 use super::readahead::ReadAheadExec;
+use super::updating::UpdatingAggregateExec;
 use super::window::WindowAggregateExec;
 use crate::channel::WatermarkCell;
 use crate::provider::LiveScanExec;
 
-/// Replaces window `GROUP BY`s over ordered input by [`WindowAggregateExec`].
-#[derive(Debug, Default)]
-pub struct EmitOnWindowClose;
+/// Replaces window `GROUP BY`s over ordered input by [`WindowAggregateExec`], other
+/// `GROUP BY`s over live input by [`UpdatingAggregateExec`] (see [`EmitOnWindowClose::new`]),
+/// and joins as the module says.
+#[derive(Debug)]
+pub struct EmitOnWindowClose {
+    /// Aggregates over bounded live tables emit changes too (`EMIT CHANGES`), not only at end.
+    changes: bool,
+    /// Bytes of state an updating aggregate may hold.
+    state_limit: usize,
+}
+
+impl EmitOnWindowClose {
+    /// A `GROUP BY` with no window over an unbounded live input (or over any live input with
+    /// `changes`) answers as an upsert changelog holding at most `state_limit` bytes.
+    pub fn new(changes: bool, state_limit: usize) -> Self {
+        Self {
+            changes,
+            state_limit,
+        }
+    }
+}
 
 impl PhysicalOptimizerRule for EmitOnWindowClose {
     fn optimize(
@@ -57,23 +77,29 @@ impl PhysicalOptimizerRule for EmitOnWindowClose {
         plan: Arc<dyn ExecutionPlan>,
         _config: &ConfigOptions,
     ) -> Result<Arc<dyn ExecutionPlan>> {
-        plan.transform_up(|node| {
-            let new = match window_aggregate(&node)? {
-                Some(new) => Some(new),
-                None => match lookup_join(&node)? {
+        let plan = plan
+            .transform_up(|node| {
+                let new = match window_aggregate(&node)? {
                     Some(new) => Some(new),
-                    None => match stream_join(&node)? {
+                    None => match self.updating_aggregate(&node)? {
                         Some(new) => Some(new),
-                        None => refit_window_function(&node)?,
+                        None => match lookup_join(&node)? {
+                            Some(new) => Some(new),
+                            None => match stream_join(&node)? {
+                                Some(new) => Some(new),
+                                None => refit_window_function(&node)?,
+                            },
+                        },
                     },
-                },
-            };
-            Ok(match new {
-                Some(new) => Transformed::yes(new),
-                None => Transformed::no(node),
+                };
+                Ok(match new {
+                    Some(new) => Transformed::yes(new),
+                    None => Transformed::no(node),
+                })
             })
-        })
-        .data()
+            .data()?;
+        check_changelog_readers(&plan)?;
+        Ok(plan)
     }
 
     fn name(&self) -> &str {
@@ -175,13 +201,90 @@ fn window_aggregate(node: &Arc<dyn ExecutionPlan>) -> Result<Option<Arc<dyn Exec
     Ok(Some(Arc::new(exec)))
 }
 
+impl EmitOnWindowClose {
+    /// A `GROUP BY` (or `DISTINCT`, or a whole-input aggregate) over a live input that found
+    /// no window of its order: an [`UpdatingAggregateExec`] when the input is unbounded (it
+    /// would never answer otherwise) or when changes were asked for.
+    fn updating_aggregate(
+        &self,
+        node: &Arc<dyn ExecutionPlan>,
+    ) -> Result<Option<Arc<dyn ExecutionPlan>>> {
+        let Some(raw) = raw_aggregate(node) else {
+            return Ok(None);
+        };
+        let input = raw.input();
+        let asked = self.changes || input.boundedness().is_unbounded() || reads_changes(input);
+        if !reads_live(input) || !asked {
+            return Ok(None);
+        }
+        if raw.group_expr().has_grouping_set() {
+            return plan_err!(
+                "{REFUSED}AggregateExec: GROUPING SETS, CUBE and ROLLUP over a live table have \
+                 no updating form; GROUP BY the keys of one grouping set at a time"
+            );
+        }
+        let input: Arc<dyn ExecutionPlan> = if input.output_partitioning().partition_count() > 1 {
+            Arc::new(CoalescePartitionsExec::new(Arc::clone(input)))
+        } else {
+            Arc::clone(input)
+        };
+        let exec = UpdatingAggregateExec::try_new(
+            input,
+            raw.group_expr().clone(),
+            raw.aggr_expr().to_vec(),
+            raw.filter_expr().to_vec(),
+            self.state_limit,
+            node.schema(),
+        )?;
+        Ok(Some(Arc::new(exec)))
+    }
+}
+
+/// Operators that pass an updating aggregate's changes on as they are, row for row (the
+/// output requirement is the planner's marker, removed before the plan runs).
+fn passes_changes(node: &Arc<dyn ExecutionPlan>) -> bool {
+    node.is::<ProjectionExec>()
+        || node.is::<CoalescePartitionsExec>()
+        || node.is::<OutputRequirementExec>()
+}
+
+/// Whether `node`'s output is an updating aggregate's changelog.
+fn emits_changes(node: &Arc<dyn ExecutionPlan>) -> bool {
+    node.is::<UpdatingAggregateExec>()
+        || (passes_changes(node) && node.children().into_iter().any(emits_changes))
+}
+
+/// A changelog goes to the query's output through projections only: any other reader would
+/// take a group's new value for another row (an aggregate over it would count a group once
+/// per change), and a filter (a `HAVING`) would leave a group's last row standing when the
+/// group stops matching: a stale row, silently. Refused, naming the operator.
+fn check_changelog_readers(plan: &Arc<dyn ExecutionPlan>) -> Result<()> {
+    let reads_changes = !passes_changes(plan) && plan.children().into_iter().any(emits_changes);
+    if reads_changes && plan.is::<FilterExec>() {
+        return plan_err!(
+            "{REFUSED}FilterExec: a HAVING (or a filter) over an updating GROUP BY would leave \
+             a group's last row standing once the group stops matching; select the aggregates \
+             without HAVING and filter the changes as they come, or GROUP BY a window of the \
+             table's order (each window is final when it closes, so HAVING is exact there)"
+        );
+    }
+    if reads_changes {
+        let name = plan.name();
+        return plan_err!(
+            "{REFUSED}{name}: {name} over an updating GROUP BY would read its changelog (each \
+             changed group again, with its new value) as if it were rows; read the changes as \
+             they come, or GROUP BY a window of the table's order (each window is final when \
+             it closes)"
+        );
+    }
+    plan.children()
+        .into_iter()
+        .try_for_each(check_changelog_readers)
+}
+
 /// The live tables `plan` scans.
 fn live_tables(plan: &Arc<dyn ExecutionPlan>) -> Vec<String> {
-    let mut out: Vec<String> = plan
-        .children()
-        .into_iter()
-        .flat_map(live_tables)
-        .collect();
+    let mut out: Vec<String> = plan.children().into_iter().flat_map(live_tables).collect();
     if let Some(scan) = plan.downcast_ref::<LiveScanExec>() {
         out.push(scan.table().to_string());
     }
@@ -193,6 +296,13 @@ fn live_tables(plan: &Arc<dyn ExecutionPlan>) -> Vec<String> {
 fn two_live_inputs(left: &Arc<dyn ExecutionPlan>, right: &Arc<dyn ExecutionPlan>) -> bool {
     let (l, r) = (live_tables(left), live_tables(right));
     !l.is_empty() && !r.is_empty() && !l.iter().any(|t| r.contains(t))
+}
+
+/// Whether `plan` reads a topic subscription (whose aggregates answer with changes).
+fn reads_changes(plan: &Arc<dyn ExecutionPlan>) -> bool {
+    plan.downcast_ref::<LiveScanExec>()
+        .is_some_and(|s| s.changes())
+        || plan.children().into_iter().any(reads_changes)
 }
 
 /// Whether `plan` reads a live table.
@@ -421,7 +531,7 @@ fn ticks(expr: &Arc<dyn PhysicalExpr>, schema: &Schema) -> Option<Arc<dyn Physic
 
 fn refuse_join<T>() -> Result<T> {
     plan_err!(
-        "{REFUSED}a join of two live tables needs a time bound between their order columns, \
+        "{REFUSED}SymmetricHashJoinExec: a join of two live tables needs a time bound between their order columns, \
          e.g. `ON a.k = b.k AND b.ts BETWEEN a.ts AND a.ts + INTERVAL '1 second'` with both \
          tables registered with order_by='ts' (comparisons of the two order columns, each \
          plus or minus a constant or an interval of fixed length); without one it would \

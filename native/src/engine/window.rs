@@ -249,7 +249,9 @@ impl ExecutionPlan for WindowAggregateExec {
 
 /// DataFusion's fast per-group accumulator where the function has one, else its adapter
 /// over the row accumulator (count distinct, percentiles…): both emit `First(n)` exactly.
-fn group_accumulator(expr: &Arc<AggregateFunctionExpr>) -> Result<Box<dyn GroupsAccumulator>> {
+pub(super) fn group_accumulator(
+    expr: &Arc<AggregateFunctionExpr>,
+) -> Result<Box<dyn GroupsAccumulator>> {
     if expr.groups_accumulator_supported() {
         expr.create_groups_accumulator()
     } else {

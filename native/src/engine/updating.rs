@@ -1,0 +1,520 @@
+//! The updating aggregate: a `GROUP BY` (or `SELECT DISTINCT`, or an aggregate with no
+//! `GROUP BY`) over a live input that has no window of its order, answered as an upsert
+//! changelog while rows arrive.
+//!
+//! Each output batch holds the groups that changed since the previous one, with their
+//! current values, in the query's own columns: the last row seen for a key is its current
+//! value (as a Kafka Streams KTable, or ksqlDB's `EMIT CHANGES`). A batch is emitted after
+//! each input batch; when the reader is slower than the writers, every input batch already
+//! queued is folded first and one batch of changes goes out, so a reader never works
+//! through a backlog of stale versions.
+//!
+//! Groups are DataFusion's own group-value tables and `GroupsAccumulator`s (exact results,
+//! any aggregate function). Their `evaluate` drains what it returns, so the current values
+//! of the changed groups are computed from a copy: every accumulator hands out its state
+//! (the partial-aggregate form DataFusion merges across partitions), is rebuilt from it,
+//! and the changed groups' rows of that state are merged into a scratch accumulator, which
+//! is evaluated. That costs a pass over all groups per emission, so with more groups than
+//! rows per batch an emission waits until as many rows as there are groups have been
+//! folded, or until the input has nothing more ready.
+//!
+//! The groups' keys are kept as compact copies (one chunk per input batch that opened
+//! groups), and the state is counted against the session's memory pool and held to a
+//! limit: past it the query fails naming the limit, rather than the process running out.
+
+use std::fmt;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use arrow::array::{Array, ArrayRef, AsArray, RecordBatch, UInt32Array};
+use arrow::compute::{concat, interleave, take};
+use arrow::datatypes::SchemaRef;
+use datafusion::common::{DataFusionError, Result};
+use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
+use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::logical_expr::{EmitTo, GroupsAccumulator};
+use datafusion::physical_expr::aggregate::AggregateFunctionExpr;
+use datafusion::physical_expr::{EquivalenceProperties, Partitioning, PhysicalExpr};
+use datafusion::physical_plan::aggregates::group_values::{new_group_values, GroupValues};
+use datafusion::physical_plan::aggregates::order::GroupOrdering;
+use datafusion::physical_plan::aggregates::{
+    aggregate_expressions, evaluate_group_by, AggregateMode, PhysicalGroupBy,
+};
+use datafusion::physical_plan::execution_plan::EmissionType;
+use datafusion::physical_plan::metrics::{
+    ExecutionPlanMetricsSet, Gauge, MetricBuilder, MetricsSet,
+};
+use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
+use datafusion::physical_plan::{
+    DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties, PlanProperties,
+};
+use futures::{Stream, StreamExt};
+
+use super::window::group_accumulator;
+
+/// The state an updating aggregate may hold when the session sets no memory limit.
+pub const DEFAULT_STATE_LIMIT: usize = 1 << 30;
+
+/// A `GROUP BY` over a live input answered as an upsert changelog.
+pub struct UpdatingAggregateExec {
+    input: Arc<dyn ExecutionPlan>,
+    group_by: PhysicalGroupBy,
+    aggr_expr: Vec<Arc<AggregateFunctionExpr>>,
+    filter_expr: Vec<Option<Arc<dyn PhysicalExpr>>>,
+    /// Bytes of state past which the query fails.
+    limit: usize,
+    schema: SchemaRef,
+    props: Arc<PlanProperties>,
+    metrics: ExecutionPlanMetricsSet,
+}
+
+impl fmt::Debug for UpdatingAggregateExec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("UpdatingAggregateExec").finish()
+    }
+}
+
+impl UpdatingAggregateExec {
+    /// Build over `input` (one partition), with the output schema of the aggregate it replaces.
+    pub fn try_new(
+        input: Arc<dyn ExecutionPlan>,
+        group_by: PhysicalGroupBy,
+        aggr_expr: Vec<Arc<AggregateFunctionExpr>>,
+        filter_expr: Vec<Option<Arc<dyn PhysicalExpr>>>,
+        limit: usize,
+        schema: SchemaRef,
+    ) -> Result<Self> {
+        let props = PlanProperties::new(
+            EquivalenceProperties::new(Arc::clone(&schema)),
+            Partitioning::UnknownPartitioning(1),
+            EmissionType::Incremental,
+            input.boundedness(),
+        );
+        Ok(Self {
+            input,
+            group_by,
+            aggr_expr,
+            filter_expr,
+            limit,
+            schema,
+            props: Arc::new(props),
+            metrics: ExecutionPlanMetricsSet::new(),
+        })
+    }
+}
+
+impl DisplayAs for UpdatingAggregateExec {
+    fn fmt_as(&self, _t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
+        let keys: Vec<String> = self
+            .group_by
+            .expr()
+            .iter()
+            .map(|(e, n)| format!("{e} as {n}"))
+            .collect();
+        let aggs: Vec<&str> = self.aggr_expr.iter().map(|a| a.name()).collect();
+        write!(
+            f,
+            "UpdatingAggregateExec: gby=[{}], aggr=[{}], emit=changes, state_limit={}",
+            keys.join(", "),
+            aggs.join(", "),
+            self.limit
+        )
+    }
+}
+
+impl ExecutionPlan for UpdatingAggregateExec {
+    fn name(&self) -> &str {
+        "UpdatingAggregateExec"
+    }
+
+    fn properties(&self) -> &Arc<PlanProperties> {
+        &self.props
+    }
+
+    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
+        vec![&self.input]
+    }
+
+    fn maintains_input_order(&self) -> Vec<bool> {
+        vec![false]
+    }
+
+    fn metrics(&self) -> Option<MetricsSet> {
+        Some(self.metrics.clone_inner())
+    }
+
+    fn with_new_children(
+        self: Arc<Self>,
+        mut children: Vec<Arc<dyn ExecutionPlan>>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        Ok(Arc::new(Self::try_new(
+            children.swap_remove(0),
+            self.group_by.clone(),
+            self.aggr_expr.clone(),
+            self.filter_expr.clone(),
+            self.limit,
+            Arc::clone(&self.schema),
+        )?))
+    }
+
+    fn execute(
+        &self,
+        partition: usize,
+        context: Arc<TaskContext>,
+    ) -> Result<SendableRecordBatchStream> {
+        let reservation = MemoryConsumer::new(format!("UpdatingAggregateExec[{partition}]"))
+            .register(context.memory_pool());
+        let batch_size = context.session_config().batch_size();
+        let input = self.input.execute(partition, context)?;
+        let group_schema = self.group_by.group_schema(&self.input.schema())?;
+        let keyless = self.group_by.expr().is_empty();
+        let stream = ChangesStream {
+            input,
+            group_by: self.group_by.clone(),
+            arguments: aggregate_expressions(&self.aggr_expr, &AggregateMode::Single, 0)?,
+            filters: self.filter_expr.clone(),
+            exprs: self.aggr_expr.clone(),
+            accumulators: self
+                .aggr_expr
+                .iter()
+                .map(group_accumulator)
+                .collect::<Result<_>>()?,
+            group_values: if keyless {
+                None
+            } else {
+                Some(new_group_values(group_schema, &GroupOrdering::None)?)
+            },
+            keys: Keys::default(),
+            groups: 0,
+            group_indices: Vec::new(),
+            changed: Changed::default(),
+            rows_since_emit: 0,
+            batch_size,
+            limit: self.limit,
+            reservation,
+            groups_gauge: MetricBuilder::new(&self.metrics).gauge("groups", partition),
+            state_gauge: MetricBuilder::new(&self.metrics).gauge("state_bytes", partition),
+            schema: Arc::clone(&self.schema),
+            done: false,
+        };
+        Ok(Box::pin(RecordBatchStreamAdapter::new(
+            Arc::clone(&self.schema),
+            stream,
+        )))
+    }
+}
+
+/// The groups changed since the last emission: a bit per group, and their indices.
+#[derive(Default)]
+struct Changed {
+    bits: Vec<u64>,
+    list: Vec<u32>,
+}
+
+impl Changed {
+    fn mark(&mut self, group: usize) {
+        let (word, bit) = (group / 64, 1u64 << (group % 64));
+        if word >= self.bits.len() {
+            self.bits.resize(word + 1, 0);
+        }
+        if self.bits[word] & bit == 0 {
+            self.bits[word] |= bit;
+            self.list.push(group as u32);
+        }
+    }
+
+    /// The changed groups in the order they were created, and a clean slate.
+    fn take(&mut self) -> Vec<u32> {
+        for &g in &self.list {
+            self.bits[g as usize / 64] = 0;
+        }
+        let mut list = std::mem::take(&mut self.list);
+        list.sort_unstable();
+        list
+    }
+
+    fn is_empty(&self) -> bool {
+        self.list.is_empty()
+    }
+
+    fn size(&self) -> usize {
+        self.bits.capacity() * 8 + self.list.capacity() * 4
+    }
+}
+
+/// The group keys, one row per group in creation order, as compact chunks.
+#[derive(Default)]
+struct Keys {
+    /// Per chunk, one array per key column.
+    chunks: Vec<Vec<ArrayRef>>,
+    /// Per group: (chunk, row).
+    at: Vec<(u32, u32)>,
+    bytes: usize,
+}
+
+impl Keys {
+    /// Keep the keys of the rows `rows` of `columns` (the new groups, in creation order).
+    fn push(&mut self, columns: &[ArrayRef], rows: &[u32]) -> Result<()> {
+        let indices = UInt32Array::from(rows.to_vec());
+        let chunk = columns
+            .iter()
+            .map(|c| take(c.as_ref(), &indices, None))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        self.bytes += chunk
+            .iter()
+            .map(|c| c.get_array_memory_size())
+            .sum::<usize>();
+        let n = self.chunks.len() as u32;
+        self.at.extend((0..rows.len() as u32).map(|r| (n, r)));
+        self.chunks.push(chunk);
+        if self.chunks.len() > 64 {
+            self.compact()?;
+        }
+        Ok(())
+    }
+
+    /// One chunk instead of many (so an emission interleaves from few arrays).
+    fn compact(&mut self) -> Result<()> {
+        let width = self.chunks[0].len();
+        let merged = (0..width)
+            .map(|c| {
+                let parts: Vec<&dyn Array> = self.chunks.iter().map(|k| k[c].as_ref()).collect();
+                concat(&parts)
+            })
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        self.bytes = merged.iter().map(|c| c.get_array_memory_size()).sum();
+        self.chunks = vec![merged];
+        for (i, at) in self.at.iter_mut().enumerate() {
+            *at = (0, i as u32);
+        }
+        Ok(())
+    }
+
+    /// The key columns of `groups`.
+    fn rows(&self, groups: &[u32], width: usize) -> Result<Vec<ArrayRef>> {
+        let picks: Vec<(usize, usize)> = groups
+            .iter()
+            .map(|&g| {
+                let (c, r) = self.at[g as usize];
+                (c as usize, r as usize)
+            })
+            .collect();
+        (0..width)
+            .map(|c| {
+                let parts: Vec<&dyn Array> = self.chunks.iter().map(|k| k[c].as_ref()).collect();
+                Ok(interleave(&parts, &picks)?)
+            })
+            .collect()
+    }
+
+    fn size(&self) -> usize {
+        self.bytes + self.at.capacity() * 8
+    }
+}
+
+struct ChangesStream {
+    input: SendableRecordBatchStream,
+    group_by: PhysicalGroupBy,
+    arguments: Vec<Vec<Arc<dyn PhysicalExpr>>>,
+    filters: Vec<Option<Arc<dyn PhysicalExpr>>>,
+    exprs: Vec<Arc<AggregateFunctionExpr>>,
+    accumulators: Vec<Box<dyn GroupsAccumulator>>,
+    /// None for an aggregate with no `GROUP BY`: one group, always.
+    group_values: Option<Box<dyn GroupValues>>,
+    keys: Keys,
+    groups: usize,
+    group_indices: Vec<usize>,
+    changed: Changed,
+    rows_since_emit: usize,
+    batch_size: usize,
+    limit: usize,
+    reservation: MemoryReservation,
+    groups_gauge: Gauge,
+    state_gauge: Gauge,
+    schema: SchemaRef,
+    done: bool,
+}
+
+impl ChangesStream {
+    /// Fold `batch` into the groups and mark the groups it touched.
+    fn absorb(&mut self, batch: &RecordBatch) -> Result<()> {
+        let n = batch.num_rows();
+        if n == 0 {
+            return Ok(());
+        }
+        match &mut self.group_values {
+            None => {
+                self.group_indices.clear();
+                self.group_indices.resize(n, 0);
+                self.groups = 1;
+                self.changed.mark(0);
+            }
+            Some(values) => {
+                let keys = evaluate_group_by(&self.group_by, batch)?.swap_remove(0);
+                values.intern(&keys, &mut self.group_indices)?;
+                let (before, total) = (self.groups, values.len());
+                if total > before {
+                    // New groups are numbered in the order of their first row.
+                    let mut rows = Vec::with_capacity(total - before);
+                    let mut next = before;
+                    for (row, &g) in self.group_indices.iter().enumerate() {
+                        if g == next {
+                            rows.push(row as u32);
+                            next += 1;
+                            if next == total {
+                                break;
+                            }
+                        }
+                    }
+                    self.keys.push(&keys, &rows)?;
+                    self.groups = total;
+                }
+                if self.accumulators.is_empty() {
+                    // DISTINCT: a group changes only when it appears.
+                    (before..total).for_each(|g| self.changed.mark(g));
+                } else {
+                    for &g in &self.group_indices {
+                        self.changed.mark(g);
+                    }
+                }
+            }
+        }
+        for (i, acc) in self.accumulators.iter_mut().enumerate() {
+            let filter = match &self.filters[i] {
+                Some(f) => Some(f.evaluate(batch)?.into_array(n)?),
+                None => None,
+            };
+            let values = self.arguments[i]
+                .iter()
+                .map(|e| e.evaluate(batch)?.into_array(n))
+                .collect::<Result<Vec<_>>>()?;
+            acc.update_batch(
+                &values,
+                &self.group_indices,
+                filter.as_ref().map(|f| f.as_boolean()),
+                self.groups,
+            )?;
+        }
+        self.rows_since_emit += n;
+        self.account()
+    }
+
+    /// An aggregate with no `GROUP BY` over no rows answers one row at the end, as DataFusion
+    /// does (`count` 0, the others null): from fresh row accumulators.
+    fn keyless_of_nothing(&self) -> Result<Option<RecordBatch>> {
+        if self.group_values.is_some() || self.groups > 0 {
+            return Ok(None);
+        }
+        let columns = self
+            .exprs
+            .iter()
+            .map(|e| e.create_accumulator()?.evaluate()?.to_array_of_size(1))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Some(RecordBatch::try_new(
+            Arc::clone(&self.schema),
+            columns,
+        )?))
+    }
+
+    /// Count the state against the memory pool and the limit.
+    fn account(&mut self) -> Result<()> {
+        let size = self.group_values.as_ref().map_or(0, |v| v.size())
+            + self.accumulators.iter().map(|a| a.size()).sum::<usize>()
+            + self.keys.size()
+            + self.changed.size();
+        self.groups_gauge.set(self.groups);
+        self.state_gauge.set(size);
+        if size > self.limit {
+            return Err(DataFusionError::ResourcesExhausted(format!(
+                "the updating GROUP BY holds {} groups in {size} bytes of state, past its limit \
+                 of {} bytes (SessionContext(memory_limit=...) sets it); group by fewer keys, \
+                 or by a window of the table's order so that closed windows leave the state",
+                self.groups, self.limit
+            )));
+        }
+        self.reservation.try_resize(size)
+    }
+
+    /// The changed groups with their current values, as one batch (None: nothing changed).
+    fn emit(&mut self) -> Result<Option<RecordBatch>> {
+        self.rows_since_emit = 0;
+        if self.changed.is_empty() {
+            return Ok(None);
+        }
+        let changed = self.changed.take();
+        let mut columns = match &self.group_values {
+            Some(_) => self.keys.rows(&changed, self.group_by.expr().len())?,
+            None => Vec::new(),
+        };
+        let picks = UInt32Array::from(changed.clone());
+        let scratch_groups: Vec<usize> = (0..changed.len()).collect();
+        let all: Vec<usize> = (0..self.groups).collect();
+        for (acc, expr) in self.accumulators.iter_mut().zip(&self.exprs) {
+            // Drained, then rebuilt from its own state: evaluate would consume it.
+            let state = acc.state(EmitTo::All)?;
+            acc.merge_batch(&state, &all, None, self.groups)?;
+            let picked = state
+                .iter()
+                .map(|s| take(s.as_ref(), &picks, None))
+                .collect::<std::result::Result<Vec<_>, _>>()?;
+            let mut scratch = group_accumulator(expr)?;
+            scratch.merge_batch(&picked, &scratch_groups, None, changed.len())?;
+            columns.push(scratch.evaluate(EmitTo::All)?);
+        }
+        Ok(Some(RecordBatch::try_new(
+            Arc::clone(&self.schema),
+            columns,
+        )?))
+    }
+
+    /// Whether enough rows were folded since the last emission to pay for the next one.
+    fn due(&self) -> bool {
+        self.rows_since_emit >= self.groups.max(self.batch_size)
+    }
+}
+
+impl Stream for ChangesStream {
+    type Item = Result<RecordBatch>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        if self.done {
+            return Poll::Ready(None);
+        }
+        loop {
+            match self.input.poll_next_unpin(cx) {
+                Poll::Ready(Some(Ok(batch))) => {
+                    if let Err(e) = self.absorb(&batch) {
+                        self.done = true;
+                        return Poll::Ready(Some(Err(e)));
+                    }
+                    if !self.due() {
+                        continue;
+                    }
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    self.done = true;
+                    return Poll::Ready(Some(Err(e)));
+                }
+                Poll::Ready(None) => {
+                    self.done = true;
+                    if let Some(answer) = self.keyless_of_nothing().transpose() {
+                        return Poll::Ready(Some(answer));
+                    }
+                }
+                Poll::Pending => {}
+            }
+            // Nothing more ready (or enough folded, or the end): the changes so far go out.
+            let pending = !self.done;
+            return match self.emit() {
+                Ok(Some(batch)) => Poll::Ready(Some(Ok(batch))),
+                Ok(None) if pending => Poll::Pending,
+                Ok(None) => Poll::Ready(None),
+                Err(e) => {
+                    self.done = true;
+                    Poll::Ready(Some(Err(e)))
+                }
+            };
+        }
+    }
+}
