@@ -1,10 +1,11 @@
 """``pushtable bench``: every performance claim, reproducible in one run.
 
 Suites: ``core`` (live-table throughput vs DuckDB and a Python drain), ``latency`` (write ->
-result time of live queries), ``windows`` (the live engine's window aggregates: throughput
-and window-close latency, beside LaminarDB and Pathway unless ``peers=False``), ``spark``
-(the bridge's per-epoch split vs ``toArrow``), ``memory`` (RSS stays bounded with a slow
-reader), ``fanout`` (one producer, 1 / 4 / 16 live queries over a Topic), ``flight``
+result time of live queries), ``windows`` (the live engine's window aggregates: throughput and
+window-close latency, beside LaminarDB and Pathway unless ``peers=False``), ``updating``
+(updating ``GROUP BY``: throughput and write -> updated row latency at 1,000 and 100,000 keys),
+``spark`` (the bridge's per-epoch split vs ``toArrow``), ``memory`` (RSS stays bounded with a
+slow reader), ``fanout`` (one producer, 1 / 4 / 16 live queries over a Topic), ``flight``
 (``pushtable serve`` vs one process; Spark executor vs driver push), ``durable`` (durable vs
 memory topics: ingest, acknowledgement latency, restart, upkeep) and ``bandwidth`` (the
 machine's copy rate, the physical limit). Needs the ``cli`` extra.
@@ -21,6 +22,7 @@ SUITES: tuple[str, ...] = (
     "core",
     "latency",
     "windows",
+    "updating",
     "fanout",
     "flight",
     "spark",
@@ -45,7 +47,17 @@ def run(
     ``peers=False`` leaves LaminarDB and Pathway out of ``windows`` (they run from a venv of
     their own, made from the package index on first use).
     """
-    from pushtable.bench import core, fanout, flight, latency, machine, memory, spark, windows
+    from pushtable.bench import (
+        core,
+        fanout,
+        flight,
+        latency,
+        machine,
+        memory,
+        spark,
+        updating,
+        windows,
+    )
 
     out: dict[str, Any] = {"machine": machine.describe(), "quick": quick}
     say(f"machine: {out['machine']['cores']} cores, {out['machine']['memory_gb']} GB")
@@ -90,6 +102,9 @@ def run(
 
             out["windows"]["peers"] = side_by_side.run(quick)
             say(side_by_side.table(out["windows"]["peers"]))
+    if "updating" in suites:
+        out["updating"] = updating.run(quick)
+        say(updating.table(out["updating"]))
     if "core" in suites:
         out["core"] = core.run(quick)
         say(core.table(out["core"]))
