@@ -24,6 +24,8 @@ from pushtable.errors import UnboundedQueryError, UnsupportedTableError
 
 __all__ = ["TableSources", "engine_threads", "plan_live", "split_emit_changes"]
 
+#: Spark's window functions, which only the engine has
+_SPARK_WINDOWS = re.compile(r"\b(session_)?window\s*\(", re.IGNORECASE)
 _EMIT_CHANGES = re.compile(r"\s+EMIT\s+CHANGES\s*;?\s*\Z", re.IGNORECASE)
 
 
@@ -161,4 +163,4 @@ def plan_live(
                 "(register_record_batches, from_arrow, from_pandas)"
             ) from None
         return None
-    return plan if plan.reasons or changes else None
+    return plan if plan.reasons or changes or _SPARK_WINDOWS.search(sql) else None

@@ -21,6 +21,7 @@ mod join;
 mod readahead;
 mod rule;
 mod runs;
+mod spark_windows;
 mod updating;
 mod window;
 
@@ -178,7 +179,11 @@ fn session(
         .with_default_features()
         .with_physical_optimizer_rules(rules)
         .build();
-    Ok(SessionContext::new_with_state(state))
+    let ctx = SessionContext::new_with_state(state);
+    // Spark's window functions, by Spark's names.
+    ctx.register_udf(spark_windows::SparkWindow::udf());
+    ctx.register_udf(spark_windows::SessionWindow::udf());
+    Ok(ctx)
 }
 
 /// Why a plan needs the engine: the operators in it that use a live table's order.
@@ -337,7 +342,13 @@ impl PyEngine {
                     let (operator, why) = refusal.split_once(": ").unwrap_or(("", refusal));
                     crate::QueryRefused::new_err((why.to_string(), operator.to_string()))
                 }
-                None => py_err(text),
+                None => match text.find(spark_windows::INVALID) {
+                    // A bad argument of a function of ours: the caller's mistake.
+                    Some(at) => {
+                        PyValueError::new_err(text[at + spark_windows::INVALID.len()..].to_string())
+                    }
+                    None => py_err(text),
+                },
             }
         })?;
         let mut reasons = Vec::new();

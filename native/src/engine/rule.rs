@@ -14,7 +14,7 @@
 
 use std::sync::Arc;
 
-use arrow::datatypes::{DataType, Schema, TimeUnit};
+use arrow::datatypes::{DataType, Field, Schema, TimeUnit};
 use datafusion::common::config::ConfigOptions;
 use datafusion::common::tree_node::{Transformed, TransformedResult, TreeNode};
 use datafusion::common::{plan_err, JoinType, NullEquality, Result, ScalarValue};
@@ -23,10 +23,11 @@ use datafusion::logical_expr::sort_properties::{ExprProperties, SortProperties};
 use datafusion::logical_expr::Operator;
 use datafusion::physical_expr::expressions::{BinaryExpr, CastExpr, Column, Literal};
 use datafusion::physical_expr::intervals::utils::check_support;
-use datafusion::physical_expr::{PhysicalExpr, PhysicalExprRef};
+use datafusion::physical_expr::projection::ProjectionExpr;
+use datafusion::physical_expr::{PhysicalExpr, PhysicalExprRef, ScalarFunctionExpr};
 use datafusion::physical_optimizer::output_requirements::OutputRequirementExec;
 use datafusion::physical_optimizer::PhysicalOptimizerRule;
-use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode};
+use datafusion::physical_plan::aggregates::{AggregateExec, AggregateMode, PhysicalGroupBy};
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
 use datafusion::physical_plan::filter::FilterExec;
 use datafusion::physical_plan::joins::utils::JoinFilter;
@@ -44,8 +45,9 @@ use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 use super::frames;
 use super::join::LookupJoinExec;
 use super::readahead::ReadAheadExec;
+use super::spark_windows::{SparkWindow, WindowEnvelope, Windowing};
 use super::updating::UpdatingAggregateExec;
-use super::window::WindowAggregateExec;
+use super::window::{WindowAggregateExec, WINDOW_START};
 use crate::channel::WatermarkCell;
 use crate::provider::LiveScanExec;
 
@@ -181,6 +183,9 @@ fn window_aggregate(node: &Arc<dyn ExecutionPlan>) -> Result<Option<Arc<dyn Exec
     let Some(order_column) = leading_order_column(input) else {
         return Ok(None);
     };
+    if let Some(spark) = spark_window(node, raw, order_column)? {
+        return Ok(Some(spark));
+    }
     let Some(window_key) = group_by
         .expr()
         .iter()
@@ -196,9 +201,101 @@ fn window_aggregate(node: &Arc<dyn ExecutionPlan>) -> Result<Option<Arc<dyn Exec
         window_key,
         order_column,
         watermark_source(input),
+        None,
         node.schema(),
     )?;
     Ok(Some(Arc::new(exec)))
+}
+
+/// A `GROUP BY` whose key includes Spark's `window(ts, ...)` over the order column `ts`: a
+/// window aggregate that copies each row into each of its windows (keyed by the window's
+/// start), under a projection that turns each start into Spark's `struct<start, end>`.
+fn spark_window(
+    node: &Arc<dyn ExecutionPlan>,
+    raw: &AggregateExec,
+    order_column: usize,
+) -> Result<Option<Arc<dyn ExecutionPlan>>> {
+    let group_by = raw.group_expr();
+    let input = raw.input();
+    let Some((window_key, call)) = group_by.expr().iter().enumerate().find_map(|(i, (e, _))| {
+        let call = e.downcast_ref::<ScalarFunctionExpr>()?;
+        let on_order = call
+            .args()
+            .first()?
+            .downcast_ref::<Column>()
+            .is_some_and(|c| c.index() == order_column);
+        (call.fun().inner().is::<SparkWindow>() && on_order).then_some((i, call))
+    }) else {
+        return Ok(None);
+    };
+    let input_schema = input.schema();
+    let time_type = input_schema.field(order_column).data_type().clone();
+    let literals: Vec<Option<&ScalarValue>> = call.args()[1..]
+        .iter()
+        .map(|a| a.downcast_ref::<Literal>().map(|l| l.value()))
+        .collect();
+    let windowing = Windowing::from_arguments(&time_type, &literals)?;
+    let start: Arc<dyn PhysicalExpr> =
+        Arc::new(Column::new(WINDOW_START, input_schema.fields().len()));
+    let keys: Vec<(Arc<dyn PhysicalExpr>, String)> = group_by
+        .expr()
+        .iter()
+        .enumerate()
+        .map(|(i, (e, name))| {
+            let e = if i == window_key {
+                Arc::clone(&start)
+            } else {
+                Arc::clone(e)
+            };
+            (e, name.clone())
+        })
+        .collect();
+    let schema = node.schema();
+    let fields: Vec<Field> = schema
+        .fields()
+        .iter()
+        .enumerate()
+        .map(|(i, f)| match i == window_key {
+            true => Field::new(f.name(), time_type.clone(), true),
+            false => f.as_ref().clone(),
+        })
+        .collect();
+    let starts_schema = Arc::new(Schema::new_with_metadata(fields, schema.metadata().clone()));
+    let exec: Arc<dyn ExecutionPlan> = Arc::new(WindowAggregateExec::try_new(
+        Arc::clone(input),
+        PhysicalGroupBy::new_single(keys),
+        raw.aggr_expr().to_vec(),
+        raw.filter_expr().to_vec(),
+        window_key,
+        order_column,
+        watermark_source(input),
+        Some(windowing),
+        Arc::clone(&starts_schema),
+    )?);
+    let envelope = Arc::new(WindowEnvelope::udf(windowing.size));
+    let columns = starts_schema
+        .fields()
+        .iter()
+        .enumerate()
+        .map(|(i, f)| {
+            let column: Arc<dyn PhysicalExpr> = Arc::new(Column::new(f.name(), i));
+            let expr: Arc<dyn PhysicalExpr> = if i == window_key {
+                Arc::new(ScalarFunctionExpr::try_new(
+                    Arc::clone(&envelope),
+                    vec![column],
+                    &starts_schema,
+                    Arc::new(ConfigOptions::default()),
+                )?)
+            } else {
+                column
+            };
+            Ok(ProjectionExpr {
+                expr,
+                alias: f.name().clone(),
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(Some(Arc::new(ProjectionExec::try_new(columns, exec)?)))
 }
 
 impl EmitOnWindowClose {

@@ -19,10 +19,11 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
+use arrow::array::RecordBatchOptions;
 use arrow::array::{new_null_array, ArrayRef, AsArray, Int64Array, RecordBatch, UInt32Array};
 use arrow::compute::kernels::cmp::distinct;
 use arrow::compute::take_record_batch;
-use arrow::datatypes::{Field, Schema, SchemaRef};
+use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 use datafusion::common::{Result, ScalarValue};
 use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
@@ -45,6 +46,10 @@ use datafusion::physical_plan::{
 use futures::{Stream, StreamExt};
 
 use super::runs::RunGroupValues;
+use super::spark_windows::Windowing;
+
+/// The name of the column of windows' starts appended to the input for Spark's `window()`.
+pub const WINDOW_START: &str = "__pushtable_window_start";
 use crate::channel::WatermarkCell;
 
 /// A `GROUP BY` over ordered input that emits each window's groups when the window closes.
@@ -59,6 +64,9 @@ pub struct WindowAggregateExec {
     order_column: usize,
     /// Watermarks from below (a live scan or another window aggregate), if any.
     upstream: Option<Arc<WatermarkCell>>,
+    /// Spark's `window()`: each row is copied into each of its windows, whose start is a
+    /// column appended to the input (the window key reads it).
+    expand: Option<Windowing>,
     /// Where this operator hands on its frontier (every later output row has a window key
     /// at or above it), for a window aggregate above it.
     frontier: Arc<WatermarkCell>,
@@ -90,6 +98,7 @@ impl WindowAggregateExec {
         window_key: usize,
         order_column: usize,
         upstream: Option<Arc<WatermarkCell>>,
+        expand: Option<Windowing>,
         schema: SchemaRef,
     ) -> Result<Self> {
         let key_name = schema.field(window_key).name().clone();
@@ -116,6 +125,7 @@ impl WindowAggregateExec {
             window_key,
             order_column,
             upstream,
+            expand,
             frontier: Arc::default(),
             schema,
             props: Arc::new(props),
@@ -182,6 +192,7 @@ impl ExecutionPlan for WindowAggregateExec {
             self.window_key,
             self.order_column,
             self.upstream.clone(),
+            self.expand,
             Arc::clone(&self.schema),
         )?))
     }
@@ -195,13 +206,30 @@ impl ExecutionPlan for WindowAggregateExec {
             .register(context.memory_pool());
         let input = self.input.execute(partition, context)?;
         let input_schema = self.input.schema();
-        let group_schema = self.group_by.group_schema(&input_schema)?;
+        let time_type = input_schema.field(self.order_column).data_type().clone();
+        // With Spark's windows, keys and aggregates read the input plus the windows' starts.
+        let read_schema = match self.expand {
+            Some(_) => {
+                let mut fields: Vec<Field> = input_schema
+                    .fields()
+                    .iter()
+                    .map(|f| f.as_ref().clone())
+                    .collect();
+                fields.push(Field::new(WINDOW_START, time_type.clone(), false));
+                Arc::new(Schema::new(fields))
+            }
+            None => Arc::clone(&input_schema),
+        };
+        let group_schema = self.group_by.group_schema(&read_schema)?;
         let accumulators = self
             .aggr_expr
             .iter()
             .map(group_accumulator)
             .collect::<Result<Vec<_>>>()?;
-        let window_only = self.group_by.expr().len() == 1 && self.group_by.is_single();
+        // A run of equal window keys is one group only when a row has one window.
+        let window_only = self.group_by.expr().len() == 1
+            && self.group_by.is_single()
+            && self.expand.is_none_or(|w| w.tumbling());
         let whole_batch = self
             .aggr_expr
             .iter()
@@ -224,12 +252,14 @@ impl ExecutionPlan for WindowAggregateExec {
                 new_group_values(group_schema, &GroupOrdering::Full(GroupOrderingFull::new()))?
             },
             window_only,
+            read_schema,
             whole_batch,
             one_group: Vec::new(),
             accumulators,
             window_key: self.window_key,
             probe: Probe::new(&input_schema, self.order_column),
             upstream: self.upstream.clone(),
+            expand: self.expand.map(|w| (w, self.order_column, time_type)),
             seen_watermark: None,
             frontier: Arc::clone(&self.frontier),
             windows: VecDeque::new(),
@@ -345,6 +375,8 @@ struct WindowStream {
     window_key: usize,
     probe: Probe,
     upstream: Option<Arc<WatermarkCell>>,
+    /// Spark's windows, the input's time column and its type.
+    expand: Option<(Windowing, usize, DataType)>,
     seen_watermark: Option<ScalarValue>,
     frontier: Arc<WatermarkCell>,
     /// Open windows, oldest first: (window key, index of its first group).
@@ -358,6 +390,8 @@ struct WindowStream {
     reservation: MemoryReservation,
     /// The window is the only key: see [`WindowStream::windows_of`].
     window_only: bool,
+    /// What keys and aggregates read: the input, plus the windows' starts with `expand`.
+    read_schema: SchemaRef,
     /// Per aggregate: its expression when a one-group batch may be folded whole into it
     /// (see [`folds_whole_batches`]; never with a `FILTER`).
     whole_batch: Vec<Option<Arc<AggregateFunctionExpr>>>,
@@ -374,6 +408,28 @@ impl WindowStream {
         let n = batch.num_rows();
         if n == 0 {
             return Ok(None);
+        }
+        if let Some((windowing, time, time_type)) = &self.expand {
+            let (windowing, time, time_type) = (*windowing, *time, time_type.clone());
+            let (rows, starts) = windowing.expand(batch.column(time))?;
+            let taken = take_record_batch(batch, &rows)?;
+            let mut columns = taken.columns().to_vec();
+            columns.push(starts);
+            let expanded = RecordBatch::try_new_with_options(
+                Arc::clone(&self.read_schema),
+                columns,
+                &RecordBatchOptions::new().with_row_count(Some(rows.len())),
+            )?;
+            if self.window_only && expanded.num_rows() >= SHORT {
+                for (start, len, key) in self.windows_of(&expanded)? {
+                    self.fold(&expanded.slice(start, len), key)?;
+                }
+            } else {
+                self.fold(&expanded, None)?;
+            }
+            // Every later row's windows start at or after the last row's oldest window.
+            let last = Windowing::ticks(&ScalarValue::try_from_array(batch.column(time), n - 1)?)?;
+            return Windowing::scalar(windowing.oldest(last), &time_type).map(Some);
         }
         if !self.window_only || n < SHORT {
             return self.fold(batch, None);
@@ -503,8 +559,15 @@ impl WindowStream {
         if self.seen_watermark.as_ref() == Some(&w) {
             return Ok(None);
         }
-        let key_expr = Arc::clone(&self.group_by.expr()[self.window_key].0);
-        let key = self.probe.key(&key_expr, &w)?;
+        let key = match &self.expand {
+            Some((windowing, _, time_type)) => {
+                Windowing::scalar(windowing.oldest(Windowing::ticks(&w)?), time_type)?
+            }
+            None => {
+                let key_expr = Arc::clone(&self.group_by.expr()[self.window_key].0);
+                self.probe.key(&key_expr, &w)?
+            }
+        };
         self.seen_watermark = Some(w);
         Ok(Some(key))
     }
