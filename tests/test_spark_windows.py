@@ -64,6 +64,26 @@ def spark_semantics(
     return sorted(out, key=lambda r: tuple(map(str, r)))
 
 
+def spark_sessions(rows: Sequence[tuple[int, str | None]], gap: int) -> list[tuple[Any, ...]]:
+    """``session_window(ts, gap), k, count(*), sum(amount)`` by Spark's definition (ms): per
+    key, a row before its session's end (last row + gap) joins it, else starts a new one."""
+    sessions: dict[str | None, list[list[int]]] = {}
+    for ms, k in sorted(rows, key=lambda r: r[0]):
+        mine = sessions.setdefault(k, [])
+        if mine and ms < mine[-1][-1] + gap:
+            mine[-1].append(ms)
+        else:
+            mine.append([ms])
+    out = []
+    for k, runs in sessions.items():
+        for members in runs:
+            amounts = [Decimal(m) / 100 for m in members if m % 7 != 0]
+            start = T0 + timedelta(milliseconds=members[0])
+            end = T0 + timedelta(milliseconds=members[-1] + gap)
+            out.append((start, end, k, len(members), sum(amounts) if amounts else None))
+    return sorted(out, key=lambda r: tuple(map(str, r)))
+
+
 def as_rows(table: pa.Table) -> list[tuple[Any, ...]]:
     out = [(r["w"]["start"], r["w"]["end"], r["k"], r["n"], r["total"]) for r in table.to_pylist()]
     return sorted(out, key=lambda r: tuple(map(str, r)))
@@ -186,7 +206,10 @@ def test_any_batches_give_the_rows_spark_defines(
         ("window(ts, '1 second', '100 microseconds')", "finer than the time column"),
         ("window(k, '1 second')", "needs a timestamp column"),
         ("window(ts, '10 seconds', '5 seconds', '1 second', '2 seconds')", "takes 2 to 4"),
-        ("session_window(ts, '5 seconds')", "session_window"),
+        ("session_window(ts, '0 seconds')", "gapDuration must be positive"),
+        ("session_window(ts, '5 parsecs')", "unknown unit"),
+        ("session_window(ts, '5 seconds', '1 second')", "takes 2 arguments"),
+        ("session_window(k, '5 seconds')", "needs a timestamp column"),
     ],
 )
 def test_a_bad_window_is_refused_at_planning_naming_the_argument(window: str, says: str) -> None:
@@ -238,3 +261,108 @@ def test_the_same_query_text_gives_the_rows_spark_gives(spark: Any) -> None:
         for s, e, k, n, total in as_rows(result.join())
     ]
     assert sorted(ours, key=lambda r: tuple(map(str, r))) == theirs
+
+
+def test_a_session_closes_once_the_order_passes_its_end() -> None:
+    ctx, sink = live()
+    window = "session_window(ts, '5 seconds')"
+    explained = explain_live(ctx, sql(window))
+    assert (explained.engine, explained.mode) == ("pushtable", "incremental"), explained
+    out: queue.Queue[Any] = queue.Queue()
+    stream = ctx.sql(sql(window)).execute_stream()
+
+    def read() -> None:
+        for b in stream:
+            out.put(b.to_pyarrow())
+        out.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    sink.write(events([(0, "a"), (1_000, "b"), (3_000, "a")]))
+    # a's session [0, 8 s) and b's [1, 6 s) stay open: nothing has reached their ends
+    sink.write(events([(7_000, "c")]))  # past b's end (6 s), not a's (8 s)
+    (row,) = out.get(timeout=WAIT).to_pylist()
+    assert (row["k"], row["n"], row["w"]["start"], row["w"]["end"]) == (
+        "b",
+        1,
+        T0 + timedelta(seconds=1),
+        T0 + timedelta(seconds=6),
+    )
+    sink.advance(T0 + timedelta(seconds=8))  # a's end: a row at 8 s would start a new session
+    (row,) = out.get(timeout=WAIT).to_pylist()
+    assert (row["k"], row["n"], row["w"]["end"]) == ("a", 2, T0 + timedelta(seconds=8))
+    sink.close()
+    (row,) = out.get(timeout=WAIT).to_pylist()  # c's, at the end of the stream
+    assert row["k"] == "c"
+    assert out.get(timeout=WAIT) is None
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(st.tuples(st.integers(0, 3_000), st.sampled_from(["a", "b", None])), max_size=60),
+    st.integers(1, 6),
+    st.sampled_from([1, 1_000, 2_500]),
+)
+def test_any_batches_give_the_sessions_spark_defines(
+    steps: list[tuple[int, str | None]], per: int, gap: int
+) -> None:
+    rows: list[tuple[int, str | None]] = []
+    t = 0
+    for step, k in steps:
+        t += step
+        rows.append((t, k))
+    window = f"session_window(ts, '{gap} milliseconds')"
+    ctx, sink = live()
+    result = Background(lambda: ctx.sql(sql(window)).to_arrow_table())
+    data = [events(rows[i : i + per]) for i in range(0, len(rows), per)]
+    threading.Thread(
+        target=lambda: ([sink.write(b, timeout=WAIT) for b in data], sink.close()), daemon=True
+    ).start()
+    assert as_rows(result.join()) == spark_sessions(rows, gap)
+
+
+def test_closed_sessions_leave_the_state() -> None:
+    """800,000 one-row sessions of 2,000 keys through a session window whose session may
+    hold 8 MiB (they would take about 40 MB): the closed sessions do not stay in its state."""
+    ctx = SessionContext(memory_limit=8 * 2**20)
+    sink = ctx.register_streaming_table("ev", EV, 4, order_by="ts")
+    inner = sql("session_window(ts, '1 second')")
+    count = ctx.sql(f"SELECT count(*) AS n FROM ({inner})")
+    result = Background(lambda: count.to_pydict())
+    for i in range(400):
+        base = i * 2_000 * 2_000  # 2 s between a key's rows: every row is its own session
+        sink.write(
+            events([(base + 1_000 * j, f"k{j % 2_000}") for j in range(2_000)]), timeout=WAIT
+        )
+    sink.close()
+    assert result.join() == {"n": [800_000]}
+
+
+@pytest.mark.spark
+def test_the_same_session_query_gives_the_rows_spark_gives(spark: Any) -> None:
+    rows = [(ms, "ab"[ms // 1_000 % 2]) for ms in (0, 500, 2_900, 4_000, 9_000, 9_100, 30_000)]
+    query = sql("session_window(ts, '3 seconds')")
+    spark.conf.set("spark.sql.session.timeZone", "UTC")
+    spark.createDataFrame(events(rows).to_pandas()).createOrReplaceTempView("ev")
+    theirs = sorted(
+        (
+            (
+                r["w"]["start"].replace(tzinfo=timezone.utc),
+                r["w"]["end"].replace(tzinfo=timezone.utc),
+                r["k"],
+                r["n"],
+                r["total"],
+            )
+            for r in spark.sql(query).collect()
+        ),
+        key=lambda r: tuple(map(str, r)),
+    )
+    ctx, sink = live()
+    result = Background(lambda: ctx.sql(query).to_arrow_table())
+    sink.write(events(rows))
+    sink.close()
+    ours = [
+        (s.astimezone(timezone.utc), e.astimezone(timezone.utc), k, n, total)
+        for s, e, k, n, total in as_rows(result.join())
+    ]
+    assert sorted(ours, key=lambda r: tuple(map(str, r))) == theirs
+    assert theirs == spark_sessions(rows, 3_000)

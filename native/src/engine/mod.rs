@@ -17,10 +17,12 @@
 
 mod export;
 mod frames;
+mod groups;
 mod join;
 mod readahead;
 mod rule;
 mod runs;
+mod session;
 mod spark_windows;
 mod updating;
 mod window;
@@ -195,28 +197,29 @@ fn uses_of_order(plan: &Arc<dyn ExecutionPlan>, out: &mut Vec<String>) -> bool {
     if !live {
         return false;
     }
-    let reason = if plan.is::<window::WindowAggregateExec>() {
-        Some("incremental: windows emit as they close (and on watermarks)")
-    } else if plan.is::<join::LookupJoinExec>() {
-        Some("incremental: joined rows stream as they arrive")
-    } else if plan.is::<SymmetricHashJoinExec>() {
-        Some(
-            "incremental: a join of two live tables emits each match once both rows are in; \
+    let reason =
+        if plan.is::<window::WindowAggregateExec>() || plan.is::<session::SessionWindowExec>() {
+            Some("incremental: windows emit as they close (and on watermarks)")
+        } else if plan.is::<join::LookupJoinExec>() {
+            Some("incremental: joined rows stream as they arrive")
+        } else if plan.is::<SymmetricHashJoinExec>() {
+            Some(
+                "incremental: a join of two live tables emits each match once both rows are in; \
              its state is pruned by the time bound between their orders",
-        )
-    } else if plan.is::<updating::UpdatingAggregateExec>() {
-        Some(
-            "incremental: an updating aggregate emits the groups changed by each batch with \
+            )
+        } else if plan.is::<updating::UpdatingAggregateExec>() {
+            Some(
+                "incremental: an updating aggregate emits the groups changed by each batch with \
              their current values (an upsert changelog keyed by the GROUP BY columns)",
-        )
-    } else if plan.is::<BoundedWindowAggExec>() {
-        Some("incremental: window functions stream in the table's order")
-    } else if let Some(agg) = plan.downcast_ref::<AggregateExec>() {
-        (*agg.input_order_mode() != InputOrderMode::Linear)
-            .then_some("incremental: the aggregate streams in the table's order")
-    } else {
-        None
-    };
+            )
+        } else if plan.is::<BoundedWindowAggExec>() {
+            Some("incremental: window functions stream in the table's order")
+        } else if let Some(agg) = plan.downcast_ref::<AggregateExec>() {
+            (*agg.input_order_mode() != InputOrderMode::Linear)
+                .then_some("incremental: the aggregate streams in the table's order")
+        } else {
+            None
+        };
     if let Some(r) = reason {
         if !out.iter().any(|o| o == r) {
             out.push(r.to_string());

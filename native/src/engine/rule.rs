@@ -45,7 +45,8 @@ use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 use super::frames;
 use super::join::LookupJoinExec;
 use super::readahead::ReadAheadExec;
-use super::spark_windows::{SparkWindow, WindowEnvelope, Windowing};
+use super::session::SessionWindowExec;
+use super::spark_windows::{session_gap, SessionWindow, SparkWindow, WindowEnvelope, Windowing};
 use super::updating::UpdatingAggregateExec;
 use super::window::{WindowAggregateExec, WINDOW_START};
 use crate::channel::WatermarkCell;
@@ -186,6 +187,9 @@ fn window_aggregate(node: &Arc<dyn ExecutionPlan>) -> Result<Option<Arc<dyn Exec
     if let Some(spark) = spark_window(node, raw, order_column)? {
         return Ok(Some(spark));
     }
+    if let Some(session) = session_window(node, raw, order_column)? {
+        return Ok(Some(session));
+    }
     let Some(window_key) = group_by
         .expr()
         .iter()
@@ -207,6 +211,58 @@ fn window_aggregate(node: &Arc<dyn ExecutionPlan>) -> Result<Option<Arc<dyn Exec
     Ok(Some(Arc::new(exec)))
 }
 
+/// The group key calling the function `F` on the order column, if any: its place and call.
+fn call_on_order<F: datafusion::logical_expr::ScalarUDFImpl>(
+    group_by: &PhysicalGroupBy,
+    order_column: usize,
+) -> Option<(usize, &ScalarFunctionExpr)> {
+    group_by.expr().iter().enumerate().find_map(|(i, (e, _))| {
+        let call = e.downcast_ref::<ScalarFunctionExpr>()?;
+        let on_order = call
+            .args()
+            .first()?
+            .downcast_ref::<Column>()
+            .is_some_and(|c| c.index() == order_column);
+        (call.fun().inner().is::<F>() && on_order).then_some((i, call))
+    })
+}
+
+/// The literal arguments of `call` after its first (None where one is not a literal).
+fn literal_arguments(call: &ScalarFunctionExpr) -> Vec<Option<&ScalarValue>> {
+    call.args()[1..]
+        .iter()
+        .map(|a| a.downcast_ref::<Literal>().map(|l| l.value()))
+        .collect()
+}
+
+/// A `GROUP BY session_window(ts, gap), ...` over the order column `ts`: a
+/// [`SessionWindowExec`].
+fn session_window(
+    node: &Arc<dyn ExecutionPlan>,
+    raw: &AggregateExec,
+    order_column: usize,
+) -> Result<Option<Arc<dyn ExecutionPlan>>> {
+    let group_by = raw.group_expr();
+    let Some((session, call)) = call_on_order::<SessionWindow>(group_by, order_column) else {
+        return Ok(None);
+    };
+    let input = raw.input();
+    let time_type = input.schema().field(order_column).data_type().clone();
+    let gap = session_gap(&time_type, &literal_arguments(call))?;
+    let exec = SessionWindowExec::try_new(
+        Arc::clone(input),
+        group_by.expr().iter().map(|(e, _)| Arc::clone(e)).collect(),
+        session,
+        raw.aggr_expr().to_vec(),
+        raw.filter_expr().to_vec(),
+        order_column,
+        gap,
+        watermark_source(input),
+        node.schema(),
+    )?;
+    Ok(Some(Arc::new(exec)))
+}
+
 /// A `GROUP BY` whose key includes Spark's `window(ts, ...)` over the order column `ts`: a
 /// window aggregate that copies each row into each of its windows (keyed by the window's
 /// start), under a projection that turns each start into Spark's `struct<start, end>`.
@@ -217,24 +273,12 @@ fn spark_window(
 ) -> Result<Option<Arc<dyn ExecutionPlan>>> {
     let group_by = raw.group_expr();
     let input = raw.input();
-    let Some((window_key, call)) = group_by.expr().iter().enumerate().find_map(|(i, (e, _))| {
-        let call = e.downcast_ref::<ScalarFunctionExpr>()?;
-        let on_order = call
-            .args()
-            .first()?
-            .downcast_ref::<Column>()
-            .is_some_and(|c| c.index() == order_column);
-        (call.fun().inner().is::<SparkWindow>() && on_order).then_some((i, call))
-    }) else {
+    let Some((window_key, call)) = call_on_order::<SparkWindow>(group_by, order_column) else {
         return Ok(None);
     };
     let input_schema = input.schema();
     let time_type = input_schema.field(order_column).data_type().clone();
-    let literals: Vec<Option<&ScalarValue>> = call.args()[1..]
-        .iter()
-        .map(|a| a.downcast_ref::<Literal>().map(|l| l.value()))
-        .collect();
-    let windowing = Windowing::from_arguments(&time_type, &literals)?;
+    let windowing = Windowing::from_arguments(&time_type, &literal_arguments(call))?;
     let start: Arc<dyn PhysicalExpr> =
         Arc::new(Column::new(WINDOW_START, input_schema.fields().len()));
     let keys: Vec<(Arc<dyn PhysicalExpr>, String)> = group_by

@@ -13,7 +13,8 @@
 //! tumbling window is a plain function of `ts`; a sliding one, which puts a row in several
 //! windows, needs the window aggregate and fails naming what to do.
 //!
-//! `session_window(ts, gap)` is refused at planning with the reason.
+//! `session_window(ts, gap)` is answered by the session aggregate (`session.rs`); its gap is
+//! checked here, at planning, as `window()`'s durations are.
 
 use std::sync::Arc;
 
@@ -161,21 +162,55 @@ fn window_struct(ts_type: &DataType) -> DataType {
 
 /// The struct of windows starting at `starts` (a time column), each `size` ticks long.
 fn envelope(starts: &ArrayRef, size: i64) -> Result<ArrayRef> {
-    let ts_type = starts.data_type().clone();
     let ticks = cast(starts, &DataType::Int64)?;
     let ends: Int64Array = ticks
         .as_primitive::<Int64Type>()
         .unary(|s| s.saturating_add(size));
-    let ends = cast(&ends, &ts_type)?;
-    let DataType::Struct(fields) = window_struct(&ts_type) else {
+    envelope_of(starts, &cast(&ends, starts.data_type())?)
+}
+
+/// Spark's `struct<start, end>` of two time columns of one type.
+pub fn envelope_of(starts: &ArrayRef, ends: &ArrayRef) -> Result<ArrayRef> {
+    let DataType::Struct(fields) = window_struct(starts.data_type()) else {
         unreachable!("window_struct is a struct")
     };
     let nulls = starts.nulls().cloned();
     Ok(Arc::new(StructArray::try_new(
         fields,
-        vec![Arc::clone(starts), ends],
+        vec![Arc::clone(starts), Arc::clone(ends)],
         nulls,
     )?))
+}
+
+/// The gap of `session_window(ts, gapDuration)` in ticks of `ts_type`, from its literal.
+pub fn session_gap(ts_type: &DataType, args: &[Option<&ScalarValue>]) -> Result<i64> {
+    let DataType::Timestamp(unit, _) = ts_type else {
+        return plan_err!(
+            "{INVALID}session_window(timeColumn, gapDuration) needs a timestamp column, got \
+             {ts_type}"
+        );
+    };
+    let [arg] = args else {
+        return plan_err!(
+            "{INVALID}session_window(timeColumn, gapDuration) takes 2 arguments, got {}",
+            args.len() + 1
+        );
+    };
+    let Some(value) = arg else {
+        return plan_err!(
+            "{INVALID}session_window(): gapDuration must be a literal duration (a gap per row \
+             is not supported)"
+        );
+    };
+    let gap = duration_ticks(value, *unit).map_err(|why| {
+        datafusion::common::DataFusionError::Plan(format!(
+            "{INVALID}session_window(): gapDuration {why}"
+        ))
+    })?;
+    if gap <= 0 {
+        return plan_err!("{INVALID}session_window(): gapDuration must be positive, got {value}");
+    }
+    Ok(gap)
 }
 
 /// A duration literal (Spark's string or a fixed-length interval) in ticks of `unit`.
@@ -378,7 +413,8 @@ impl ScalarUDFImpl for WindowEnvelope {
     }
 }
 
-/// `session_window(timeColumn, gapDuration)`: refused at planning, with the reason.
+/// `session_window(timeColumn, gapDuration)`, Spark's: answered by the session window
+/// aggregate in a `GROUP BY` over a table ordered by the time column.
 #[derive(Debug, PartialEq, Eq, Hash)]
 pub struct SessionWindow {
     signature: Signature,
@@ -401,15 +437,32 @@ impl ScalarUDFImpl for SessionWindow {
         &self.signature
     }
 
-    fn return_type(&self, _arg_types: &[DataType]) -> Result<DataType> {
-        plan_err!(
-            "{INVALID}session_window(timeColumn, gapDuration) is not answered by pushtable's live engine \
-             yet; GROUP BY window(timeColumn, windowDuration[, slideDuration]) (tumbling or \
-             sliding) answers each window as it closes"
-        )
+    fn return_type(&self, arg_types: &[DataType]) -> Result<DataType> {
+        match arg_types.first() {
+            Some(ts @ DataType::Timestamp(_, _)) => Ok(window_struct(ts)),
+            other => plan_err!(
+                "{INVALID}session_window(timeColumn, gapDuration) needs a timestamp column, got {}",
+                other.map(|t| t.to_string()).unwrap_or("no argument".into())
+            ),
+        }
+    }
+
+    fn return_field_from_args(&self, args: ReturnFieldArgs) -> Result<FieldRef> {
+        let ts_type = args.arg_fields.first().map(|f| f.data_type().clone());
+        let ts_type = ts_type.unwrap_or(DataType::Null);
+        let rest = &args.scalar_arguments[1.min(args.scalar_arguments.len())..];
+        session_gap(&ts_type, rest)?;
+        Ok(Arc::new(Field::new(
+            self.name(),
+            self.return_type(&[ts_type])?,
+            true,
+        )))
     }
 
     fn invoke_with_args(&self, _args: ScalarFunctionArgs) -> Result<ColumnarValue> {
-        exec_err!("session_window is not supported")
+        exec_err!(
+            "session_window() is answered in a GROUP BY over a live table ordered by its time \
+             column (order_by=): a session's end depends on the rows after it"
+        )
     }
 }

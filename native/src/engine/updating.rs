@@ -27,8 +27,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use arrow::array::{Array, ArrayRef, AsArray, RecordBatch, UInt32Array};
-use arrow::compute::{concat, interleave, take};
+use arrow::array::{AsArray, RecordBatch};
 use arrow::datatypes::SchemaRef;
 use datafusion::common::{DataFusionError, Result};
 use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
@@ -51,6 +50,7 @@ use datafusion::physical_plan::{
 };
 use futures::{Stream, StreamExt};
 
+use super::groups::{copy_groups, Keys};
 use super::window::group_accumulator;
 
 /// The state an updating aggregate may hold when the session sets no memory limit.
@@ -243,76 +243,6 @@ impl Changed {
     }
 }
 
-/// The group keys, one row per group in creation order, as compact chunks.
-#[derive(Default)]
-struct Keys {
-    /// Per chunk, one array per key column.
-    chunks: Vec<Vec<ArrayRef>>,
-    /// Per group: (chunk, row).
-    at: Vec<(u32, u32)>,
-    bytes: usize,
-}
-
-impl Keys {
-    /// Keep the keys of the rows `rows` of `columns` (the new groups, in creation order).
-    fn push(&mut self, columns: &[ArrayRef], rows: &[u32]) -> Result<()> {
-        let indices = UInt32Array::from(rows.to_vec());
-        let chunk = columns
-            .iter()
-            .map(|c| take(c.as_ref(), &indices, None))
-            .collect::<std::result::Result<Vec<_>, _>>()?;
-        self.bytes += chunk
-            .iter()
-            .map(|c| c.get_array_memory_size())
-            .sum::<usize>();
-        let n = self.chunks.len() as u32;
-        self.at.extend((0..rows.len() as u32).map(|r| (n, r)));
-        self.chunks.push(chunk);
-        if self.chunks.len() > 64 {
-            self.compact()?;
-        }
-        Ok(())
-    }
-
-    /// One chunk instead of many (so an emission interleaves from few arrays).
-    fn compact(&mut self) -> Result<()> {
-        let width = self.chunks[0].len();
-        let merged = (0..width)
-            .map(|c| {
-                let parts: Vec<&dyn Array> = self.chunks.iter().map(|k| k[c].as_ref()).collect();
-                concat(&parts)
-            })
-            .collect::<std::result::Result<Vec<_>, _>>()?;
-        self.bytes = merged.iter().map(|c| c.get_array_memory_size()).sum();
-        self.chunks = vec![merged];
-        for (i, at) in self.at.iter_mut().enumerate() {
-            *at = (0, i as u32);
-        }
-        Ok(())
-    }
-
-    /// The key columns of `groups`.
-    fn rows(&self, groups: &[u32], width: usize) -> Result<Vec<ArrayRef>> {
-        let picks: Vec<(usize, usize)> = groups
-            .iter()
-            .map(|&g| {
-                let (c, r) = self.at[g as usize];
-                (c as usize, r as usize)
-            })
-            .collect();
-        (0..width)
-            .map(|c| {
-                let parts: Vec<&dyn Array> = self.chunks.iter().map(|k| k[c].as_ref()).collect();
-                Ok(interleave(&parts, &picks)?)
-            })
-            .collect()
-    }
-
-    fn size(&self) -> usize {
-        self.bytes + self.at.capacity() * 8
-    }
-}
-
 struct ChangesStream {
     input: SendableRecordBatchStream,
     group_by: PhysicalGroupBy,
@@ -447,20 +377,8 @@ impl ChangesStream {
             Some(_) => self.keys.rows(&changed, self.group_by.expr().len())?,
             None => Vec::new(),
         };
-        let picks = UInt32Array::from(changed.clone());
-        let scratch_groups: Vec<usize> = (0..changed.len()).collect();
-        let all: Vec<usize> = (0..self.groups).collect();
         for (acc, expr) in self.accumulators.iter_mut().zip(&self.exprs) {
-            // Drained, then rebuilt from its own state: evaluate would consume it.
-            let state = acc.state(EmitTo::All)?;
-            acc.merge_batch(&state, &all, None, self.groups)?;
-            let picked = state
-                .iter()
-                .map(|s| take(s.as_ref(), &picks, None))
-                .collect::<std::result::Result<Vec<_>, _>>()?;
-            let mut scratch = group_accumulator(expr)?;
-            scratch.merge_batch(&picked, &scratch_groups, None, changed.len())?;
-            columns.push(scratch.evaluate(EmitTo::All)?);
+            columns.push(copy_groups(acc, expr, &changed, self.groups)?.evaluate(EmitTo::All)?);
         }
         Ok(Some(RecordBatch::try_new(
             Arc::clone(&self.schema),

@@ -1,0 +1,104 @@
+//! Pieces the live engine's aggregates share: the keys of their groups, kept as compact
+//! copies, and the current values of some groups read without draining the accumulators.
+
+use arrow::array::{Array, ArrayRef, UInt32Array};
+use arrow::compute::{concat, interleave, take};
+use datafusion::common::Result;
+use datafusion::logical_expr::{EmitTo, GroupsAccumulator};
+use datafusion::physical_expr::aggregate::AggregateFunctionExpr;
+
+use super::window::group_accumulator;
+
+/// The groups `picks` of `acc` (of `total` groups) merged into a fresh accumulator as groups
+/// `0..picks.len()`; `acc` keeps every group. DataFusion's `evaluate` drains what it returns,
+/// so `acc` hands out its state (the partial-aggregate form DataFusion merges across
+/// partitions) and is rebuilt from it.
+pub fn copy_groups(
+    acc: &mut Box<dyn GroupsAccumulator>,
+    expr: &std::sync::Arc<AggregateFunctionExpr>,
+    picks: &[u32],
+    total: usize,
+) -> Result<Box<dyn GroupsAccumulator>> {
+    let state = acc.state(EmitTo::All)?;
+    let all: Vec<usize> = (0..total).collect();
+    acc.merge_batch(&state, &all, None, total)?;
+    let indices = UInt32Array::from(picks.to_vec());
+    let picked = state
+        .iter()
+        .map(|s| take(s.as_ref(), &indices, None))
+        .collect::<std::result::Result<Vec<_>, _>>()?;
+    let mut copy = group_accumulator(expr)?;
+    let groups: Vec<usize> = (0..picks.len()).collect();
+    copy.merge_batch(&picked, &groups, None, picks.len())?;
+    Ok(copy)
+}
+
+/// The group keys, one row per group in creation order, as compact chunks.
+#[derive(Default)]
+pub struct Keys {
+    /// Per chunk, one array per key column.
+    chunks: Vec<Vec<ArrayRef>>,
+    /// Per group: (chunk, row).
+    pub at: Vec<(u32, u32)>,
+    bytes: usize,
+}
+
+impl Keys {
+    /// Keep the keys of the rows `rows` of `columns` (the new groups, in creation order).
+    pub fn push(&mut self, columns: &[ArrayRef], rows: &[u32]) -> Result<()> {
+        let indices = UInt32Array::from(rows.to_vec());
+        let chunk = columns
+            .iter()
+            .map(|c| take(c.as_ref(), &indices, None))
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        self.bytes += chunk
+            .iter()
+            .map(|c| c.get_array_memory_size())
+            .sum::<usize>();
+        let n = self.chunks.len() as u32;
+        self.at.extend((0..rows.len() as u32).map(|r| (n, r)));
+        self.chunks.push(chunk);
+        if self.chunks.len() > 64 {
+            self.compact()?;
+        }
+        Ok(())
+    }
+
+    /// One chunk instead of many (so an emission interleaves from few arrays).
+    fn compact(&mut self) -> Result<()> {
+        let width = self.chunks[0].len();
+        let merged = (0..width)
+            .map(|c| {
+                let parts: Vec<&dyn Array> = self.chunks.iter().map(|k| k[c].as_ref()).collect();
+                concat(&parts)
+            })
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        self.bytes = merged.iter().map(|c| c.get_array_memory_size()).sum();
+        self.chunks = vec![merged];
+        for (i, at) in self.at.iter_mut().enumerate() {
+            *at = (0, i as u32);
+        }
+        Ok(())
+    }
+
+    /// The key columns of `groups`.
+    pub fn rows(&self, groups: &[u32], width: usize) -> Result<Vec<ArrayRef>> {
+        let picks: Vec<(usize, usize)> = groups
+            .iter()
+            .map(|&g| {
+                let (c, r) = self.at[g as usize];
+                (c as usize, r as usize)
+            })
+            .collect();
+        (0..width)
+            .map(|c| {
+                let parts: Vec<&dyn Array> = self.chunks.iter().map(|k| k[c].as_ref()).collect();
+                Ok(interleave(&parts, &picks)?)
+            })
+            .collect()
+    }
+
+    pub fn size(&self) -> usize {
+        self.bytes + self.at.capacity() * 8
+    }
+}
