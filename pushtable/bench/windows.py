@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from pushtable import SessionContext, Topic
 from pushtable.bench.peer_workload import percentiles
@@ -55,6 +56,8 @@ class Workload:
     latency_batch: Callable[[int, int], pa.RecordBatch]
     #: a result's window column -> the window's number
     window_of: Callable[[pa.Array], list[int]]
+    #: how many windows each row is counted in (a sliding window's size / slide)
+    copies: int = 1
 
 
 def _throughput_batches(rows: int, batch_rows: int, per_window: int = 100_000) -> list[Any]:
@@ -74,6 +77,39 @@ TIMESTAMPS = Workload(
     latency_batch=lambda i, rows: _batch(i * 1000, rows, 500),
     window_of=lambda w: [v // 1_000_000_000 for v in w.cast(pa.int64()).to_pylist()],  # ns
 )
+
+
+def _ms(values: pa.Array) -> list[int]:
+    return [v // 1000 for v in values.cast(pa.int64()).to_pylist()]  # timestamp[ms] -> seconds
+
+
+#: Spark's sliding window, 10 seconds every second: each row is in 10 windows; the window
+#: ending at second e closes with batch e (its number: e - 1, as a tumbling window's).
+SLIDING = Workload(
+    schema=SCHEMA,
+    sql="SELECT window(ts, '10 seconds', '1 second') AS w, count(*) AS n, sum(v) AS s "
+    "FROM t GROUP BY 1",
+    batches=_throughput_batches,
+    latency_batch=lambda i, rows: _batch(i * 1000, rows, 500),
+    window_of=lambda w: [e - 1 for e in _ms(pc.struct_field(w, "end"))],
+    copies=10,
+)
+
+#: Spark's session window with a 300 ms gap over bursts: each batch is 500 ms of one second
+#: (a session), closed by the next burst; throughput over 8,192-row bursts.
+SESSIONS = Workload(
+    schema=SCHEMA,
+    sql="SELECT session_window(ts, '300 milliseconds') AS w, count(*) AS n, sum(v) AS s "
+    "FROM t GROUP BY 1",
+    batches=lambda rows, batch_rows: [
+        _batch(i * 1000, batch_rows, 500) for i in range(rows // batch_rows)
+    ],
+    latency_batch=lambda i, rows: _batch(i * 1000, rows, 500),
+    window_of=lambda w: _ms(pc.struct_field(w, "start")),
+)
+
+#: The Spark window shapes measured beside the tumbling one.
+SHAPES = {"sliding 10 s every 1 s": SLIDING, "session, 300 ms gap": SESSIONS}
 
 
 def throughput(
@@ -101,7 +137,9 @@ def throughput(
     seconds = time.perf_counter() - start
     producer.join()
     result = pa.Table.from_batches(got) if got else pa.table({"n": [], "s": []})
-    ok = sum(result["n"].to_pylist()) == rows and sum(result["s"].to_pylist()) == rows
+    rows = sum(b.num_rows for b in batches)
+    counted = rows * workload.copies
+    ok = sum(result["n"].to_pylist()) == counted and sum(result["s"].to_pylist()) == counted
     return {
         "rows": rows,
         "batch_rows": batch_rows,
@@ -270,7 +308,15 @@ def run(quick: bool) -> dict[str, Any]:
     latency = [close_latency(rows, 20 if quick else 200) for rows in BATCH_ROWS]
     counts = CONCURRENT[:2] if quick else CONCURRENT
     many = [concurrent(n, 100_000 if quick else 1_000_000, 20 if quick else 100) for n in counts]
+    shapes = {}
+    for name, workload in SHAPES.items():
+        tries = [throughput(rows, workload=workload) for _ in range(1 if quick else 3)]
+        shapes[name] = {
+            "throughput": sorted(tries, key=lambda r: r["rows_per_s"])[len(tries) // 2],
+            "close_latency": close_latency(8192, 20 if quick else 200, workload=workload),
+        }
     return {
+        "shapes": shapes,
         "throughput": best,
         "throughput_runs": runs,
         "close_latency": latency,
@@ -291,6 +337,13 @@ def table(suite: dict[str, Any]) -> str:
         lines.append(
             f"{c['batch_rows']:10d} {c['samples']:4d} {c['p50_ms']:8.2f} {c['p99_ms']:8.2f} "
             f"{c['max_ms']:8.2f}"
+        )
+    for name, shape in suite.get("shapes", {}).items():
+        t, c = shape["throughput"], shape["close_latency"]
+        lines.append(
+            f"{name}: {t['rows_per_s'] / 1e6:.1f} M rows/s ({t['windows']} windows, "
+            f"verified={t['verified']}); close p50 {c['p50_ms']:.2f} / p99 {c['p99_ms']:.2f} ms "
+            f"at {c['batch_rows']:,}-row batches"
         )
     if suite.get("concurrent"):
         lines.append(

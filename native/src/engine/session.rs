@@ -212,6 +212,7 @@ impl ExecutionPlan for SessionWindowExec {
             session_indices: Vec::new(),
             schema: Arc::clone(&self.schema),
             done: false,
+            deferred: None,
             reservation,
         };
         Ok(Box::pin(RecordBatchStreamAdapter::new(
@@ -259,6 +260,8 @@ struct SessionStream {
     session_indices: Vec<usize>,
     schema: SchemaRef,
     done: bool,
+    /// A batch whose first row closed sessions: folded once they have gone out.
+    deferred: Option<RecordBatch>,
     reservation: MemoryReservation,
 }
 
@@ -460,6 +463,16 @@ impl SessionStream {
         self.reservation.try_resize(size)
     }
 
+    /// The sessions `batch`'s first row closes (the input is ordered: no row from it on can
+    /// join them), so that a batch closing a session need not be folded before it leaves.
+    fn closed_by_first_row(&mut self, batch: &RecordBatch) -> Result<Option<RecordBatch>> {
+        let first = cast(
+            &batch.column(self.order_column).slice(0, 1),
+            &DataType::Int64,
+        )?;
+        self.close(Some(first.as_primitive::<Int64Type>().value(0)))
+    }
+
     fn on_batch(&mut self, batch: &RecordBatch) -> Result<Option<RecordBatch>> {
         let by_rows = self.absorb(batch)?;
         self.account()?;
@@ -480,7 +493,26 @@ impl Stream for SessionStream {
             if self.done {
                 return Poll::Ready(None);
             }
+            if let Some(batch) = self.deferred.take() {
+                match self.on_batch(&batch) {
+                    Ok(Some(out)) => return Poll::Ready(Some(Ok(out))),
+                    Ok(None) => continue,
+                    Err(e) => {
+                        self.done = true;
+                        return Poll::Ready(Some(Err(e)));
+                    }
+                }
+            }
             let result = match futures::ready!(self.input.poll_next_unpin(cx)) {
+                // The sessions the batch's first row closes go out before it is folded.
+                Some(Ok(batch)) if batch.num_rows() > 0 => match self.closed_by_first_row(&batch) {
+                    Ok(Some(out)) => {
+                        self.deferred = Some(batch);
+                        Ok(Some(out))
+                    }
+                    Ok(None) => self.on_batch(&batch),
+                    Err(e) => Err(e),
+                },
                 Some(Ok(batch)) => self.on_batch(&batch),
                 Some(Err(e)) => Err(e),
                 None => {

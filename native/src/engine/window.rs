@@ -268,6 +268,7 @@ impl ExecutionPlan for WindowAggregateExec {
             schema: Arc::clone(&self.schema),
             pending: VecDeque::new(),
             done: false,
+            deferred: None,
             reservation,
         };
         Ok(Box::pin(RecordBatchStreamAdapter::new(
@@ -387,6 +388,8 @@ struct WindowStream {
     schema: SchemaRef,
     pending: VecDeque<RecordBatch>,
     done: bool,
+    /// A batch whose first row closed windows: folded once they have gone out.
+    deferred: Option<RecordBatch>,
     reservation: MemoryReservation,
     /// The window is the only key: see [`WindowStream::windows_of`].
     window_only: bool,
@@ -625,6 +628,29 @@ impl WindowStream {
         self.reservation.try_resize(size)
     }
 
+    /// Emit the windows that `batch`'s first row closes (the input is ordered: nothing from
+    /// it or later falls below that row's window), so that a batch closing a window need
+    /// not be folded before the window's row leaves; whether any did.
+    fn closed_by_first_row(&mut self, batch: &RecordBatch) -> Result<bool> {
+        if batch.num_rows() == 0 || self.windows.is_empty() {
+            return Ok(false);
+        }
+        let threshold = match &self.expand {
+            Some((windowing, time, time_type)) => {
+                let first = ScalarValue::try_from_array(batch.column(*time), 0)?;
+                Windowing::scalar(windowing.oldest(Windowing::ticks(&first)?), time_type)?
+            }
+            None => {
+                let key = &self.group_by.expr()[self.window_key].0;
+                let value = key.evaluate(&batch.slice(0, 1))?.into_array(1)?;
+                ScalarValue::try_from_array(&value, 0)?
+            }
+        };
+        let before = self.pending.len();
+        self.emit_below(&threshold)?;
+        Ok(self.pending.len() > before)
+    }
+
     fn on_batch(&mut self, batch: &RecordBatch) -> Result<()> {
         let by_rows = self.aggregate(batch)?;
         self.account()?;
@@ -656,8 +682,27 @@ impl Stream for WindowStream {
             if self.done {
                 return Poll::Ready(None);
             }
+            if let Some(batch) = self.deferred.take() {
+                if let Err(e) = self.on_batch(&batch) {
+                    self.done = true;
+                    return Poll::Ready(Some(Err(e)));
+                }
+                continue;
+            }
             match futures::ready!(self.input.poll_next_unpin(cx)) {
                 Some(Ok(batch)) => {
+                    // The windows the batch's first row closes go out before it is folded.
+                    match self.closed_by_first_row(&batch) {
+                        Ok(true) => {
+                            self.deferred = Some(batch);
+                            continue;
+                        }
+                        Ok(false) => {}
+                        Err(e) => {
+                            self.done = true;
+                            return Poll::Ready(Some(Err(e)));
+                        }
+                    }
                     if let Err(e) = self.on_batch(&batch) {
                         self.done = true;
                         return Poll::Ready(Some(Err(e)));
