@@ -103,7 +103,7 @@ def run(
             out["windows"]["peers"] = side_by_side.run(quick)
             say(side_by_side.table(out["windows"]["peers"]))
     if "updating" in suites:
-        out["updating"] = updating.run(quick)
+        out["updating"] = updating.run(quick, peers)
         say(updating.table(out["updating"]))
     if "core" in suites:
         out["core"] = core.run(quick)

@@ -22,6 +22,7 @@ try:  # pushtable importable (type checking, tests)
     from pushtable.bench.peer_workload import (
         DELAY_MS,
         PER_WINDOW,
+        keyed_batch,
         latency_batch,
         percentiles,
         throughput_batches,
@@ -30,6 +31,7 @@ except ImportError:  # the peers venv: the file beside this one
     from peer_workload import (  # type: ignore[import-not-found,no-redef]
         DELAY_MS,
         PER_WINDOW,
+        keyed_batch,
         latency_batch,
         percentiles,
         throughput_batches,
@@ -127,8 +129,136 @@ def close_latency(batch_rows: int, samples: int, interval: float = 0.02) -> dict
     return percentiles(batch_rows, ms)
 
 
+UPDATING = (
+    "CREATE STREAM agg AS SELECT k, count(*) AS n, sum(v) AS s, max(ts) AS b FROM events "
+    "GROUP BY k EMIT CHANGES"
+)
+
+
+def _updating(keys: int, rows: int, i: int, schema: pa.Schema) -> pa.RecordBatch:
+    """Batch ``i`` of the updating workload, its event time ``i`` seconds."""
+    b = keyed_batch(i, rows, keys, schema)
+    return b.set_column(0, "ts", pa.array([i * 1000] * rows, pa.int64()))
+
+
+def _open_updating() -> tuple[Any, Any, Any, pa.Schema]:
+    db = laminardb.open(":memory:")
+    db.execute(
+        "CREATE SOURCE events (ts BIGINT, k BIGINT, v BIGINT, "
+        f"WATERMARK FOR ts AS ts - INTERVAL '{DELAY_MS}' MILLISECOND)"
+    )
+    db.execute(UPDATING)
+    db.start()
+    return db, db.subscribe_stream("agg"), db.writer("events"), db.schema("events")
+
+
+def updating_throughput(keys: int, rows: int, batch_rows: int) -> dict[str, Any]:
+    """``GROUP BY k EMIT CHANGES`` flat out; the reader applies each change as an upsert
+    (vectorised, as pushtable's reader does); timed to the change that completes every key."""
+    import numpy as np
+
+    db, sub, writer, schema = _open_updating()
+    batches = [_updating(keys, batch_rows, i, schema) for i in range(rows // batch_rows)]
+    written = len(batches) * batch_rows
+    expected = np.bincount(np.arange(written) % keys, minlength=keys)
+    counts = np.full(keys, -1, np.int64)
+    last = [0.0]
+    stop = threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            try:
+                got = sub.next_timeout(50)
+            except Exception:  # noqa: BLE001 - SubscriptionError on timeout
+                continue
+            if got is None:
+                continue
+            t = got.to_arrow()
+            k, n = t.column("k").to_numpy(), t.column("n").to_numpy()
+            keep = k >= 0
+            counts[k[keep]] = n[keep]
+            last[0] = time.perf_counter()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    start = time.perf_counter()
+    for b in batches:
+        writer.insert(b)
+        writer.flush()
+    # One row far ahead, of no key of the workload, moves the watermark past everything.
+    marker = pa.record_batch([pa.array([10**12]), pa.array([-1]), pa.array([0])], schema=schema)
+    writer.insert(marker)
+    writer.flush()
+    deadline = time.monotonic() + 300
+    while not np.array_equal(counts, expected) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    stop.set()
+    reader.join(5)
+    db.close()
+    return {
+        "keys": keys,
+        "rows": written,
+        "rows_per_s": written / (last[0] - start),
+        "verified": bool(np.array_equal(counts, expected)),
+    }
+
+
+def updating_latency(keys: int, batches: int, rows: int, rate: float) -> dict[str, Any]:
+    """Write -> the first change carrying batch ``i``'s number, at ``rate`` batches/s."""
+    db, sub, writer, schema = _open_updating()
+    data = [_updating(keys, rows, i, schema) for i in range(batches)]
+    seen = [0.0] * batches
+    newest = [-1]
+    stop = threading.Event()
+
+    def read() -> None:
+        while not stop.is_set():
+            try:
+                got = sub.next_timeout(50)
+            except Exception:  # noqa: BLE001 - SubscriptionError on timeout
+                continue
+            if got is None:
+                continue
+            now = time.perf_counter()
+            top = max(got.to_arrow().column("b").to_pylist()) // 1000
+            for i in range(newest[0] + 1, min(top, batches - 1) + 1):
+                seen[i] = now
+            newest[0] = max(newest[0], top)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    written = [0.0] * batches
+    t0 = time.perf_counter()
+    for i, b in enumerate(data):
+        time.sleep(max(0.0, t0 + i / rate - time.perf_counter()))
+        written[i] = time.perf_counter()
+        writer.insert(b)
+        writer.flush()
+    deadline = time.monotonic() + 10
+    while newest[0] < batches - 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    stop.set()
+    reader.join(5)
+    db.close()
+    warm = batches // 10
+    ms = sorted((s - w) * 1e3 for s, w in zip(seen[warm:], written[warm:], strict=True) if s > 0)
+    return {"keys": keys, "rate": rate, **percentiles(rows, ms)}
+
+
 def main() -> None:
     params = json.loads(sys.argv[1])
+    if params.get("shape") == "updating":
+        keys, rows = params["keys"], params["rows"]
+        print(
+            json.dumps(
+                {
+                    "engine": f"laminardb {laminardb.__version__}",
+                    "throughput": [updating_throughput(k, rows, 8192) for k in keys],
+                    "latency": [updating_latency(k, params["batches"], 8192, 100.0) for k in keys],
+                }
+            )
+        )
+        return
     runs = range(params["runs"])
     for _ in range(params.get("warmup", 0)):  # unmeasured, as for every engine of the run
         throughput(params["rows"], params["batch_rows"])

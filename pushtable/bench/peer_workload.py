@@ -27,6 +27,16 @@ def batch(first_ms: int, rows: int, span_ms: int, schema: pa.Schema = SCHEMA) ->
     return pa.record_batch(arrays, schema=schema)
 
 
+def keyed_batch(i: int, rows: int, keys: int, schema: pa.Schema = SCHEMA) -> pa.RecordBatch:
+    """Batch ``i`` of the updating ``GROUP BY`` workload: rows ``i * rows ..`` of the stream
+    with key ``r % keys``, ``v`` = 1 and ``ts`` = ``i`` (the batch's number: the last column
+    of pushtable's schema, or ``ts`` in the peers' int64 schema)."""
+    r = np.arange(i * rows, (i + 1) * rows, dtype=np.int64)
+    ordered = {"k": pa.array(r % keys), "v": pa.array(np.ones(rows, np.int64))}
+    ordered[schema.names[-1] if schema.names[0] == "k" else "ts"] = pa.array(np.full(rows, i))
+    return pa.record_batch([ordered[name] for name in schema.names], schema=schema)
+
+
 def throughput_batches(
     rows: int, batch_rows: int, schema: pa.Schema = SCHEMA
 ) -> list[pa.RecordBatch]:

@@ -56,7 +56,8 @@ def peers_python() -> Path:
     return python
 
 
-def _peer(name: str, params: dict[str, Any]) -> dict[str, Any]:
+def peer(name: str, params: dict[str, Any]) -> dict[str, Any]:
+    """Run ``peer_<name>.py`` with ``params`` in the peers venv: its JSON, or why it was skipped."""
     try:
         python = peers_python()
     except (OSError, subprocess.SubprocessError) as exc:
@@ -100,7 +101,7 @@ def run(quick: bool) -> dict[str, Any]:
     }
     out = {"params": params, "pushtable": ours}
     for name in PEERS:
-        out[name] = _peer(name, params)
+        out[name] = peer(name, params)
     return out
 
 

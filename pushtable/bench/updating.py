@@ -22,7 +22,7 @@ import numpy as np
 import pyarrow as pa
 
 from pushtable import SessionContext
-from pushtable.bench.peer_workload import percentiles
+from pushtable.bench.peer_workload import keyed_batch, percentiles
 
 SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.int64()), ("b", pa.int64())])
 SQL = "SELECT k, count(*) AS n, sum(v) AS s, max(b) AS b FROM t GROUP BY k"
@@ -31,11 +31,7 @@ KEYS = (1_000, 100_000)
 
 def _batch(i: int, rows: int, keys: int) -> pa.RecordBatch:
     """Batch ``i``: rows ``i * rows ..`` of the stream, key ``r % keys``, v = 1, b = i."""
-    r = np.arange(i * rows, (i + 1) * rows, dtype=np.int64)
-    return pa.record_batch(
-        [pa.array(r % keys), pa.array(np.ones(rows, np.int64)), pa.array(np.full(rows, i))],
-        schema=SCHEMA,
-    )
+    return keyed_batch(i, rows, keys, SCHEMA)
 
 
 def throughput(keys: int, rows: int = 2_000_000, batch_rows: int = 8192) -> dict[str, Any]:
@@ -106,13 +102,21 @@ def latency(keys: int, batches: int = 500, rows: int = 8192, rate: float = 100.0
     return {"keys": keys, "rate": rate, **percentiles(rows, ms)}
 
 
-def run(quick: bool) -> dict[str, Any]:
-    """Both measurements at each key count (fewer rows and batches with ``quick``)."""
+def run(quick: bool, peers: bool = False) -> dict[str, Any]:
+    """Both measurements at each key count (fewer rows and batches with ``quick``); with
+    ``peers``, the same workload on LaminarDB (``GROUP BY k EMIT CHANGES``) from the peers
+    venv, after pushtable's."""
     rows, batches = (200_000, 60) if quick else (2_000_000, 500)
-    return {
+    out: dict[str, Any] = {
         "throughput": [throughput(k, rows) for k in KEYS],
         "latency": [latency(k, batches) for k in KEYS],
     }
+    if peers:
+        from pushtable.bench.peers import peer
+
+        params = {"shape": "updating", "keys": list(KEYS), "rows": rows, "batches": batches}
+        out["laminardb"] = peer("laminardb", params)
+    return out
 
 
 def table(suite: dict[str, Any]) -> str:
@@ -125,4 +129,18 @@ def table(suite: dict[str, Any]) -> str:
             f"{t['keys']:>9,} {t['rows_per_s'] / 1e6:>9.1f} {t['output_batches']:>12,} "
             f"{lat['p50_ms']:>8.2f} {lat['p99_ms']:>8.2f}"
         )
+    peer = suite.get("laminardb")
+    if peer and "skipped" in peer:
+        lines.append(f"LaminarDB: {peer['skipped']}")
+    elif peer:
+        lines.append(f"{peer['engine']}, the same workload (GROUP BY k EMIT CHANGES):")
+        for t, lat, ours in zip(
+            peer["throughput"], peer["latency"], suite["throughput"], strict=True
+        ):
+            lines.append(
+                f"{t['keys']:>9,} {t['rows_per_s'] / 1e6:>9.2f} M rows/s "
+                f"(pushtable {ours['rows_per_s'] / t['rows_per_s']:.1f}x, verified="
+                f"{t['verified']}), p50 {lat.get('p50_ms', float('nan')):.2f} / p99 "
+                f"{lat.get('p99_ms', float('nan')):.2f} ms"
+            )
     return "\n".join(lines)
