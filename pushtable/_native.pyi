@@ -82,6 +82,7 @@ class LiveQuery:
 class LivePlan:
     reasons: list[str]
     display: str
+    upsert_key: list[str] | None
     def query(self) -> LiveQuery: ...
 
 class Engine:

@@ -323,7 +323,9 @@ class SessionContext(datafusion.SessionContext):
         plan = plan_live(self, self._sources, query)
         if plan is None:
             return None
-        return DataFrame(super().read_table(plan.query()).df)
+        frame = DataFrame(super().read_table(plan.query()).df)
+        frame.upsert_key = plan.upsert_key
+        return frame
 
     def table(self, name: str) -> DataFrame:
         """The registered table ``name`` as a :class:`pushtable.DataFrame`."""

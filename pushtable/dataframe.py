@@ -72,6 +72,11 @@ class DataFrame(datafusion.DataFrame):
         second scan refused
     """
 
+    #: For an updating aggregate (a ``GROUP BY`` answered as an upsert changelog): the result
+    #: columns that key it, so a reader can replace a row by the next one of its key (empty:
+    #: one row, which every change replaces). None for every other query.
+    upsert_key: list[str] | None = None
+
     def __getattribute__(self, name: str) -> Any:
         attr = object.__getattribute__(self, name)
         if name.startswith("__") or not callable(attr):

@@ -244,3 +244,56 @@ def test_the_chart_draws_a_line_per_group_with_readable_numbers_and_whole_axes(
         if browser is not None:
             browser.quit()
         server.stop()
+
+
+def test_an_updating_aggregate_is_a_table_that_updates_in_place(tmp_path: Path) -> None:
+    """``GROUP BY level`` over an unbounded table: one grid row per level, whose values change
+    where the row stands as batches arrive (the changes keyed by the server's upsert key)."""
+    from selenium.webdriver.common.by import By
+
+    server = _serve_with_tokens(tmp_path)
+    browser = None
+    try:
+        assert server.ui_url is not None
+        sink = server.create_table("events", LEVELS, unbounded=True)
+        browser = _browser()
+        wait = run_query_on_the_page(
+            browser,
+            server.ui_url,
+            "SELECT level, count(*) AS n FROM events GROUP BY level",
+        )
+        wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#grid thead th"))
+
+        def grid_rows(b: Any) -> list[str]:
+            return list(
+                b.execute_script(
+                    "return [...document.querySelectorAll('#grid tbody tr')].map(r => r.innerText)"
+                )
+            )
+
+        for batch_number in range(1, 4):
+            sink.write(
+                pa.record_batch(
+                    [
+                        pa.array([T0] * 3, TS),
+                        pa.array(["info", "warn", "info"]),
+                        pa.array([1.0, 2.0, 3.0]),
+                    ],
+                    schema=LEVELS,
+                ),
+                timeout=WAIT,
+            )
+            infos = 2 * batch_number
+            wait.until(
+                lambda b, n=infos: (
+                    sorted(r.split() for r in grid_rows(b))
+                    == [["info", str(n)], ["warn", str(n // 2)]]
+                )
+            )
+        assert len(grid_rows(browser)) == 2  # two groups, updated in place: never appended
+        assert "updated in place" in text_of(browser, "#status")
+        sink.close()
+    finally:
+        if browser is not None:
+            browser.quit()
+        server.stop()

@@ -148,6 +148,22 @@ def test_each_batch_brings_the_groups_it_changed_with_their_current_values() -> 
     assert changes.rest() == []
 
 
+@pytest.mark.parametrize(
+    ("sql", "key"),
+    [
+        ("SELECT k, count(*) AS c FROM ev GROUP BY k", ["k"]),
+        ("SELECT count(*) AS c, n AS kind, k FROM ev GROUP BY k, n", ["k", "kind"]),
+        ("SELECT count(*) AS c FROM ev", []),
+        ("SELECT count(*) AS c FROM ev GROUP BY k", None),  # the key is not in the result
+        ("SELECT k FROM ev WHERE n > 1", None),
+    ],
+)
+def test_the_result_says_which_columns_key_its_changes(sql: str, key: list[str] | None) -> None:
+    ctx, sink = live()
+    assert ctx.sql(sql).upsert_key == key
+    sink.close()
+
+
 def test_distinct_and_a_whole_input_aggregate_answer_as_rows_arrive() -> None:
     ctx, sink = live()
     distinct = Changes(ctx, "SELECT DISTINCT k FROM ev")
@@ -319,6 +335,7 @@ def test_remote_sql_runs_an_updating_aggregate(server: Server, client: Client) -
     with pytest.raises(UnboundedQueryError, match="HAVING"):
         client.sql("SELECT k, count(*) FROM ev GROUP BY k HAVING count(*) > 1").read_all()
     result = client.sql("SELECT k, count(*) AS c FROM ev GROUP BY k")
+    assert result.schema.metadata[b"pushtable.upsert_key"] == b'["k"]'
     with client.sink("ev") as ev:
         ev.write(events([("a", 1), ("b", 2)]))
         ev.write(events([("a", 3)]))

@@ -80,7 +80,7 @@ class Queries:
             found = sql.statement(cmd)
             if found is not None:
                 query, params = found
-                schema = self._plan(context, query, params).schema()
+                schema = _described(self._plan(context, query, params))
                 body = {"sql": query}
                 if params is not None:
                     body["prepared"] = base64.b64encode(sql.encode_handle(query, params)).decode()
@@ -121,7 +121,7 @@ class Queries:
                     '{"topic": "<durable topic>", "start": <offset>, "end": <offset>}'
                 )
             df = self._plan(context, query, params)
-            schema = df.schema()
+            schema = _described(df)
             slot = held.enter_context(self.usage.query())
             held.enter_context(self._call(context))
             # Only the worker thread keeps the query: when it lets go, the query ends.
@@ -317,3 +317,17 @@ def _refusal(exc: BaseException) -> StatementRefusedError | None:
         f"pushtable serve runs queries only: {match.group(2)} is a {kind} statement and is "
         "refused before anything runs (the server's own Python session, Server.ctx, may)"
     )
+
+
+#: Schema metadata of a remote result that is an upsert changelog: its key columns (JSON).
+UPSERT_KEY = b"pushtable.upsert_key"
+
+
+def _described(df: datafusion.DataFrame) -> pa.Schema:
+    """``df``'s schema, saying in its metadata which columns key an updating aggregate's
+    changes (:attr:`pushtable.DataFrame.upsert_key`), so a remote reader can apply them."""
+    schema: pa.Schema = df.schema()
+    key = getattr(df, "upsert_key", None)
+    if key is None:
+        return schema
+    return schema.with_metadata({**(schema.metadata or {}), UPSERT_KEY: json.dumps(key).encode()})

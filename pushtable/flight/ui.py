@@ -1,7 +1,8 @@
 """A live view of a running ``pushtable serve`` in the browser (``serve --ui-port``).
 
 The page lists the server's tables and topics with their live rates and queue fill, and runs
-a live SQL query whose rows appear as they arrive, in a grid and a line chart. The HTTP side
+a live SQL query whose rows appear as they arrive, in a grid and a line chart; an updating
+aggregate's changes replace the rows of their keys in place (a table that updates). The HTTP side
 is a small WSGI app on the standard library's threading server (as ``prometheus_client``
 serves metrics, and ``/metrics`` is served here too); the chart is Plotly's JavaScript, served
 from the installed ``plotly`` package, so the page needs no internet.
@@ -28,6 +29,7 @@ import pyarrow as pa
 from pushtable import metrics
 from pushtable.errors import PermissionDeniedError, UnauthenticatedError
 from pushtable.flight.client import Client, connect
+from pushtable.flight.query import UPSERT_KEY
 
 Start = Callable[[str, list[tuple[str, str]]], Any]
 #: a query's rows are sent at most this many per message, and the page keeps the last 1,000
@@ -154,7 +156,11 @@ class UiApp:
             except Exception as exc:  # noqa: BLE001 - the page shows the server's message
                 yield _line({"error": str(exc)})
                 return
-            yield _line({"columns": schema.names, "types": [str(f.type) for f in schema]})
+            head: dict[str, Any] = {"columns": schema.names, "types": [str(f.type) for f in schema]}
+            key = (schema.metadata or {}).get(UPSERT_KEY)
+            if key is not None:  # an updating aggregate: the page replaces rows by key
+                head["key"] = [schema.names.index(name) for name in json.loads(key)]
+            yield _line(head)
             try:
                 for batch in result:
                     for at in range(0, batch.num_rows, ROWS_PER_MESSAGE):

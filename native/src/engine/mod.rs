@@ -40,9 +40,12 @@ use datafusion::execution::memory_pool::FairSpillPool;
 use datafusion::execution::runtime_env::RuntimeEnvBuilder;
 use datafusion::execution::{SessionStateBuilder, TaskContext, TaskContextProvider};
 use datafusion::logical_expr::{Expr, TableProviderFilterPushDown, TableType};
+use datafusion::physical_expr::expressions::Column;
 use datafusion::physical_optimizer::optimizer::PhysicalOptimizer;
 use datafusion::physical_plan::aggregates::AggregateExec;
+use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
 use datafusion::physical_plan::joins::SymmetricHashJoinExec;
+use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::windows::BoundedWindowAggExec;
 use datafusion::physical_plan::{displayable, ExecutionPlan, InputOrderMode};
 use datafusion::prelude::{SQLOptions, SessionConfig, SessionContext};
@@ -228,6 +231,31 @@ fn uses_of_order(plan: &Arc<dyn ExecutionPlan>, out: &mut Vec<String>) -> bool {
     true
 }
 
+/// The output columns (indices) that key an updating aggregate's changelog at the root of
+/// `plan`, through projections that keep every key; None when the root is anything else.
+fn upsert_key(plan: &Arc<dyn ExecutionPlan>) -> Option<Vec<usize>> {
+    if let Some(agg) = plan.downcast_ref::<updating::UpdatingAggregateExec>() {
+        return Some((0..agg.group_count()).collect());
+    }
+    if let Some(projection) = plan.downcast_ref::<ProjectionExec>() {
+        let below = upsert_key(projection.input())?;
+        return below
+            .iter()
+            .map(|&k| {
+                projection.expr().iter().position(|p| {
+                    p.expr
+                        .downcast_ref::<Column>()
+                        .is_some_and(|c| c.index() == k)
+                })
+            })
+            .collect();
+    }
+    if plan.is::<CoalescePartitionsExec>() {
+        return upsert_key(plan.children()[0]);
+    }
+    None
+}
+
 /// The engine of one `ctx.sql(...)` call: the caller's tables, registered natively.
 #[pyclass(module = "pushtable._native", name = "Engine")]
 pub struct PyEngine {
@@ -246,6 +274,10 @@ pub struct PyLivePlan {
     /// The physical plan, indented.
     #[pyo3(get)]
     display: String,
+    /// For an updating aggregate: the output columns that key its upsert changelog (empty:
+    /// one row, which each change replaces); None for every other query.
+    #[pyo3(get)]
+    upsert_key: Option<Vec<String>>,
 }
 
 impl fmt::Debug for PyEngine {
@@ -357,12 +389,19 @@ impl PyEngine {
         let mut reasons = Vec::new();
         uses_of_order(&plan, &mut reasons);
         let display = displayable(plan.as_ref()).indent(true).to_string();
+        let upsert_key = upsert_key(&plan).map(|keys| {
+            let schema = plan.schema();
+            keys.into_iter()
+                .map(|i| schema.field(i).name().clone())
+                .collect()
+        });
         Ok(PyLivePlan {
             display,
             plan: Mutex::new(Some(plan)),
             task: self.ctx.task_ctx(),
             sql: sql.to_string(),
             reasons,
+            upsert_key,
         })
     }
 }

@@ -102,6 +102,11 @@ impl UpdatingAggregateExec {
             metrics: ExecutionPlanMetricsSet::new(),
         })
     }
+
+    /// How many group keys lead each output row (the upsert key).
+    pub fn group_count(&self) -> usize {
+        self.group_by.expr().len()
+    }
 }
 
 impl DisplayAs for UpdatingAggregateExec {

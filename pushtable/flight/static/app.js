@@ -61,6 +61,10 @@ refreshTables();
 // --- live query --------------------------------------------------------------------------
 let running = null; // AbortController of the query being read
 let columns = [], types = [], kept = [], received = 0;
+// An updating aggregate's key columns (its changes replace rows in place), or null.
+let upsertKey = null;
+const rowsByKey = new Map(); // key text -> <tr> of the grid, in upsert mode
+const valuesByKey = new Map(); // key text -> the row's values, for the chart
 const numeric = (t) => /^(u?int|float|double|decimal)/.test(t);
 
 const textual = (t) => /^(string|large_string|utf8|large_utf8|string_view|dictionary<.*, (string|utf8))/.test(t);
@@ -68,11 +72,37 @@ const temporal = (t) => /^(timestamp|date|time)/.test(t);
 // A number as a person reads it: integers as they are (ids, years), fractions to 4 decimals.
 const number = (v) => (Number.isInteger(v) ? String(v) : v.toLocaleString(undefined, { maximumFractionDigits: 4 }));
 
-function drawGrid(newRows) {
+function fillRow(tr, r) {
+  tr.replaceChildren();
+  for (const v of r) tr.append(cell(v === null ? "∅" : typeof v === "number" ? number(v) : String(v), typeof v === "number" ? "num" : ""));
+}
+
+// Upsert mode: a change replaces the row of its key where it stands (and flashes it).
+function upsertGrid(newRows) {
   const tbody = $("grid").querySelector("tbody");
   for (const r of newRows) {
+    const key = JSON.stringify(upsertKey.map((i) => r[i]));
+    let tr = rowsByKey.get(key);
+    if (!tr) {
+      tr = document.createElement("tr");
+      rowsByKey.set(key, tr);
+      tbody.append(tr);
+    }
+    fillRow(tr, r);
+    tr.classList.remove("changed");
+    void tr.offsetWidth; // restart the flash
+    tr.classList.add("changed");
+    valuesByKey.set(key, r);
+  }
+  kept = Array.from(valuesByKey.values()).slice(-KEEP);
+}
+
+function drawGrid(newRows) {
+  const tbody = $("grid").querySelector("tbody");
+  if (upsertKey) { upsertGrid(newRows); return; }
+  for (const r of newRows) {
     const tr = document.createElement("tr");
-    for (const v of r) tr.append(cell(v === null ? "∅" : typeof v === "number" ? number(v) : String(v), typeof v === "number" ? "num" : ""));
+    fillRow(tr, r);
     tbody.append(tr);
   }
   while (tbody.rows.length > KEEP) tbody.deleteRow(0);
@@ -134,6 +164,7 @@ async function run() {
   $("run").disabled = true;
   $("stop").disabled = false;
   columns = []; types = []; kept = []; received = 0;
+  upsertKey = null; rowsByKey.clear(); valuesByKey.clear();
   $("grid").querySelector("thead").replaceChildren();
   $("grid").querySelector("tbody").replaceChildren();
   Plotly.purge("chart");
@@ -156,6 +187,7 @@ async function run() {
         if (msg.error) { setStatus(msg.error, true); return; }
         if (msg.columns) {
           columns = msg.columns; types = msg.types;
+          upsertKey = msg.key || null;
           const tr = document.createElement("tr");
           for (const c of columns) { const th = document.createElement("th"); th.textContent = c; tr.append(th); }
           $("grid").querySelector("thead").replaceChildren(tr);
@@ -163,10 +195,11 @@ async function run() {
         if (msg.rows) {
           if (first === null) first = performance.now() - started;
           received += msg.rows.length;
-          kept = kept.concat(msg.rows).slice(-KEEP);
+          if (!upsertKey) kept = kept.concat(msg.rows).slice(-KEEP);
           drawGrid(msg.rows);
           drawChart();
-          setStatus(`${received.toLocaleString()} row(s) so far; first after ${first.toFixed(0)} ms`);
+          const groups = upsertKey ? `, ${rowsByKey.size.toLocaleString()} group(s) updated in place` : "";
+          setStatus(`${received.toLocaleString()} row(s) so far${groups}; first after ${first.toFixed(0)} ms`);
         }
         if (msg.end) { setStatus(`${received.toLocaleString()} row(s); the query ended`); }
       }
