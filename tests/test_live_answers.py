@@ -331,3 +331,40 @@ def test_explain_live_says_how_a_query_will_answer(sql: str, mode: str, says: st
     sink.write(batch(2))
     sink.close()
     assert ctx.sql("SELECT count(*) AS n FROM t").to_pydict() == {"n": [2]}
+
+
+@pytest.mark.parametrize("kind", ["JOIN", "LEFT JOIN"])
+def test_a_lookup_join_with_a_condition_beyond_the_keys_answers_per_batch(kind: str) -> None:
+    """``t LEFT JOIN dim ON t.k = d.k AND t.v >= d.floor``: each batch's rows come out as it
+    arrives (live rows without a match kept by the left join), the rows of the same query
+    over the whole input."""
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table("t", SCHEMA, unbounded=True)
+    dim = pa.record_batch(
+        {
+            "k": pa.array([1, 1, 2, 3], pa.int32()),
+            "floor": [0.0, 0.5, 0.25, None],
+            "name": ["low", "high", "two", "three"],
+        }
+    )
+    ctx.register_record_batches("dim", [[dim]])
+    query = f"SELECT t.k, t.v, d.name FROM t {kind} dim d ON t.k = d.k AND t.v >= d.floor"
+    explained = ctx.explain_live(query)
+    assert (explained.mode, explained.engine) == ("incremental", "pushtable"), explained
+    results = Results(ctx, query)
+    first = pa.record_batch(
+        [pa.array([1, 2, 3, 4], pa.int32()), pa.array([0.7, 0.1, 0.9, 1.0])], schema=SCHEMA
+    )
+    sink.write(first)
+    # (1, low) and (1, high); the left join adds 2 (below its floor), 3 (a null floor), 4
+    got = results.rows(2 if kind == "JOIN" else 5)
+    second = pa.record_batch([pa.array([1, 2], pa.int32()), pa.array([0.2, 0.3])], schema=SCHEMA)
+    sink.write(second)
+    got += results.rows(2)  # (1, low) and (2, two)
+    sink.close()
+    whole = datafusion.SessionContext()
+    whole.register_record_batches("t", [[first, second]])
+    whole.register_record_batches("dim", [[dim]])
+    expected = whole.sql(query).to_arrow_table().to_pylist()
+    key = lambda r: (r["k"], r["v"], str(r["name"]))  # noqa: E731
+    assert sorted(got, key=key) == sorted(expected, key=key)

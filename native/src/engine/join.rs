@@ -5,7 +5,8 @@
 //! could wait for thousands of later ones before it leaves the join. This operator builds a
 //! hash table of the bounded side once and emits every probe batch's matches as soon as the
 //! batch arrives, keeping the probe side's order (so a window aggregate can sit above it) and
-//! passing watermark markers (empty batches) on.
+//! passing watermark markers (empty batches) on. A condition beyond the equal keys (a join
+//! filter) is evaluated on each batch's candidate pairs.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -13,11 +14,12 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
+use arrow::array::AsArray;
 use arrow::array::{Array, ArrayRef, RecordBatch, UInt32Array, UInt32Builder};
 use arrow::compute::{concat_batches, take};
 use arrow::datatypes::SchemaRef;
 use arrow::row::{RowConverter, SortField};
-use datafusion::common::{JoinType, Result};
+use datafusion::common::{JoinSide, JoinType, Result};
 use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_expr::expressions::Column;
@@ -25,6 +27,7 @@ use datafusion::physical_expr::{EquivalenceProperties, PhysicalExprRef, Physical
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
 use datafusion::physical_plan::common::collect;
 use datafusion::physical_plan::execution_plan::EmissionType;
+use datafusion::physical_plan::joins::utils::JoinFilter;
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties, PlanProperties,
@@ -38,6 +41,9 @@ pub struct LookupJoinExec {
     probe: Arc<dyn ExecutionPlan>,
     on: Vec<(PhysicalExprRef, PhysicalExprRef)>,
     join_type: JoinType,
+    /// A condition beyond the equal keys (`AND d.valid_from <= t.ts`, `AND t.v > d.limit`):
+    /// a pair of rows matches when it holds too.
+    filter: Option<JoinFilter>,
     /// Columns kept from the join's full output (build columns, then probe columns).
     projection: Option<Vec<usize>>,
     join_schema: SchemaRef,
@@ -69,6 +75,7 @@ impl LookupJoinExec {
         probe: Arc<dyn ExecutionPlan>,
         on: Vec<(PhysicalExprRef, PhysicalExprRef)>,
         join_type: JoinType,
+        filter: Option<JoinFilter>,
         projection: Option<Vec<usize>>,
         join_schema: SchemaRef,
     ) -> Result<Self> {
@@ -120,6 +127,7 @@ impl LookupJoinExec {
             probe,
             on,
             join_type,
+            filter,
             projection,
             join_schema,
             schema,
@@ -138,9 +146,13 @@ impl DisplayAs for LookupJoinExec {
         let on: Vec<String> = self.on.iter().map(|(l, r)| format!("({l}, {r})")).collect();
         write!(
             f,
-            "LookupJoinExec: join_type={:?}, on=[{}], emit=per probe batch",
+            "LookupJoinExec: join_type={:?}, on=[{}]{}, emit=per probe batch",
             self.join_type,
-            on.join(", ")
+            on.join(", "),
+            match &self.filter {
+                Some(f) => format!(", filter={}", f.expression()),
+                None => String::new(),
+            }
         )
     }
 }
@@ -173,6 +185,7 @@ impl ExecutionPlan for LookupJoinExec {
             probe,
             self.on.clone(),
             self.join_type,
+            self.filter.clone(),
             self.projection.clone(),
             Arc::clone(&self.join_schema),
         )?))
@@ -195,6 +208,7 @@ impl ExecutionPlan for LookupJoinExec {
             state: State::Building(building),
             probe_keys: self.on.iter().map(|(_, r)| Arc::clone(r)).collect(),
             join_type: self.join_type,
+            filter: self.filter.clone(),
             projection: self.projection.clone(),
             join_schema: Arc::clone(&self.join_schema),
         };
@@ -269,11 +283,48 @@ struct JoinStream {
     state: State,
     probe_keys: Vec<PhysicalExprRef>,
     join_type: JoinType,
+    filter: Option<JoinFilter>,
     projection: Option<Vec<usize>>,
     join_schema: SchemaRef,
 }
 
 impl JoinStream {
+    /// Which candidate pairs (build row, probe row) satisfy the join's filter (all of them
+    /// without one; a null is false, as in SQL).
+    fn kept(
+        &self,
+        build: &BuildTable,
+        batch: &RecordBatch,
+        pairs: &[(u32, u32)],
+    ) -> Result<Vec<bool>> {
+        let Some(filter) = &self.filter else {
+            return Ok(vec![true; pairs.len()]);
+        };
+        let build_rows = UInt32Array::from_iter_values(pairs.iter().map(|p| p.0));
+        let probe_rows = UInt32Array::from_iter_values(pairs.iter().map(|p| p.1));
+        let columns = filter
+            .column_indices()
+            .iter()
+            .map(|c| match c.side {
+                JoinSide::Left => take(build.batch.column(c.index).as_ref(), &build_rows, None),
+                _ => take(batch.column(c.index).as_ref(), &probe_rows, None),
+            })
+            .collect::<std::result::Result<Vec<_>, _>>()?;
+        let rows = RecordBatch::try_new_with_options(
+            Arc::clone(filter.schema()),
+            columns,
+            &arrow::array::RecordBatchOptions::new().with_row_count(Some(pairs.len())),
+        )?;
+        let mask = filter
+            .expression()
+            .evaluate(&rows)?
+            .into_array(pairs.len())?;
+        let mask = mask.as_boolean();
+        Ok((0..pairs.len())
+            .map(|i| mask.is_valid(i) && mask.value(i))
+            .collect())
+    }
+
     fn join(&self, build: &BuildTable, batch: &RecordBatch) -> Result<RecordBatch> {
         let n = batch.num_rows();
         let keys = self
@@ -282,28 +333,37 @@ impl JoinStream {
             .map(|k| k.evaluate(batch)?.into_array(n))
             .collect::<Result<Vec<_>>>()?;
         let rows = build.converter.convert_columns(&keys)?;
+        // Candidate pairs by equal keys, in probe order; `starts[i]..starts[i + 1]` are row i's.
+        let mut pairs: Vec<(u32, u32)> = Vec::with_capacity(n);
+        let mut starts = Vec::with_capacity(n + 1);
+        for i in 0..n {
+            starts.push(pairs.len());
+            if !has_null(&keys, i) {
+                if let Some(m) = build.rows.get(rows.row(i).as_ref()) {
+                    pairs.extend(m.iter().map(|&b| (b, i as u32)));
+                }
+            }
+        }
+        starts.push(pairs.len());
+        let kept = self.kept(build, batch, &pairs)?;
         let mut build_idx = UInt32Builder::with_capacity(n);
         let mut probe_idx = UInt32Builder::with_capacity(n);
         for i in 0..n {
-            let matches = if has_null(&keys, i) {
-                None
-            } else {
-                build.rows.get(rows.row(i).as_ref())
-            };
-            match (self.join_type, matches) {
-                (JoinType::Inner | JoinType::Right, Some(m)) => {
-                    for &b in m {
-                        build_idx.append_value(b);
+            let mine = starts[i]..starts[i + 1];
+            let matched = mine.clone().any(|p| kept[p]);
+            match self.join_type {
+                JoinType::Inner | JoinType::Right => {
+                    for p in mine.filter(|&p| kept[p]) {
+                        build_idx.append_value(pairs[p].0);
+                        probe_idx.append_value(i as u32);
+                    }
+                    if !matched && self.join_type == JoinType::Right {
+                        build_idx.append_null();
                         probe_idx.append_value(i as u32);
                     }
                 }
-                (JoinType::Right, None) => {
-                    build_idx.append_null();
-                    probe_idx.append_value(i as u32);
-                }
-                (JoinType::RightSemi, Some(_)) | (JoinType::RightAnti, None) => {
-                    probe_idx.append_value(i as u32);
-                }
+                JoinType::RightSemi if matched => probe_idx.append_value(i as u32),
+                JoinType::RightAnti if !matched => probe_idx.append_value(i as u32),
                 _ => {}
             }
         }

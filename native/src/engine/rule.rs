@@ -457,7 +457,7 @@ fn lookup_join(node: &Arc<dyn ExecutionPlan>) -> Result<Option<Arc<dyn Execution
     let Some(join) = node.downcast_ref::<HashJoinExec>() else {
         return Ok(None);
     };
-    if join.filter().is_some() || join.null_aware {
+    if join.null_aware {
         return Ok(None);
     }
     let (left_live, right_live) = (reads_live(join.left()), reads_live(join.right()));
@@ -483,6 +483,7 @@ fn lookup_join(node: &Arc<dyn ExecutionPlan>) -> Result<Option<Arc<dyn Execution
         Arc::clone(join.right()),
         join.on().to_vec(),
         *join.join_type(),
+        join.filter().cloned(),
         join.projection.as_ref().map(|p| p.to_vec()),
         Arc::clone(join.join_schema()),
     )?;
