@@ -95,6 +95,36 @@ def sql(window: str) -> str:
     )
 
 
+def same_as_spark(spark: Any, query: str, rows: Sequence[tuple[int, str | None]]) -> list[Any]:
+    """``query`` over ``rows`` in Spark and in pushtable (a live table written then closed):
+    asserts the two give the same rows, and returns Spark's."""
+    spark.conf.set("spark.sql.session.timeZone", "UTC")
+    spark.createDataFrame(events(rows).to_pandas()).createOrReplaceTempView("ev")
+    theirs = sorted(
+        (
+            (
+                r["w"]["start"].replace(tzinfo=timezone.utc),
+                r["w"]["end"].replace(tzinfo=timezone.utc),
+                r["k"],
+                r["n"],
+                r["total"],
+            )
+            for r in spark.sql(query).collect()
+        ),
+        key=lambda r: tuple(map(str, r)),
+    )
+    ctx, sink = live()
+    result = Background(lambda: ctx.sql(query).to_arrow_table())
+    sink.write(events(rows))
+    sink.close()
+    ours = [
+        (s.astimezone(timezone.utc), e.astimezone(timezone.utc), k, n, total)
+        for s, e, k, n, total in as_rows(result.join())
+    ]
+    assert sorted(ours, key=lambda r: tuple(map(str, r))) == theirs
+    return theirs
+
+
 def live(**options: Any) -> tuple[SessionContext, Any]:
     ctx = SessionContext()
     return ctx, ctx.register_streaming_table("ev", EV, 4, order_by="ts", **options)
@@ -237,30 +267,7 @@ def test_a_tumbling_window_also_answers_over_a_table_without_order() -> None:
 def test_the_same_query_text_gives_the_rows_spark_gives(spark: Any) -> None:
     rows = [(ms, "ab"[ms % 3 % 2]) for ms in range(0, 40_000, 1_300)]
     query = sql("window(ts, '10 seconds', '4 seconds', '1 second')")
-    spark.conf.set("spark.sql.session.timeZone", "UTC")
-    spark.createDataFrame(events(rows).to_pandas()).createOrReplaceTempView("ev")
-    theirs = sorted(
-        (
-            (
-                r["w"]["start"].replace(tzinfo=timezone.utc),
-                r["w"]["end"].replace(tzinfo=timezone.utc),
-                r["k"],
-                r["n"],
-                r["total"],
-            )
-            for r in spark.sql(query).collect()
-        ),
-        key=lambda r: tuple(map(str, r)),
-    )
-    ctx, sink = live()
-    result = Background(lambda: ctx.sql(query).to_arrow_table())
-    sink.write(events(rows))
-    sink.close()
-    ours = [
-        (s.astimezone(timezone.utc), e.astimezone(timezone.utc), k, n, total)
-        for s, e, k, n, total in as_rows(result.join())
-    ]
-    assert sorted(ours, key=lambda r: tuple(map(str, r))) == theirs
+    assert same_as_spark(spark, query, rows)
 
 
 def test_a_session_closes_once_the_order_passes_its_end() -> None:
@@ -341,28 +348,5 @@ def test_closed_sessions_leave_the_state() -> None:
 def test_the_same_session_query_gives_the_rows_spark_gives(spark: Any) -> None:
     rows = [(ms, "ab"[ms // 1_000 % 2]) for ms in (0, 500, 2_900, 4_000, 9_000, 9_100, 30_000)]
     query = sql("session_window(ts, '3 seconds')")
-    spark.conf.set("spark.sql.session.timeZone", "UTC")
-    spark.createDataFrame(events(rows).to_pandas()).createOrReplaceTempView("ev")
-    theirs = sorted(
-        (
-            (
-                r["w"]["start"].replace(tzinfo=timezone.utc),
-                r["w"]["end"].replace(tzinfo=timezone.utc),
-                r["k"],
-                r["n"],
-                r["total"],
-            )
-            for r in spark.sql(query).collect()
-        ),
-        key=lambda r: tuple(map(str, r)),
-    )
-    ctx, sink = live()
-    result = Background(lambda: ctx.sql(query).to_arrow_table())
-    sink.write(events(rows))
-    sink.close()
-    ours = [
-        (s.astimezone(timezone.utc), e.astimezone(timezone.utc), k, n, total)
-        for s, e, k, n, total in as_rows(result.join())
-    ]
-    assert sorted(ours, key=lambda r: tuple(map(str, r))) == theirs
+    theirs = same_as_spark(spark, query, rows)
     assert theirs == spark_sessions(rows, 3_000)

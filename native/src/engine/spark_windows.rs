@@ -287,6 +287,37 @@ fn spark_duration_nanos(text: &str) -> std::result::Result<i128, String> {
     Ok(total)
 }
 
+/// Spark's `struct<start, end>` for a call of `call` whose first argument has `arg_types[0]`.
+fn struct_of_time(call: &str, arg_types: &[DataType]) -> Result<DataType> {
+    match arg_types.first() {
+        Some(ts @ DataType::Timestamp(_, _)) => Ok(window_struct(ts)),
+        other => plan_err!(
+            "{INVALID}{call} needs a timestamp column, got {}",
+            other.map(|t| t.to_string()).unwrap_or("no argument".into())
+        ),
+    }
+}
+
+/// The result field of a window function, once `check` has passed its time column's type
+/// and its literal arguments after the time column.
+fn checked_field(
+    udf: &dyn ScalarUDFImpl,
+    args: ReturnFieldArgs,
+    check: impl FnOnce(&DataType, &[Option<&ScalarValue>]) -> Result<()>,
+) -> Result<FieldRef> {
+    let ts_type = args.arg_fields.first().map(|f| f.data_type().clone());
+    let ts_type = ts_type.unwrap_or(DataType::Null);
+    check(
+        &ts_type,
+        &args.scalar_arguments[1.min(args.scalar_arguments.len())..],
+    )?;
+    Ok(Arc::new(Field::new(
+        udf.name(),
+        udf.return_type(&[ts_type])?,
+        true,
+    )))
+}
+
 /// `window(timeColumn, windowDuration[, slideDuration[, startTime]])`, Spark's.
 #[derive(Debug, PartialEq, Eq, Hash)]
 pub struct SparkWindow {
@@ -318,28 +349,14 @@ impl ScalarUDFImpl for SparkWindow {
     }
 
     fn return_type(&self, arg_types: &[DataType]) -> Result<DataType> {
-        match arg_types.first() {
-            Some(ts @ DataType::Timestamp(_, _)) => Ok(window_struct(ts)),
-            other => plan_err!(
-                "{INVALID}window(timeColumn, ...) needs a timestamp column, got {}",
-                other.map(|t| t.to_string()).unwrap_or("no argument".into())
-            ),
-        }
+        struct_of_time("window(timeColumn, ...)", arg_types)
     }
 
     fn return_field_from_args(&self, args: ReturnFieldArgs) -> Result<FieldRef> {
-        let ts_type = args.arg_fields.first().map(|f| f.data_type().clone());
-        let ts_type = ts_type.unwrap_or(DataType::Null);
         // Checked here, at planning: a bad duration never reaches a running query.
-        Windowing::from_arguments(
-            &ts_type,
-            &args.scalar_arguments[1.min(args.scalar_arguments.len())..],
-        )?;
-        Ok(Arc::new(Field::new(
-            self.name(),
-            self.return_type(&[ts_type])?,
-            true,
-        )))
+        checked_field(self, args, |ts_type, rest| {
+            Windowing::from_arguments(ts_type, rest).map(|_| ())
+        })
     }
 
     fn invoke_with_args(&self, args: ScalarFunctionArgs) -> Result<ColumnarValue> {
@@ -438,25 +455,13 @@ impl ScalarUDFImpl for SessionWindow {
     }
 
     fn return_type(&self, arg_types: &[DataType]) -> Result<DataType> {
-        match arg_types.first() {
-            Some(ts @ DataType::Timestamp(_, _)) => Ok(window_struct(ts)),
-            other => plan_err!(
-                "{INVALID}session_window(timeColumn, gapDuration) needs a timestamp column, got {}",
-                other.map(|t| t.to_string()).unwrap_or("no argument".into())
-            ),
-        }
+        struct_of_time("session_window(timeColumn, gapDuration)", arg_types)
     }
 
     fn return_field_from_args(&self, args: ReturnFieldArgs) -> Result<FieldRef> {
-        let ts_type = args.arg_fields.first().map(|f| f.data_type().clone());
-        let ts_type = ts_type.unwrap_or(DataType::Null);
-        let rest = &args.scalar_arguments[1.min(args.scalar_arguments.len())..];
-        session_gap(&ts_type, rest)?;
-        Ok(Arc::new(Field::new(
-            self.name(),
-            self.return_type(&[ts_type])?,
-            true,
-        )))
+        checked_field(self, args, |ts_type, rest| {
+            session_gap(ts_type, rest).map(|_| ())
+        })
     }
 
     fn invoke_with_args(&self, _args: ScalarFunctionArgs) -> Result<ColumnarValue> {
