@@ -191,7 +191,7 @@ def test_demo_over_spark_connect_stops_at_once_when_the_live_query_fails(tmp_pat
 
 #: the suites of ``bench --quick`` that run in one process in seconds; the Spark, Flight and
 #: durable suites (about two minutes more) run in the ``-m slow`` test below
-IN_PROCESS = ("core", "latency", "windows", "updating", "fanout", "memory", "bandwidth")
+IN_PROCESS = ("core", "latency", "windows", "updating", "joins", "fanout", "memory", "bandwidth")
 
 
 def _quick_bench(tmp_path: Path, suites: tuple[str, ...]) -> dict[str, Any]:
@@ -221,6 +221,8 @@ def _quick_bench(tmp_path: Path, suites: tuple[str, ...]) -> dict[str, Any]:
     assert [t["keys"] for t in data["updating"]["throughput"]] == [1_000, 100_000]
     assert all(t["rows_per_s"] > 0 for t in data["updating"]["throughput"])
     assert all(lat["samples"] > 0 for lat in data["updating"]["latency"])
+    assert data["joins"]["throughput"]["verified"]
+    assert data["joins"]["long"]["verified"]
     assert data["bandwidth"]["copy_gb_per_s_median"] > 0
     assert set(data["fanout"]) == {"1", "4", "16"}
     assert all(r["rows_per_s_total"] > 0 for r in data["fanout"].values())

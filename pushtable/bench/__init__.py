@@ -4,6 +4,7 @@ Suites: ``core`` (live-table throughput vs DuckDB and a Python drain), ``latency
 result time of live queries), ``windows`` (the live engine's window aggregates: throughput and
 window-close latency, beside LaminarDB and Pathway unless ``peers=False``), ``updating``
 (updating ``GROUP BY``: throughput and write -> updated row latency at 1,000 and 100,000 keys),
+``joins`` (an interval join of two live tables: throughput, and memory over 10 M rows a side),
 ``spark`` (the bridge's per-epoch split vs ``toArrow``), ``memory`` (RSS stays bounded with a
 slow reader), ``fanout`` (one producer, 1 / 4 / 16 live queries over a Topic), ``flight``
 (``pushtable serve`` vs one process; Spark executor vs driver push), ``durable`` (durable vs
@@ -23,6 +24,7 @@ SUITES: tuple[str, ...] = (
     "latency",
     "windows",
     "updating",
+    "joins",
     "fanout",
     "flight",
     "spark",
@@ -51,6 +53,7 @@ def run(
         core,
         fanout,
         flight,
+        joins,
         latency,
         machine,
         memory,
@@ -105,6 +108,9 @@ def run(
     if "updating" in suites:
         out["updating"] = updating.run(quick, peers)
         say(updating.table(out["updating"]))
+    if "joins" in suites:
+        out["joins"] = joins.run(quick)
+        say(joins.table(out["joins"]))
     if "core" in suites:
         out["core"] = core.run(quick)
         say(core.table(out["core"]))
