@@ -24,6 +24,7 @@ from pushtable.dataframe import DataFrame
 from pushtable.errors import (
     CommitFailedError,
     InvalidBatchError,
+    InvalidQueryError,
     OffsetOutOfRangeError,
     OrderViolationError,
     PermissionDeniedError,
@@ -59,6 +60,7 @@ __all__ = [
     "CommitFailedError",
     "DataFrame",
     "InvalidBatchError",
+    "InvalidQueryError",
     "LiveExplanation",
     "OffsetOutOfRangeError",
     "OrderViolationError",

@@ -20,7 +20,7 @@ from typing import Any
 import datafusion
 
 from pushtable import _native
-from pushtable.errors import UnboundedQueryError, UnsupportedTableError
+from pushtable.errors import InvalidQueryError, UnboundedQueryError, UnsupportedTableError
 
 __all__ = ["TableSources", "engine_threads", "plan_live", "split_emit_changes"]
 
@@ -121,14 +121,15 @@ def plan_live(
     with a table the engine cannot read, naming that table and what to do instead, and
     :class:`UnboundedQueryError` for a shape that would never answer (a join of two live
     tables without a time bound between their order columns, a ``HAVING`` over an updating
-    aggregate), naming what is missing; ``ValueError`` for ``EMIT CHANGES`` over no live table.
+    aggregate), naming what is missing; :class:`InvalidQueryError` (a ``ValueError``) for a bad
+    argument of Spark's window functions or ``EMIT CHANGES`` over no live table.
     """
     sql, changes = split_emit_changes(sql)
     names = _native.table_references(sql)
     live = [n for n in names if n in sources.live]
     if not live:
         if changes:
-            raise ValueError(
+            raise InvalidQueryError(
                 "EMIT CHANGES asks a query over a live table for its changes while rows "
                 f"arrive; this one reads none (tables: {', '.join(names) or 'none'})"
             )
@@ -144,6 +145,8 @@ def plan_live(
             unsupported[name] = why
     try:
         plan = engine.plan(sql)
+    except ValueError as exc:  # a bad argument of a function of ours (window(), ...)
+        raise InvalidQueryError(str(exc)) from None
     except _native.QueryRefused as exc:  # no engine may run it: it would never answer
         why, operator = exc.args
         refused = UnboundedQueryError(why)

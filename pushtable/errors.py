@@ -14,6 +14,7 @@ from collections import OrderedDict
 __all__ = [
     "CommitFailedError",
     "InvalidBatchError",
+    "InvalidQueryError",
     "OffsetOutOfRangeError",
     "OrderViolationError",
     "PushTableError",
@@ -127,6 +128,13 @@ UNBOUNDED_HINT = (
     "each window is emitted as it closes), or register the table bounded and close() it to "
     "get whole-input aggregates"
 )
+
+
+class InvalidQueryError(PushTableError, ValueError):
+    """A query pushtable checks itself is malformed: a bad argument of Spark's ``window`` or
+    ``session_window`` (a zero, negative or unparseable duration, a slide longer than the
+    window…), ``EMIT CHANGES`` over no live table. Raised at planning; the message names the
+    argument."""
 
 
 class UnsupportedCallError(PushTableError, NotImplementedError):

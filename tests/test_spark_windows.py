@@ -19,7 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pushtable import SessionContext, explain_live
+from pushtable import InvalidQueryError, SessionContext, explain_live
+from pushtable.flight import Client, Server
 from tests.conftest import WAIT, Background
 
 T0 = datetime(2026, 11, 25, 12, tzinfo=timezone.utc)
@@ -244,7 +245,7 @@ def test_any_batches_give_the_rows_spark_defines(
 )
 def test_a_bad_window_is_refused_at_planning_naming_the_argument(window: str, says: str) -> None:
     ctx, sink = live()
-    with pytest.raises(ValueError, match=says.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(InvalidQueryError, match=says.replace("(", r"\(").replace(")", r"\)")):
         ctx.sql(sql(window))
     sink.write(events([(0, "a")]))  # nothing was consumed
     sink.close()
@@ -350,3 +351,27 @@ def test_the_same_session_query_gives_the_rows_spark_gives(spark: Any) -> None:
     query = sql("session_window(ts, '3 seconds')")
     theirs = same_as_spark(spark, query, rows)
     assert theirs == spark_sessions(rows, 3_000)
+
+
+@pytest.mark.parametrize(
+    ("window", "expected"),
+    [
+        (
+            "window(ts, '10 seconds', '5 seconds')",
+            lambda rows: spark_semantics(rows, 10_000, 5_000, 0),
+        ),
+        ("session_window(ts, '2 seconds')", lambda rows: spark_sessions(rows, 2_000)),
+    ],
+)
+def test_remote_sql_runs_spark_windows(
+    server: Server, client: Client, window: str, expected: Any
+) -> None:
+    client.create_table("ev", EV, 4, order_by="ts")
+    result = client.sql(sql(window))
+    rows: list[tuple[int, str | None]] = [(ms, "ab"[ms % 2]) for ms in range(0, 20_000, 900)]
+    with client.sink("ev") as ev:
+        ev.write(events(rows[:10]))
+        ev.write(events(rows[10:]))
+    assert as_rows(result.read_all()) == expected(rows)
+    with pytest.raises(InvalidQueryError, match="windowDuration must be positive"):
+        client.sql(sql("window(ts, '0 seconds')")).read_all()
