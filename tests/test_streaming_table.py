@@ -580,6 +580,7 @@ def test_bounded_tables_allow_sorting(ctx: SessionContext) -> None:
 def test_error_hierarchy_is_exported() -> None:
     for cls in (
         pushtable.UnboundedQueryError,
+        pushtable.InvalidQueryError,
         pushtable.SinkClosedError,
         pushtable.ReaderGoneError,
         pushtable.StreamConsumedError,
