@@ -85,6 +85,15 @@ def spark_sessions(rows: Sequence[tuple[int, str | None]], gap: int) -> list[tup
     return sorted(out, key=lambda r: tuple(map(str, r)))
 
 
+def timeline(steps: Sequence[tuple[int, str | None]]) -> list[tuple[int, str | None]]:
+    """(gap in ms, key) steps as (ms after T0, key) rows, in time order."""
+    rows, t = [], 0
+    for gap, k in steps:
+        t += gap
+        rows.append((t, k))
+    return rows
+
+
 def as_rows(table: pa.Table) -> list[tuple[Any, ...]]:
     out = [(r["w"]["start"], r["w"]["end"], r["k"], r["n"], r["total"]) for r in table.to_pylist()]
     return sorted(out, key=lambda r: tuple(map(str, r)))
@@ -208,11 +217,7 @@ def test_any_batches_give_the_rows_spark_defines(
     """Random gaps (some zero) and keys with nulls, cut into random batches written by a
     producer thread while the query reads."""
     size, slide, offset = windowing
-    rows: list[tuple[int, str | None]] = []
-    t = 0
-    for gap, k in steps:
-        t += gap
-        rows.append((t, k))
+    rows = timeline(steps)
     window = f"window(ts, '{size} milliseconds', '{slide} milliseconds', '{offset} milliseconds')"
     ctx, sink = live()
     result = Background(lambda: ctx.sql(sql(window)).to_arrow_table())
@@ -313,11 +318,7 @@ def test_a_session_closes_once_the_order_passes_its_end() -> None:
 def test_any_batches_give_the_sessions_spark_defines(
     steps: list[tuple[int, str | None]], per: int, gap: int
 ) -> None:
-    rows: list[tuple[int, str | None]] = []
-    t = 0
-    for step, k in steps:
-        t += step
-        rows.append((t, k))
+    rows = timeline(steps)
     window = f"session_window(ts, '{gap} milliseconds')"
     ctx, sink = live()
     result = Background(lambda: ctx.sql(sql(window)).to_arrow_table())

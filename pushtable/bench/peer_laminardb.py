@@ -43,15 +43,17 @@ SQL = (
 )
 
 
-def _open() -> tuple[Any, Any, Any, pa.Schema]:
+def _open(stream_sql: str = SQL, stream: str = "win") -> tuple[Any, Any, Any, pa.Schema]:
+    """A database with the ``events`` source and ``stream_sql``: it, a subscription to
+    ``stream``, the source's writer and schema."""
     db = laminardb.open(":memory:")
     db.execute(
         "CREATE SOURCE events (ts BIGINT, k BIGINT, v BIGINT, "
         f"WATERMARK FOR ts AS ts - INTERVAL '{DELAY_MS}' MILLISECOND)"
     )
-    db.execute(SQL)
+    db.execute(stream_sql)
     db.start()
-    sub = db.subscribe_stream("win")
+    sub = db.subscribe_stream(stream)
     return db, sub, db.writer("events"), db.schema("events")
 
 
@@ -141,23 +143,12 @@ def _updating(keys: int, rows: int, i: int, schema: pa.Schema) -> pa.RecordBatch
     return b.set_column(0, "ts", pa.array([i * 1000] * rows, pa.int64()))
 
 
-def _open_updating() -> tuple[Any, Any, Any, pa.Schema]:
-    db = laminardb.open(":memory:")
-    db.execute(
-        "CREATE SOURCE events (ts BIGINT, k BIGINT, v BIGINT, "
-        f"WATERMARK FOR ts AS ts - INTERVAL '{DELAY_MS}' MILLISECOND)"
-    )
-    db.execute(UPDATING)
-    db.start()
-    return db, db.subscribe_stream("agg"), db.writer("events"), db.schema("events")
-
-
 def updating_throughput(keys: int, rows: int, batch_rows: int) -> dict[str, Any]:
     """``GROUP BY k EMIT CHANGES`` flat out; the reader applies each change as an upsert
     (vectorised, as pushtable's reader does); timed to the change that completes every key."""
     import numpy as np
 
-    db, sub, writer, schema = _open_updating()
+    db, sub, writer, schema = _open(UPDATING, "agg")
     batches = [_updating(keys, batch_rows, i, schema) for i in range(rows // batch_rows)]
     written = len(batches) * batch_rows
     expected = np.bincount(np.arange(written) % keys, minlength=keys)
@@ -198,7 +189,7 @@ def updating_throughput(keys: int, rows: int, batch_rows: int) -> dict[str, Any]
 
 def updating_latency(keys: int, batches: int, rows: int, rate: float) -> dict[str, Any]:
     """Write -> the first change carrying batch ``i``'s number, at ``rate`` batches/s."""
-    db, sub, writer, schema = _open_updating()
+    db, sub, writer, schema = _open(UPDATING, "agg")
     data = [_updating(keys, rows, i, schema) for i in range(batches)]
     got: list[tuple[float, pa.Table]] = []
     stop = threading.Event()

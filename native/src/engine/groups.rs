@@ -1,13 +1,44 @@
 //! Pieces the live engine's aggregates share: the keys of their groups, kept as compact
 //! copies, and the current values of some groups read without draining the accumulators.
 
-use arrow::array::{Array, ArrayRef, UInt32Array};
+use arrow::array::{Array, ArrayRef, AsArray, RecordBatch, UInt32Array};
 use arrow::compute::{concat, interleave, take};
 use datafusion::common::Result;
 use datafusion::logical_expr::{EmitTo, GroupsAccumulator};
 use datafusion::physical_expr::aggregate::AggregateFunctionExpr;
+use datafusion::physical_expr::PhysicalExpr;
 
 use super::window::group_accumulator;
+
+/// Fold `batch` into `accumulators` (one per aggregate, with its arguments and `FILTER`),
+/// row `r` into group `groups[r]` of `total`.
+pub fn update_all(
+    accumulators: &mut [Box<dyn GroupsAccumulator>],
+    arguments: &[Vec<std::sync::Arc<dyn PhysicalExpr>>],
+    filters: &[Option<std::sync::Arc<dyn PhysicalExpr>>],
+    batch: &RecordBatch,
+    groups: &[usize],
+    total: usize,
+) -> Result<()> {
+    let n = batch.num_rows();
+    for ((acc, args), filter) in accumulators.iter_mut().zip(arguments).zip(filters) {
+        let filter = match filter {
+            Some(f) => Some(f.evaluate(batch)?.into_array(n)?),
+            None => None,
+        };
+        let values = args
+            .iter()
+            .map(|e| e.evaluate(batch)?.into_array(n))
+            .collect::<Result<Vec<_>>>()?;
+        acc.update_batch(
+            &values,
+            groups,
+            filter.as_ref().map(|f| f.as_boolean()),
+            total,
+        )?;
+    }
+    Ok(())
+}
 
 /// The groups `picks` of `acc` (of `total` groups) merged into a fresh accumulator as groups
 /// `0..picks.len()`; `acc` keeps every group. DataFusion's `evaluate` drains what it returns,

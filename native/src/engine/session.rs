@@ -37,7 +37,7 @@ use datafusion::physical_plan::{
 };
 use futures::{Stream, StreamExt};
 
-use super::groups::{copy_groups, Keys};
+use super::groups::{copy_groups, update_all, Keys};
 use super::spark_windows::envelope_of;
 use super::window::group_accumulator;
 use crate::channel::WatermarkCell;
@@ -331,22 +331,14 @@ impl SessionStream {
             self.session_indices.push(id as usize);
         }
         let total = self.sessions.len();
-        for (i, acc) in self.accumulators.iter_mut().enumerate() {
-            let filter = match &self.filters[i] {
-                Some(f) => Some(f.evaluate(batch)?.into_array(n)?),
-                None => None,
-            };
-            let values = self.arguments[i]
-                .iter()
-                .map(|e| e.evaluate(batch)?.into_array(n))
-                .collect::<Result<Vec<_>>>()?;
-            acc.update_batch(
-                &values,
-                &self.session_indices,
-                filter.as_ref().map(|f| f.as_boolean()),
-                total,
-            )?;
-        }
+        update_all(
+            &mut self.accumulators,
+            &self.arguments,
+            &self.filters,
+            batch,
+            &self.session_indices,
+            total,
+        )?;
         Ok(Some(ticks.value(n - 1)))
     }
 

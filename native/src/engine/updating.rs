@@ -27,7 +27,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use arrow::array::{AsArray, RecordBatch};
+use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 use datafusion::common::{DataFusionError, Result};
 use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
@@ -50,7 +50,7 @@ use datafusion::physical_plan::{
 };
 use futures::{Stream, StreamExt};
 
-use super::groups::{copy_groups, Keys};
+use super::groups::{copy_groups, update_all, Keys};
 use super::window::group_accumulator;
 
 /// The state an updating aggregate may hold when the session sets no memory limit.
@@ -315,22 +315,14 @@ impl ChangesStream {
                 }
             }
         }
-        for (i, acc) in self.accumulators.iter_mut().enumerate() {
-            let filter = match &self.filters[i] {
-                Some(f) => Some(f.evaluate(batch)?.into_array(n)?),
-                None => None,
-            };
-            let values = self.arguments[i]
-                .iter()
-                .map(|e| e.evaluate(batch)?.into_array(n))
-                .collect::<Result<Vec<_>>>()?;
-            acc.update_batch(
-                &values,
-                &self.group_indices,
-                filter.as_ref().map(|f| f.as_boolean()),
-                self.groups,
-            )?;
-        }
+        update_all(
+            &mut self.accumulators,
+            &self.arguments,
+            &self.filters,
+            batch,
+            &self.group_indices,
+            self.groups,
+        )?;
         self.rows_since_emit += n;
         self.account()
     }
