@@ -145,7 +145,7 @@ def plan_live(
             unsupported[name] = why
     try:
         plan = engine.plan(sql)
-    except ValueError as exc:  # a bad argument of a function of ours (window(), ...)
+    except _native.InvalidQuery as exc:  # a bad argument of a function of ours (window(), ...)
         raise InvalidQueryError(str(exc)) from None
     except _native.QueryRefused as exc:  # no engine may run it: it would never answer
         why, operator = exc.args

@@ -96,6 +96,13 @@ create_exception!(
 );
 create_exception!(
     _native,
+    InvalidQuery,
+    NativeError,
+    "A bad argument of a function of the live engine's (window(), session_window())."
+);
+
+create_exception!(
+    _native,
     QueryRefused,
     NativeError,
     "The live engine refuses a query that would never answer (no engine may run it)."
@@ -310,5 +317,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("Cancelled", py.get_type::<Cancelled>())?;
     m.add("OrderError", py.get_type::<OrderError>())?;
     m.add("QueryRefused", py.get_type::<QueryRefused>())?;
+    m.add("InvalidQuery", py.get_type::<InvalidQuery>())?;
     Ok(())
 }

@@ -379,9 +379,9 @@ impl PyEngine {
                 }
                 None => match text.find(spark_windows::INVALID) {
                     // A bad argument of a function of ours: the caller's mistake.
-                    Some(at) => {
-                        PyValueError::new_err(text[at + spark_windows::INVALID.len()..].to_string())
-                    }
+                    Some(at) => crate::InvalidQuery::new_err(
+                        text[at + spark_windows::INVALID.len()..].to_string(),
+                    ),
                     None => py_err(text),
                 },
             }
