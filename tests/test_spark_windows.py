@@ -135,6 +135,20 @@ def same_as_spark(spark: Any, query: str, rows: Sequence[tuple[int, str | None]]
     return theirs
 
 
+def streamed(ctx: SessionContext, query: str) -> queue.Queue[Any]:
+    """The result batches of ``query`` as they come (then None), read by a background thread."""
+    out: queue.Queue[Any] = queue.Queue()
+    stream = ctx.sql(query).execute_stream()
+
+    def read() -> None:
+        for b in stream:
+            out.put(b.to_pyarrow())
+        out.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    return out
+
+
 def live(**options: Any) -> tuple[SessionContext, Any]:
     ctx = SessionContext()
     return ctx, ctx.register_streaming_table("ev", EV, 4, order_by="ts", **options)
@@ -156,15 +170,7 @@ def test_windows_close_as_rows_pass_them_with_the_rows_spark_defines(
     ctx, sink = live()
     explained = explain_live(ctx, sql(window))
     assert (explained.engine, explained.mode) == ("pushtable", "incremental"), explained
-    out: queue.Queue[Any] = queue.Queue()
-    stream = ctx.sql(sql(window)).execute_stream()
-
-    def read() -> None:
-        for b in stream:
-            out.put(b.to_pyarrow())
-        out.put(None)
-
-    threading.Thread(target=read, daemon=True).start()
+    out = streamed(ctx, sql(window))
     first: list[tuple[int, str | None]] = [(ms, "ab"[ms % 2]) for ms in range(0, 30_000, 700)]
     sink.write(events(first))
     # Written far past every window of the first rows: they all close before close().
@@ -186,14 +192,7 @@ def test_windows_close_as_rows_pass_them_with_the_rows_spark_defines(
 def test_advance_closes_the_windows_the_watermark_passes() -> None:
     ctx, sink = live()
     window = "window(ts, '10 seconds', '5 seconds')"
-    out: queue.Queue[Any] = queue.Queue()
-    stream = ctx.sql(sql(window)).execute_stream()
-
-    def read() -> None:
-        for b in stream:
-            out.put(b.to_pyarrow())
-
-    threading.Thread(target=read, daemon=True).start()
+    out = streamed(ctx, sql(window))
     sink.write(events([(1_000, "a"), (6_000, "a")]))
     # 1 s is in [-5, 5) and [0, 10); 6 s in [0, 10) and [5, 15): [-5, 5) closes at 6 s.
     (row,) = out.get(timeout=WAIT).to_pylist()
@@ -281,15 +280,7 @@ def test_a_session_closes_once_the_order_passes_its_end() -> None:
     window = "session_window(ts, '5 seconds')"
     explained = explain_live(ctx, sql(window))
     assert (explained.engine, explained.mode) == ("pushtable", "incremental"), explained
-    out: queue.Queue[Any] = queue.Queue()
-    stream = ctx.sql(sql(window)).execute_stream()
-
-    def read() -> None:
-        for b in stream:
-            out.put(b.to_pyarrow())
-        out.put(None)
-
-    threading.Thread(target=read, daemon=True).start()
+    out = streamed(ctx, sql(window))
     sink.write(events([(0, "a"), (1_000, "b"), (3_000, "a")]))
     # a's session [0, 8 s) and b's [1, 6 s) stay open: nothing has reached their ends
     sink.write(events([(7_000, "c")]))  # past b's end (6 s), not a's (8 s)
