@@ -109,7 +109,7 @@ def run(
         out["updating"] = updating.run(quick, peers)
         say(updating.table(out["updating"]))
     if "joins" in suites:
-        out["joins"] = joins.run(quick)
+        out["joins"] = joins.run(quick, peers)
         say(joins.table(out["joins"]))
     if "core" in suites:
         out["core"] = core.run(quick)

@@ -92,15 +92,27 @@ def interval_join(rows_per_side: int, batch_rows: int = 8192) -> dict[str, Any]:
     }
 
 
-def run(quick: bool) -> dict[str, Any]:
+#: Pathway's interval join takes rows one per call: its run has this many rows a side.
+PATHWAY_ROWS = 98_304
+
+
+def run(quick: bool, peers: bool = False) -> dict[str, Any]:
     """2,000,000 rows a side for throughput (median of 3), then 10,000,000 a side for memory
-    (fewer with ``quick``)."""
+    (fewer with ``quick``); with ``peers``, the same join on LaminarDB and Pathway from the
+    peers venv, after pushtable's (Pathway on fewer rows)."""
     rows, long = (200_000, 400_000) if quick else (2_000_000, 10_000_000)
     runs = [interval_join(rows) for _ in range(1 if quick else 3)]
-    return {
+    out: dict[str, Any] = {
         "throughput": sorted(runs, key=lambda r: r["rows_per_s"])[len(runs) // 2],
         "long": interval_join(long),
     }
+    if peers:
+        from pushtable.bench.peers import PEERS, peer
+
+        params = {"shape": "join", "rows": rows, "batch_rows": 8192}
+        params["pathway_max_rows"] = PATHWAY_ROWS // (10 if quick else 1)
+        out["peers"] = {name: peer(name, params) for name in PEERS}
+    return out
 
 
 def table(suite: dict[str, Any]) -> str:
@@ -113,5 +125,22 @@ def table(suite: dict[str, Any]) -> str:
             f"MB, peak {long['rss_peak_first_half_mb']:.0f} MB in the first half, "
             f"{long['rss_peak_second_half_mb']:.0f} MB in the second "
             f"(verified={long['verified']}, {long['rows_per_s'] / 1e6:.2f} M rows/s)",
+            *_peer_lines(suite.get("peers", {}), t["rows_per_s"]),
         ]
     )
+
+
+def _peer_lines(peers: dict[str, Any], ours: float) -> list[str]:
+    lines = []
+    for name, result in peers.items():
+        if "skipped" in result:
+            lines.append(f"  {name}: skipped: {result['skipped']}")
+            continue
+        t = result["throughput"][0]
+        rate = t["rows_per_s"]
+        lines.append(
+            f"  {result['engine']}: {t['rows_per_side']:,} rows a side, {t['matches']:,} matches "
+            + (f"{rate / 1e6:.3f} M rows/s (pushtable {ours / rate:.0f}x)" if rate else "no rate")
+            + f", verified={t['verified']}"
+        )
+    return lines

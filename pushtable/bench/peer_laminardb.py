@@ -21,7 +21,11 @@ import pyarrow as pa
 try:  # pushtable importable (type checking, tests)
     from pushtable.bench.peer_workload import (
         DELAY_MS,
+        FAR_MS,
         PER_WINDOW,
+        SHAPES,
+        batch,
+        join_side,
         keyed_batch,
         latency_batch,
         percentiles,
@@ -30,7 +34,11 @@ try:  # pushtable importable (type checking, tests)
 except ImportError:  # the peers venv: the file beside this one
     from peer_workload import (  # type: ignore[import-not-found,no-redef]
         DELAY_MS,
+        FAR_MS,
         PER_WINDOW,
+        SHAPES,
+        batch,
+        join_side,
         keyed_batch,
         latency_batch,
         percentiles,
@@ -224,8 +232,119 @@ def updating_latency(keys: int, batches: int, rows: int, rate: float) -> dict[st
     return {"keys": keys, "rate": rate, **percentiles(rows, ms)}
 
 
+#: LaminarDB's own forms of the Spark window shapes (its README's syntax).
+SHAPE_SQL = {
+    "sliding": "HOPPING(ts, 10000, 1000)",
+    "session": "SESSION(ts, 300)",
+}
+
+
+def shape_throughput(shape: str, rows: int, batch_rows: int) -> dict[str, Any]:
+    """A Spark window shape in LaminarDB's SQL (``EMIT ON WINDOW CLOSE``), flat out; timed to
+    the last window row (waiting up to 30 s after the last write); verified when the windows
+    count every row as often as Spark's do."""
+    make, copies = SHAPES[shape]
+    sql = (
+        "CREATE STREAM win AS SELECT min(ts) AS lo, count(*) AS n, sum(v) AS s FROM events "
+        f"GROUP BY {SHAPE_SQL[shape]} EMIT ON WINDOW CLOSE"
+    )
+    db, sub, writer, schema = _open(sql)
+    batches = make(rows, batch_rows, schema)
+    got: list[tuple[float, pa.Table]] = []
+    stop = threading.Event()
+    reader = threading.Thread(target=_read, args=(sub, stop, got), daemon=True)
+    reader.start()
+    start = time.perf_counter()
+    for b in batches:
+        writer.insert(b)
+        writer.flush()
+    writer.insert(batch(FAR_MS, 1, 0, schema))
+    writer.flush()
+    written = sum(b.num_rows for b in batches)
+    quiet_until = time.monotonic() + 30  # no window row for 30 s: it has given all it will
+    seen = 0
+    while time.monotonic() < quiet_until:
+        time.sleep(0.05)
+        if len(got) != seen:
+            seen, quiet_until = len(got), time.monotonic() + 5
+    stop.set()
+    reader.join(5)
+    db.close()
+    rows_out = [r for _, t in got for r in t.to_pylist() if r["lo"] < FAR_MS]
+    seconds = got[-1][0] - start if got else None  # no window at all: no rate either
+    return {
+        "shape": shape,
+        "rows": written,
+        "windows": len(rows_out),
+        "counted_rows": sum(r["n"] for r in rows_out),
+        "seconds": seconds,
+        "rows_per_s": written / seconds if seconds else None,
+        "verified": sum(r["n"] for r in rows_out) == written * copies,
+    }
+
+
+def join_throughput(rows_per_side: int, batch_rows: int) -> dict[str, Any]:
+    """The interval join (``b.ts BETWEEN a.ts AND a.ts + 1000``, watermarks 100 ms behind),
+    both sides written in turn flat out, one row far ahead on each at the end; timed to the
+    last match, waiting until no match came for 10 s (at most 120 s)."""
+    db = laminardb.open(":memory:")
+    for side in ("a", "b"):
+        db.execute(
+            f"CREATE SOURCE {side} (k BIGINT, ts BIGINT, v BIGINT, "
+            f"WATERMARK FOR ts AS ts - INTERVAL '{DELAY_MS}' MILLISECOND)"
+        )
+    db.execute(
+        "CREATE STREAM j AS SELECT a.k AS k FROM a JOIN b ON a.k = b.k "
+        "AND b.ts BETWEEN a.ts AND a.ts + 1000"
+    )
+    db.start()
+    sub = db.subscribe_stream("j")
+    writers = {side: (db.writer(side), db.schema(side)) for side in ("a", "b")}
+    got: list[tuple[float, pa.Table]] = []
+    stop = threading.Event()
+    reader = threading.Thread(target=_read, args=(sub, stop, got), daemon=True)
+    reader.start()
+    batches = rows_per_side // batch_rows
+    start = time.perf_counter()
+    for i in range(batches):
+        for side, offset in (("a", 0), ("b", 5)):
+            writer, schema = writers[side]
+            writer.insert(join_side(i, batch_rows, offset, schema))
+            writer.flush()
+    for writer, schema in writers.values():
+        far = pa.record_batch([pa.array([-1]), pa.array([FAR_MS]), pa.array([0])], schema=schema)
+        writer.insert(far)
+        writer.flush()
+    want = batches * batch_rows
+    quiet_until, give_up, seen = time.monotonic() + 10, time.monotonic() + 120, 0
+    while sum(t.num_rows for _, t in got) < want and time.monotonic() < min(quiet_until, give_up):
+        time.sleep(0.05)
+        if len(got) != seen:
+            seen, quiet_until = len(got), time.monotonic() + 10
+    stop.set()
+    reader.join(5)
+    db.close()
+    matches = sum(t.num_rows for _, t in got)
+    seconds = got[-1][0] - start if got else None
+    return {
+        "rows_per_side": want,
+        "matches": matches,
+        "seconds": seconds,
+        "rows_per_s": 2 * want / seconds if seconds else None,
+        "verified": matches == want,
+    }
+
+
 def main() -> None:
     params = json.loads(sys.argv[1])
+    if params.get("shape") == "join":
+        result = join_throughput(params["rows"], params["batch_rows"])
+        print(json.dumps({"engine": f"laminardb {laminardb.__version__}", "throughput": [result]}))
+        return
+    if params.get("shape") in SHAPES:
+        result = shape_throughput(params["shape"], params["rows"], params["batch_rows"])
+        print(json.dumps({"engine": f"laminardb {laminardb.__version__}", "throughput": [result]}))
+        return
     if params.get("shape") == "updating":
         keys, rows = params["keys"], params["rows"]
         print(

@@ -20,14 +20,22 @@ import pyarrow as pa
 
 try:  # pushtable importable (type checking, tests)
     from pushtable.bench.peer_workload import (
+        FAR_MS,
         PER_WINDOW,
+        SHAPES,
+        batch,
+        join_side,
         latency_batch,
         percentiles,
         throughput_batches,
     )
 except ImportError:  # the peers venv: the file beside this one
     from peer_workload import (  # type: ignore[import-not-found,no-redef]
+        FAR_MS,
         PER_WINDOW,
+        SHAPES,
+        batch,
+        join_side,
         latency_batch,
         percentiles,
         throughput_batches,
@@ -119,8 +127,97 @@ def close_latency(batch_rows: int, samples: int, interval: float = 0.02) -> dict
     return percentiles(batch_rows, ms)
 
 
+def _shape(table: Any, shape: str) -> Any:
+    """Pathway's form of a Spark window shape: ``sliding(hop=1 s, duration=10 s)`` emitted
+    once per window, ``session(max_gap=300 ms)`` (its final rows are the sessions)."""
+    if shape == "sliding":
+        window = pw.temporal.sliding(hop=1000, duration=10_000)
+        behavior = pw.temporal.exactly_once_behavior()
+    else:
+        window, behavior = pw.temporal.session(max_gap=300), None
+    return table.windowby(table.ts, window=window, behavior=behavior).reduce(
+        lo=pw.this._pw_window_start, n=pw.reducers.count(), s=pw.reducers.sum(pw.this.v)
+    )
+
+
+def shape_throughput(shape: str, rows: int, batch_rows: int) -> dict[str, Any]:
+    """A Spark window shape over ``rows`` rows, flat out, timed from the first write to the
+    last change; verified when the final windows count every row as often as Spark does."""
+    make, copies = SHAPES[shape]
+    batches = make(rows, batch_rows)
+    final: dict[Any, tuple[float, dict[str, Any]]] = {}
+    lock = threading.Lock()
+
+    def on_change(key: Any, row: dict[str, Any], time: Any, is_addition: bool, **_: Any) -> None:
+        with lock:  # an upsert per window key: a session's rows change as it grows
+            if is_addition:
+                final[key] = (_now(), row)
+            elif key in final and final[key][1] == row:
+                del final[key]
+
+    feed = _Feed([*batches, batch(FAR_MS, 1, 0)])
+    table = pw.io.python.read(feed, schema=_Rows, autocommit_duration_ms=1)
+    pw.io.subscribe(_shape(table, shape), on_change=on_change)
+    pw.run(monitoring_level=pw.MonitoringLevel.NONE)
+    counted = [row for _, row in final.values() if row["lo"] < FAR_MS - 10_000]
+    written = sum(b.num_rows for b in batches)
+    last = max((at for at, _ in final.values()), default=_now())
+    seconds = last - feed.written[0]
+    return {
+        "shape": shape,
+        "rows": written,
+        "windows": len(counted),
+        "seconds": seconds,
+        "rows_per_s": written / seconds,
+        "verified": sum(r["n"] for r in counted) == written * copies,
+    }
+
+
+def join_throughput(rows_per_side: int, batch_rows: int) -> dict[str, Any]:
+    """The interval join (``interval_join`` with ``interval(0, 1000)`` on ``a.k == b.k``),
+    both sides fed at once; timed from the first write to the last match."""
+    matches: list[float] = []
+    lock = threading.Lock()
+
+    def on_change(key: Any, row: dict[str, Any], time: Any, is_addition: bool, **_: Any) -> None:
+        with lock:
+            if is_addition:
+                matches.append(_now())
+            else:
+                matches.pop()
+
+    batches = rows_per_side // batch_rows
+    feeds = [_Feed([join_side(i, batch_rows, off) for i in range(batches)]) for off in (0, 5)]
+    a, b = (pw.io.python.read(f, schema=_Rows, autocommit_duration_ms=1) for f in feeds)
+    joined = a.interval_join(b, a.ts, b.ts, pw.temporal.interval(0, 1000), a.k == b.k).select(
+        k=pw.left.k
+    )
+    pw.io.subscribe(joined, on_change=on_change)
+    pw.run(monitoring_level=pw.MonitoringLevel.NONE)
+    want = batches * batch_rows
+    first = min(f.written[0] for f in feeds if f.written)
+    seconds = (max(matches) if matches else _now()) - first
+    return {
+        "rows_per_side": want,
+        "matches": len(matches),
+        "seconds": seconds,
+        "rows_per_s": 2 * want / seconds,
+        "verified": len(matches) == want,
+    }
+
+
 def main() -> None:
     params = json.loads(sys.argv[1])
+    if params.get("shape") == "join":
+        rows = min(params["rows"], params.get("pathway_max_rows", params["rows"]))
+        result = join_throughput(rows, params["batch_rows"])
+        print(json.dumps({"engine": f"pathway {pw.__version__}", "throughput": [result]}))
+        return
+    if params.get("shape") in SHAPES:
+        rows = min(params["rows"], params.get("pathway_max_rows", params["rows"]))
+        result = shape_throughput(params["shape"], rows, params["batch_rows"])
+        print(json.dumps({"engine": f"pathway {pw.__version__}", "throughput": [result]}))
+        return
     rows = min(params["rows"], params.get("pathway_max_rows", params["rows"]))
     runs = range(params["runs"])
     for _ in range(params.get("warmup", 0)):  # unmeasured, as for every engine of the run

@@ -48,6 +48,36 @@ def throughput_batches(
     return out
 
 
+def burst_batches(rows: int, batch_rows: int, schema: pa.Schema = SCHEMA) -> list[pa.RecordBatch]:
+    """The session workload: batch ``i`` is a burst of ``batch_rows`` rows over the first
+    500 ms of second ``i``: with a 300 ms gap, one session per batch."""
+    return [batch(i * 1000, batch_rows, 500, schema) for i in range(rows // batch_rows)]
+
+
+#: The Spark window shapes side by side: (the batches, how many windows hold each row), with
+#: Spark's ``window(ts, '10 seconds', '1 second')`` and ``session_window(ts, '300
+#: milliseconds')`` in pushtable, and each peer's own form of them.
+SHAPES = {"sliding": (throughput_batches, 10), "session": (burst_batches, 1)}
+#: Past every window and session of a shape's batches: one row written last moves every
+#: engine's watermark beyond them (its own window is not counted).
+FAR_MS = 10**9
+
+
+#: The interval join: 1,000 keys, rows 10 ms apart, ``b``'s 5 ms after ``a``'s of the same
+#: key, ``a.k = b.k AND b.ts BETWEEN a.ts AND a.ts + 1 s``: each ``a`` row meets one ``b`` row.
+JOIN_KEYS = 1_000
+JOIN_SCHEMA = pa.schema([("k", pa.int64()), ("ts", pa.int64()), ("v", pa.int64())])
+
+
+def join_side(i: int, rows: int, offset_ms: int, schema: pa.Schema = JOIN_SCHEMA) -> pa.RecordBatch:
+    """Batch ``i`` of a join side: rows ``i * rows ..``, 10 ms apart, key ``r % JOIN_KEYS``."""
+    r = np.arange(i * rows, (i + 1) * rows, dtype=np.int64)
+    arrays = [pa.array(r % JOIN_KEYS), pa.array(r * 10 + offset_ms), pa.array(r)]
+    return pa.record_batch(
+        [a.cast(f.type) for a, f in zip(arrays, schema, strict=True)], schema=schema
+    )
+
+
 def latency_batch(i: int, rows: int, schema: pa.Schema = SCHEMA) -> pa.RecordBatch:
     """Batch ``i`` of the latency run: second ``i``, from 100 ms in, spanning 100 ms; writing
     it closes window ``i - 1`` in both engines."""

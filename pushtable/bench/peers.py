@@ -22,7 +22,7 @@ from typing import Any
 import pyarrow as pa
 
 from pushtable.bench import peer_workload as workload
-from pushtable.bench.windows import Workload, close_latency, throughput
+from pushtable.bench.windows import SESSIONS, SLIDING, Workload, close_latency, throughput
 
 PEERS = {"laminardb": "laminardb==0.17.*", "pathway": "pathway==0.33.*"}
 PATHWAY_MAX_ROWS = 500_000
@@ -99,14 +99,44 @@ def run(quick: bool) -> dict[str, Any]:
             close_latency(r, params["samples"], workload=INTS) for r in params["latency_batch_rows"]
         ],
     }
-    out = {"params": params, "pushtable": ours}
+    out: dict[str, Any] = {"params": params, "pushtable": ours}
+    for name in PEERS:
+        out[name] = peer(name, params)
+    out["shapes"] = {shape: shape_side_by_side(shape, quick) for shape in workload.SHAPES}
+    return out
+
+
+#: pushtable's form of each shape: Spark's own functions over the same rows as timestamps
+PUSHTABLE_SHAPES = {"sliding": SLIDING, "session": SESSIONS}
+#: rows for a shape's run (Pathway's: fewer, it takes one row per call)
+SHAPE_ROWS = {"sliding": 2_000_000, "session": 2_000_000}
+PATHWAY_SHAPE_ROWS = 49_152
+
+
+def shape_side_by_side(shape: str, quick: bool) -> dict[str, Any]:
+    """One Spark window shape on pushtable (``window`` / ``session_window``), LaminarDB
+    (``HOPPING`` / ``SESSION``) and Pathway (``sliding`` / ``session``): throughput of the
+    same rows, each engine's windows checked against Spark's (every row counted in each of
+    its windows)."""
+    rows = SHAPE_ROWS[shape] // (10 if quick else 1)
+    params = {
+        "shape": shape,
+        "rows": rows,
+        "batch_rows": 8192,
+        "pathway_max_rows": PATHWAY_SHAPE_ROWS,
+    }
+    tries = [throughput(rows, 8192, PUSHTABLE_SHAPES[shape]) for _ in range(1 if quick else 3)]
+    out: dict[str, Any] = {
+        "params": params,
+        "pushtable": {"engine": "pushtable", "throughput": tries},
+    }
     for name in PEERS:
         out[name] = peer(name, params)
     return out
 
 
 def _median_throughput(result: dict[str, Any]) -> dict[str, Any]:
-    runs = sorted(result["throughput"], key=lambda r: r["rows_per_s"])
+    runs = sorted(result["throughput"], key=lambda r: r["rows_per_s"] or 0.0)
     return dict(runs[len(runs) // 2])
 
 
@@ -133,4 +163,28 @@ def table(suite: dict[str, Any]) -> str:
             f"{result['engine']:<18s} {t['rows']:9,d} {t['rows_per_s'] / 1e6:9.3f} "
             f"{'yes' if t['verified'] else 'NO':>3s} " + " ".join(f"{c:>20s}" for c in cells)
         )
+    for shape, side in suite.get("shapes", {}).items():
+        lines.append(
+            f"{shape} windows side by side ({SHAPE_TEXT[shape]}), throughput; ok = the windows "
+            "count every row as Spark's do:"
+        )
+        for name in ("pushtable", *PEERS):
+            result = side.get(name, {"skipped": "not run"})
+            if "skipped" in result:
+                lines.append(f"  {name:<16s} skipped: {result['skipped']}")
+                continue
+            t = _median_throughput(result)
+            rate = "-" if t["rows_per_s"] is None else f"{t['rows_per_s'] / 1e6:.3f}"
+            lines.append(
+                f"  {result['engine']:<16s} {t['rows']:9,d} rows {rate:>9s} M rows/s "
+                f"{t['windows']:6,d} windows ok={'yes' if t['verified'] else 'NO'}"
+            )
     return "\n".join(lines)
+
+
+SHAPE_TEXT = {
+    "sliding": "pushtable window(ts, '10 seconds', '1 second'), LaminarDB HOPPING(ts, 10000, "
+    "1000), Pathway sliding(hop=1000, duration=10000)",
+    "session": "pushtable session_window(ts, '300 milliseconds'), LaminarDB SESSION(ts, 300), "
+    "Pathway session(max_gap=300)",
+}

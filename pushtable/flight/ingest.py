@@ -8,6 +8,7 @@ import collections
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -154,7 +155,9 @@ class Ingest:
         already is acknowledged, not appended. Returns the rows appended."""
         log = topic.durable
         assert log is not None
-        acks = _CommitAcks(writer, topic.name, self.limits.ack_timeout)
+        acks = _CommitAcks(
+            writer, topic.name, self.limits.ack_timeout, lambda: self.usage.refused("ack_timeout")
+        )
         log.listen(acks.on_commit)
         rows = count = 0
         producer_id, sequence = identity if identity is not None else (None, None)
@@ -477,10 +480,13 @@ class _CommitAcks:
     seconds (``Limits.ack_timeout``), its stream is cut off with :class:`ResourceLimitError`.
     """
 
-    def __init__(self, writer: _Acks, topic: str, stall: float) -> None:
+    def __init__(
+        self, writer: _Acks, topic: str, stall: float, cut_off: Callable[[], None]
+    ) -> None:
         self._writer = writer
         self._topic = topic
         self._stall = stall
+        self._cut_off = cut_off  # counts the refusal (the server's ``ack_timeout`` refusals)
         self._lock = threading.Condition()
         self._waiting: collections.deque[tuple[int, int]] = collections.deque()
         self._sent = 0  # the newest count the sender was given
@@ -565,6 +571,7 @@ class _CommitAcks:
                 f"for {self._stall:g} s (ack_timeout): its stream is cut off (what was "
                 "acknowledged is stored; an idempotent producer resends the rest on a new stream)"
             )
+            self._cut_off()
 
     def raise_failure(self) -> None:
         with self._lock:
