@@ -139,12 +139,29 @@ def aligned(table: pa.Table) -> pa.Table:
         need = 16 if _has_wide(column.type) else 8
         chunks = []
         for chunk in column.chunks:
-            if any(b is not None and b.address % need for b in chunk.buffers()):
-                chunk = pa.concat_arrays([chunk])  # fresh buffers, 64-byte aligned
+            if any(b is not None and b.address % need for b in _buffers(chunk)):
+                chunk = _copied(chunk)
                 changed = True
             chunks.append(chunk)
         columns.append(pa.chunked_array(chunks, column.type))
     return pa.Table.from_arrays(columns, schema=table.schema) if changed else table
+
+
+def _buffers(array: pa.Array) -> list[pa.Buffer | None]:
+    """Every buffer of ``array``: its own and its children's, and a dictionary's values'."""
+    out = list(array.buffers())
+    if isinstance(array, pa.DictionaryArray):
+        out += _buffers(array.dictionary)
+    return out
+
+
+def _copied(array: pa.Array) -> pa.Array:
+    """``array`` in fresh (64-byte aligned) buffers, a dictionary's values too."""
+    if isinstance(array, pa.DictionaryArray):
+        return pa.DictionaryArray.from_arrays(
+            pa.concat_arrays([array.indices]), pa.concat_arrays([array.dictionary])
+        )
+    return pa.concat_arrays([array])
 
 
 def _has_wide(t: pa.DataType) -> bool:

@@ -293,6 +293,25 @@ def test_remote_acknowledgements_mean_committed(durable_server: Server) -> None:
     assert client.offsets("t")["committed"] == 6
 
 
+def test_a_durable_producer_keeps_at_most_window_bytes_in_flight(durable_server: Server) -> None:
+    """Past ``window_bytes`` unacknowledged, a write waits for the commit it asks for, long
+    before ``window`` batches: with a commit interval of a minute, only those requests
+    commit, so the commits counted are the times the bytes bound was reached."""
+    client = connect(durable_server.location)
+    client.create_topic("t", SCHEMA, durable=True, commit_interval=60.0)
+    batch = rows(0, 1000)
+    sink = IdempotentSink(
+        client, "t", SCHEMA, "p", window_bytes=2 * batch.get_total_buffer_size() + 1
+    )
+    assert sink.window == 32  # the count bound is far
+    for i in range(6):
+        sink.write(rows(1000 * i, 1000), timeout=WAIT)
+        assert sink.unacknowledged <= 3  # the one just sent and two before it at most
+    assert client.stats("t")["commits"] >= 2
+    sink.flush(timeout=WAIT)
+    assert client.offsets("t")["committed"] == 6
+
+
 def test_a_resend_after_a_lost_acknowledgement_is_not_stored_twice(
     durable_server: Server,
 ) -> None:

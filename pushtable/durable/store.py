@@ -286,19 +286,17 @@ class LogStore:
         return known
 
     def _stamped(self, batches: Sequence[StoredBatch]) -> pa.Table:
-        columns: list[list[pa.Array]] = [[] for _ in self.schema]
-        offsets, times = [], []
-        for stored in batches:
-            n = stored.batch.num_rows
-            for i, column in enumerate(_aligned(stored.batch).columns):
-                columns[i].append(column)
-            offsets.append(pa.array(np.full(n, stored.offset, dtype=np.int64)))
-            times.append(pa.array(np.full(n, stored.time_us, dtype=np.int64)).cast(_TIME_TYPE))
-        arrays = [
-            pa.chunked_array(c, type=f.type) for c, f in zip(columns, self.schema, strict=True)
+        """The batches as one table with each row's ``_offset`` and ``_timestamp`` (the
+        fragment writer aligns what the network left unaligned, copying only those chunks)."""
+        columns = [
+            pa.chunked_array([b.batch.column(i) for b in batches], type=f.type)
+            for i, f in enumerate(self.schema)
         ]
+        counts = [b.batch.num_rows for b in batches]
+        offsets = np.repeat(np.array([b.offset for b in batches], np.int64), counts)
+        times = np.repeat(np.array([b.time_us for b in batches], np.int64), counts)
         return pa.Table.from_arrays(
-            [*arrays, pa.chunked_array(offsets), pa.chunked_array(times)],
+            [*columns, pa.array(offsets), pa.array(times, _TIME_TYPE)],
             schema=self._ds.schema,
         )
 
@@ -379,25 +377,6 @@ def _small_bytes(ds: lance.LanceDataset) -> int:
         if fragment.metadata.physical_rows < target
         for f in fragment.metadata.files
     )
-
-
-def _aligned(batch: pa.RecordBatch) -> pa.RecordBatch:
-    """``batch``, copied once if a buffer is not aligned to 8 bytes (Lance's import refuses
-    it; a batch from the network may carry one, depending on its message's framing)."""
-    for column in batch.columns:
-        if any(b is not None and b.address % 8 for b in _buffers(column)):
-            sink = pa.BufferOutputStream()
-            with pa.ipc.new_stream(sink, batch.schema) as writer:
-                writer.write_batch(batch)
-            return pa.ipc.open_stream(sink.getvalue()).read_next_batch()
-    return batch
-
-
-def _buffers(array: pa.Array) -> list[pa.Buffer | None]:
-    out = list(array.buffers())
-    if isinstance(array, pa.DictionaryArray):
-        out += _buffers(array.dictionary)
-    return out
 
 
 def describe(ds_or_uri: lance.LanceDataset | str | Path) -> tuple[pa.Schema, dict[str, Any]]:

@@ -17,7 +17,7 @@ from pushtable.errors import (
     UnknownTableError,
 )
 from pushtable.flight import protocol
-from pushtable.flight.idempotent import IdempotentSink
+from pushtable.flight.idempotent import DURABLE_WINDOW, IdempotentSink
 from pushtable.flight.remote_sink import RemoteSink, Stager
 
 __all__ = ["Client", "RemoteResult", "connect"]
@@ -230,23 +230,30 @@ class Client:
         self,
         name: str,
         *,
-        window: int = 8,
+        window: int | None = None,
         producer_id: str | None = None,
         retry: float = 60.0,
     ) -> RemoteSink:
-        """A producer for table (or topic) ``name``; ``window`` bounds unacknowledged batches.
+        """A producer for table (or topic) ``name``; ``window`` bounds unacknowledged batches
+        (default 8; a table acknowledges a batch once queued).
 
         With ``producer_id`` (a durable topic), an :class:`IdempotentSink`: its batches are
         numbered, kept until stored, and sent again after an outage of up to ``retry``
-        seconds without being stored twice.
+        seconds without being stored twice. Its window defaults to 32 batches and 64 MiB:
+        a durable topic acknowledges a batch once a group commit stores it.
         """
         sink: RemoteSink
         if producer_id is not None:
             sink = IdempotentSink(
-                self, name, self.schema(name), producer_id, window=window, retry=retry
+                self,
+                name,
+                self.schema(name),
+                producer_id,
+                window=DURABLE_WINDOW if window is None else window,
+                retry=retry,
             )
         else:
-            sink = RemoteSink(self, name, self.schema(name), window=window)
+            sink = RemoteSink(self, name, self.schema(name), window=8 if window is None else window)
         self._sinks.add(sink)
         return sink
 

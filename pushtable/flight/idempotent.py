@@ -30,14 +30,22 @@ from pushtable.sink import _check_timeout, arrow_batches
 if TYPE_CHECKING:
     from pushtable.flight.client import Client
 
-__all__ = ["IdempotentSink"]
+__all__ = ["DURABLE_WINDOW", "DURABLE_WINDOW_BYTES", "IdempotentSink"]
+
+#: A durable producer's default window: batches in flight...
+DURABLE_WINDOW = 32
+#: ...and their bytes (Arrow buffer sizes), whichever bound is reached first.
+DURABLE_WINDOW_BYTES = 64 * 1024 * 1024
 
 
 class IdempotentSink(RemoteSink):
     """A :class:`RemoteSink` that numbers its batches and rides out server outages.
 
-    ``write`` returns once the batch is sent with at most ``window`` unacknowledged (it
-    keeps them to send again); ``flush`` returns once all are stored. While the server is
+    ``write`` returns once the batch is sent with at most ``window`` batches, and at most
+    ``window_bytes`` of them, unacknowledged (it keeps them to send again); ``flush`` returns
+    once all are stored. A durable topic acknowledges a batch once a group commit holds it
+    (about ``commit_interval`` later), so the window is wider than a table's: enough
+    batches in flight to fill the next commit while one is being written. While the server is
     unreachable, either call reconnects and resends for up to ``retry`` seconds, then raises
     :class:`~pushtable.ServerUnavailableError` naming the sequences not acknowledged (they
     stay in the sink: a later call tries again). Made again with the same ``producer_id``
@@ -65,10 +73,14 @@ class IdempotentSink(RemoteSink):
         schema: pa.Schema,
         producer_id: str,
         *,
-        window: int = 8,
+        window: int = DURABLE_WINDOW,
+        window_bytes: int = DURABLE_WINDOW_BYTES,
         retry: float = 60.0,
     ) -> None:
         super().__init__(client, name, schema, window=window)
+        if isinstance(window_bytes, bool) or not isinstance(window_bytes, int) or window_bytes < 1:
+            raise ValueError(f"window_bytes must be an integer >= 1, got {window_bytes!r}")
+        self.window_bytes = window_bytes
         if not isinstance(producer_id, str) or not producer_id:
             raise ValueError(f"producer_id must be a non-empty string, got {producer_id!r}")
         self.producer_id = producer_id
@@ -118,10 +130,11 @@ class IdempotentSink(RemoteSink):
                 for sequence, batch in list(self._unacked):
                     if sequence <= self._sent_upto:
                         continue
-                    if not put.wait(self.window - 1, deadline):
+                    room = self.window - 1
+                    if not put.wait(room, deadline) or not self._bytes_fit(put, batch, deadline):
                         raise WriteTimeoutError(
                             f"write to remote topic '{self.name}' timed out with "
-                            f"{self.window} batch(es) unacknowledged"
+                            f"{put.sent - put.acked} batch(es) unacknowledged"
                         )
                     self._trim()
                     put.send(batch, ack_every=max(1, self.window // 2))
@@ -149,6 +162,21 @@ class IdempotentSink(RemoteSink):
                     raise self._unavailable(exc) from exc
                 time.sleep(pause)
                 pause = min(1.0, pause * 2)
+
+    def _bytes_fit(self, put: _Put, batch: pa.RecordBatch, deadline: float | None) -> bool:
+        """Wait until ``batch`` and the batches in flight on ``put`` fit ``window_bytes`` (one
+        batch alone always goes); False: timed out."""
+        size = batch.get_total_buffer_size()
+        while put.sent > put.acked:
+            self._trim()
+            in_flight = sum(
+                b.get_total_buffer_size() for seq, b in self._unacked if seq <= self._sent_upto
+            )
+            if in_flight + size <= self.window_bytes:
+                return True
+            if not put.wait(put.sent - put.acked - 1, deadline):
+                return False
+        return True
 
     def _drop_stream(self) -> None:
         self._trim()
