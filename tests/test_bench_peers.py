@@ -50,8 +50,12 @@ def test_a_peer_that_cannot_run_is_reported_not_raised(monkeypatch: pytest.Monke
     assert suite["pushtable"]["throughput"][0]["verified"]
     for name in ("laminardb", "pathway"):
         assert "ModuleNotFoundError" in suite[name]["skipped"], suite[name]
+    for shape, side in suite["shapes"].items():  # the sliding and session side by side
+        assert all(run["verified"] for run in side["pushtable"]["throughput"]), shape
+        assert "ModuleNotFoundError" in side["pathway"]["skipped"], side
     text = peers.table(suite)
     assert "laminardb          skipped: laminardb run failed" in text
+    assert "sliding windows side by side" in text
 
 
 def test_the_windows_plot_draws_the_engines_that_ran(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ try:  # pushtable importable (type checking, tests)
         SHAPES,
         batch,
         join_side,
+        keyed_batch,
         latency_batch,
         percentiles,
         throughput_batches,
@@ -36,6 +37,7 @@ except ImportError:  # the peers venv: the file beside this one
         SHAPES,
         batch,
         join_side,
+        keyed_batch,
         latency_batch,
         percentiles,
         throughput_batches,
@@ -206,8 +208,56 @@ def join_throughput(rows_per_side: int, batch_rows: int) -> dict[str, Any]:
     }
 
 
+def updating_throughput(keys: int, rows: int, batch_rows: int) -> dict[str, Any]:
+    """``groupby(k).reduce(count, sum, max)`` over ``rows`` rows flat out, its changes applied
+    as upserts; timed from the first write to the change that completes every key."""
+    import numpy as np
+
+    batches = [keyed_batch(i, batch_rows, keys) for i in range(rows // batch_rows)]
+    written = len(batches) * batch_rows
+    expected = np.bincount(np.arange(written) % keys, minlength=keys)
+    counts = np.zeros(keys, np.int64)
+    done: list[float] = []
+    lock = threading.Lock()
+    left = [int(np.count_nonzero(expected))]
+
+    def on_change(key: Any, row: dict[str, Any], time: Any, is_addition: bool, **_: Any) -> None:
+        if not is_addition:
+            return
+        with lock:
+            k = row["k"]
+            before = counts[k] == expected[k]
+            counts[k] = row["n"]
+            left[0] += int(before) - int(counts[k] == expected[k])
+            if left[0] == 0 and not done:
+                done.append(_now())
+
+    feed = _Feed(batches)
+    table = pw.io.python.read(feed, schema=_Rows, autocommit_duration_ms=1)
+    agg = table.groupby(pw.this.k).reduce(
+        pw.this.k,
+        n=pw.reducers.count(),
+        s=pw.reducers.sum(pw.this.v),
+        b=pw.reducers.max(pw.this.ts),
+    )
+    pw.io.subscribe(agg, on_change=on_change)
+    pw.run(monitoring_level=pw.MonitoringLevel.NONE)
+    seconds = (done[0] if done else _now()) - feed.written[0]
+    return {
+        "keys": keys,
+        "rows": written,
+        "rows_per_s": written / seconds,
+        "verified": bool(np.array_equal(counts, expected)),
+    }
+
+
 def main() -> None:
     params = json.loads(sys.argv[1])
+    if params.get("shape") == "updating":
+        rows = min(params["rows"], params.get("pathway_max_rows", params["rows"]))
+        result = [updating_throughput(k, rows, 8192) for k in params["keys"]]
+        print(json.dumps({"engine": f"pathway {pw.__version__}", "throughput": result}))
+        return
     if params.get("shape") == "join":
         rows = min(params["rows"], params.get("pathway_max_rows", params["rows"]))
         result = join_throughput(rows, params["batch_rows"])

@@ -116,7 +116,13 @@ def run(quick: bool, peers: bool = False) -> dict[str, Any]:
 
         params = {"shape": "updating", "keys": list(KEYS), "rows": rows, "batches": batches}
         out["laminardb"] = peer("laminardb", params)
+        params["pathway_max_rows"] = PATHWAY_ROWS // (10 if quick else 1)
+        out["pathway"] = peer("pathway", params)
     return out
+
+
+#: Pathway's Python connector takes rows one per call: its run has this many rows.
+PATHWAY_ROWS = 204_800
 
 
 def table(suite: dict[str, Any]) -> str:
@@ -129,6 +135,16 @@ def table(suite: dict[str, Any]) -> str:
             f"{t['keys']:>9,} {t['rows_per_s'] / 1e6:>9.1f} {t['output_batches']:>12,} "
             f"{lat['p50_ms']:>8.2f} {lat['p99_ms']:>8.2f}"
         )
+    pathway = suite.get("pathway")
+    if pathway and "skipped" in pathway:
+        lines.append(f"Pathway: {pathway['skipped']}")
+    elif pathway:
+        lines.append(f"{pathway['engine']}, groupby(k).reduce(count, sum, max), throughput:")
+        for t in pathway["throughput"]:
+            lines.append(
+                f"{t['keys']:>9,} {t['rows_per_s'] / 1e6:>9.3f} M rows/s over {t['rows']:,} rows "
+                f"(verified={t['verified']})"
+            )
     peer = suite.get("laminardb")
     if peer and "skipped" in peer:
         lines.append(f"LaminarDB: {peer['skipped']}")
