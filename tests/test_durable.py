@@ -5,6 +5,7 @@ test_durable_crash.py)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import threading
 from collections.abc import Iterator
@@ -24,7 +25,7 @@ from pushtable.errors import (
     ResourceLimitError,
     SequenceError,
 )
-from pushtable.flight import Limits, Server, connect
+from pushtable.flight import Limits, Server, connect, protocol
 from pushtable.flight.auth import Grant
 from pushtable.flight.idempotent import IdempotentSink
 from tests.conftest import WAIT, Background
@@ -339,11 +340,11 @@ def test_a_resend_after_a_lost_acknowledgement_is_not_stored_twice(
     writer, acks = raw.do_put(flight.FlightDescriptor.for_path("t", "producer", "x", "5"), SCHEMA)
     writer.write_batch(rows(100))
     writer.done_writing()
-    with pytest.raises(flight.FlightError, match=r"SequenceError.*sent sequence 5"):
+    with pytest.raises(flight.FlightError, match=r"SequenceError.*sent sequence 5") as caught:
         while acks.read() is not None:
             pass
         writer.close()
-    assert SequenceError.__name__ == "SequenceError"
+    assert isinstance(protocol.client_error(caught.value), SequenceError)  # the client's class
 
 
 def test_a_commit_failure_surfaces_on_the_producer(durable_server: Server) -> None:
@@ -393,12 +394,18 @@ def test_the_data_dir_has_a_byte_limit(tmp_path: Path) -> None:
         client = connect(server.location)
         client.create_topic("t", SCHEMA, durable=True)
         sink = client.sink("t", producer_id="a")
-        big = pa.record_batch({"k": list(range(10_000)), "s": ["x" * 20] * 10_000}, schema=SCHEMA)
+        noise = [os.urandom(16).hex() for _ in range(2_000)]  # stored at about its Arrow size
+        big = pa.record_batch({"k": list(range(2_000)), "s": noise}, schema=SCHEMA)
+        stored = 0
         with pytest.raises(ResourceLimitError, match="max_data_bytes"):
-            for _ in range(10):
+            for _ in range(20):
                 sink.write(big)
                 sink.flush(timeout=WAIT)
-        assert client.offsets("t")["committed"] >= 0  # what is stored stays readable
+                stored += 1
+        assert stored >= 1  # the limit refused a later batch, not the first
+        assert client.offsets("t")["committed"] == stored  # nothing refused was stored
+        # What is stored stays readable.
+        assert client.read("t", 0, stored).read_all().num_rows == stored * big.num_rows
     finally:
         server.stop()
 

@@ -256,6 +256,36 @@ def test_a_bad_window_is_refused_at_planning_naming_the_argument(window: str, sa
     assert ctx.sql("SELECT count(*) AS n FROM ev").to_pydict() == {"n": [1]}
 
 
+@pytest.mark.parametrize(
+    ("query", "where"),
+    [
+        ("SELECT window(ts, '10 seconds', '5 seconds') AS w, k FROM ev", "ProjectionExec"),
+        ("SELECT k FROM ev WHERE session_window(ts, '5 seconds')['start'] > ts", "FilterExec"),
+        ("SELECT k, window(ts, '4 seconds', '2 seconds')['end'] AS e FROM ev", "ProjectionExec"),
+        ("SELECT session_window(ts, '5 seconds') AS w FROM ev", "ProjectionExec"),
+    ],
+)
+def test_a_sliding_or_session_window_outside_a_group_by_is_refused_at_planning(
+    query: str, where: str
+) -> None:
+    """Only a GROUP BY over the order column answers them: anywhere else the query is
+    refused when planned (naming where), not failed once rows arrive."""
+    ctx, sink = live()
+    with pytest.raises(InvalidQueryError, match=f"answered only as a GROUP BY key.*{where}"):
+        ctx.sql(query)
+    sink.write(events([(0, "a")]))  # nothing was consumed
+    sink.close()
+    assert ctx.sql("SELECT count(*) AS n FROM ev").to_pydict() == {"n": [1]}
+
+
+def test_a_session_window_over_a_table_without_order_is_refused_at_planning() -> None:
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table("ev", EV, 4)
+    with pytest.raises(InvalidQueryError, match=r"ordered by its time column.*AggregateExec"):
+        ctx.sql(sql("session_window(ts, '5 seconds')"))
+    sink.close()
+
+
 def test_a_tumbling_window_also_answers_over_a_table_without_order() -> None:
     """Without ``order_by`` a tumbling ``window()`` is a plain function of ``ts``: the
     aggregate answers at close(), as any GROUP BY over a bounded table."""

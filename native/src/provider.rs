@@ -12,6 +12,7 @@ use arrow::datatypes::SchemaRef;
 use async_trait::async_trait;
 use datafusion_catalog::{Session, TableProvider};
 use datafusion_common::cast::as_boolean_array;
+use datafusion_common::tree_node::TreeNode;
 use datafusion_common::{DFSchema, DataFusionError, Result as DFResult};
 use datafusion_execution::{SendableRecordBatchStream, TaskContext};
 use datafusion_expr::utils::conjunction;
@@ -399,13 +400,24 @@ pub fn exact_pushdown(filters: &[&Expr]) -> Vec<TableProviderFilterPushDown> {
     filters
         .iter()
         .map(|f| {
-            if f.is_volatile() {
+            // Spark's window functions stay above the scan, where the engine's rules place
+            // or refuse them (a row's windows are not a filter of the row).
+            if f.is_volatile() || calls_spark_window(f) {
                 TableProviderFilterPushDown::Unsupported
             } else {
                 TableProviderFilterPushDown::Exact
             }
         })
         .collect()
+}
+
+fn calls_spark_window(filter: &Expr) -> bool {
+    filter
+        .exists(|e| {
+            Ok(matches!(e, Expr::ScalarFunction(call)
+                if matches!(call.func.name(), "window" | "session_window")))
+        })
+        .unwrap_or(false)
 }
 
 /// The pushed-down `filters` as one predicate over `schema`, planned here, not by the

@@ -138,9 +138,13 @@ def _peer_lines(peers: dict[str, Any], ours: float) -> list[str]:
             continue
         t = result["throughput"][0]
         rate = t["rows_per_s"]
+        done = (
+            f"{rate / 1e6:.3f} M rows/s (pushtable {ours / rate:.0f}x)"
+            if rate and t["verified"]
+            else "no rate: not every match came"
+        )
         lines.append(
-            f"  {result['engine']}: {t['rows_per_side']:,} rows a side, {t['matches']:,} matches "
-            + (f"{rate / 1e6:.3f} M rows/s (pushtable {ours / rate:.0f}x)" if rate else "no rate")
-            + f", verified={t['verified']}"
+            f"  {result['engine']}: {t['rows_per_side']:,} rows a side, {t['matches']:,} of "
+            f"{t['rows_per_side']:,} matches, {done}"
         )
     return lines

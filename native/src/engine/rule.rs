@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use arrow::datatypes::{DataType, Field, Schema, TimeUnit};
 use datafusion::common::config::ConfigOptions;
-use datafusion::common::tree_node::{Transformed, TransformedResult, TreeNode};
+use datafusion::common::tree_node::{Transformed, TransformedResult, TreeNode, TreeNodeRecursion};
 use datafusion::common::{plan_err, JoinType, NullEquality, Result, ScalarValue};
 use datafusion::logical_expr::interval_arithmetic::Interval;
 use datafusion::logical_expr::sort_properties::{ExprProperties, SortProperties};
@@ -46,7 +46,9 @@ use super::frames;
 use super::join::LookupJoinExec;
 use super::readahead::ReadAheadExec;
 use super::session::SessionWindowExec;
-use super::spark_windows::{session_gap, SessionWindow, SparkWindow, WindowEnvelope, Windowing};
+use super::spark_windows::{
+    session_gap, SessionWindow, SparkWindow, WindowEnvelope, Windowing, INVALID,
+};
 use super::updating::UpdatingAggregateExec;
 use super::window::{WindowAggregateExec, WINDOW_START};
 use crate::channel::WatermarkCell;
@@ -102,6 +104,7 @@ impl PhysicalOptimizerRule for EmitOnWindowClose {
             })
             .data()?;
         check_changelog_readers(&plan)?;
+        check_spark_windows_placed(&plan)?;
         Ok(plan)
     }
 
@@ -421,6 +424,64 @@ fn check_changelog_readers(plan: &Arc<dyn ExecutionPlan>) -> Result<()> {
     plan.children()
         .into_iter()
         .try_for_each(check_changelog_readers)
+}
+
+/// Spark's sliding `window()` and `session_window()` are answered only where the rules above
+/// put them: as a key of a `GROUP BY` over the order column of a live table. Anywhere else
+/// (a projection, a filter, a `GROUP BY` over an unordered table) they are refused at
+/// planning, naming where, rather than failing once the query runs.
+fn check_spark_windows_placed(plan: &Arc<dyn ExecutionPlan>) -> Result<()> {
+    let (exprs, schema): (Vec<Arc<dyn PhysicalExpr>>, _) =
+        if let Some(p) = plan.downcast_ref::<ProjectionExec>() {
+            let exprs = p.expr().iter().map(|e| Arc::clone(&e.expr)).collect();
+            (exprs, p.input().schema())
+        } else if let Some(f) = plan.downcast_ref::<FilterExec>() {
+            (vec![Arc::clone(f.predicate())], f.input().schema())
+        } else if let Some(a) = plan.downcast_ref::<AggregateExec>() {
+            let exprs = a
+                .group_expr()
+                .expr()
+                .iter()
+                .map(|(e, _)| Arc::clone(e))
+                .collect();
+            (exprs, a.input_schema())
+        } else {
+            (vec![], plan.schema())
+        };
+    for expr in &exprs {
+        let mut misplaced: Option<&str> = None;
+        expr.apply(|e| {
+            let Some(call) = e.downcast_ref::<ScalarFunctionExpr>() else {
+                return Ok(TreeNodeRecursion::Continue);
+            };
+            if call.fun().inner().is::<SessionWindow>() {
+                misplaced = Some("session_window()");
+            } else if call.fun().inner().is::<SparkWindow>() {
+                let ts_type = call.args()[0].data_type(&schema)?;
+                let windowing = Windowing::from_arguments(&ts_type, &literal_arguments(call))?;
+                if !windowing.tumbling() {
+                    misplaced =
+                        Some("window() with a slideDuration shorter than its windowDuration");
+                }
+            }
+            Ok(if misplaced.is_some() {
+                TreeNodeRecursion::Stop
+            } else {
+                TreeNodeRecursion::Continue
+            })
+        })?;
+        if let Some(what) = misplaced {
+            let name = plan.name();
+            return plan_err!(
+                "{INVALID}{what} is answered only as a GROUP BY key over a live table ordered \
+                 by its time column (order_by=), where each window is emitted as it closes; \
+                 here it is in {name}"
+            );
+        }
+    }
+    plan.children()
+        .into_iter()
+        .try_for_each(check_spark_windows_placed)
 }
 
 /// The live tables `plan` scans.

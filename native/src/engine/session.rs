@@ -308,10 +308,11 @@ impl SessionStream {
             let key = self.key_indices[row];
             let id = match self.open[key] {
                 // Before the session's end: the row joins it and moves its end.
+                // Its entry in `ends` keeps the older end: `close` finds it moved on and files
+                // it again by its end then (one entry per session, not one per row).
                 Some(id) if t < self.sessions[id as usize].end => {
                     let s = &mut self.sessions[id as usize];
                     s.end = s.end.max(t.saturating_add(self.gap));
-                    self.ends.push(Reverse((s.end, id)));
                     id
                 }
                 _ => {
@@ -365,8 +366,12 @@ impl SessionStream {
             }
             self.ends.pop();
             let s = self.sessions[id as usize];
-            if self.closed[id as usize] || s.end != end {
-                continue; // closed already, or moved on since this entry
+            if self.closed[id as usize] {
+                continue;
+            }
+            if s.end != end {
+                self.ends.push(Reverse((s.end, id))); // moved on since this entry: file it again
+                continue;
             }
             self.closed[id as usize] = true;
             if self.open[s.key as usize] == Some(id) {
