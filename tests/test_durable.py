@@ -301,9 +301,8 @@ def test_a_durable_producer_keeps_at_most_window_bytes_in_flight(durable_server:
     client = connect(durable_server.location)
     client.create_topic("t", SCHEMA, durable=True, commit_interval=60.0)
     batch = rows(0, 1000)
-    sink = IdempotentSink(
-        client, "t", SCHEMA, "p", window_bytes=2 * batch.get_total_buffer_size() + 1
-    )
+    sink = client.sink("t", producer_id="p", window_bytes=2 * batch.get_total_buffer_size() + 1)
+    assert isinstance(sink, IdempotentSink)
     assert sink.window == 32  # the count bound is far
     for i in range(6):
         sink.write(rows(1000 * i, 1000), timeout=WAIT)

@@ -253,22 +253,17 @@ def updating_throughput(keys: int, rows: int, batch_rows: int) -> dict[str, Any]
 
 def main() -> None:
     params = json.loads(sys.argv[1])
-    if params.get("shape") == "updating":
-        rows = min(params["rows"], params.get("pathway_max_rows", params["rows"]))
-        result = [updating_throughput(k, rows, 8192) for k in params["keys"]]
-        print(json.dumps({"engine": f"pathway {pw.__version__}", "throughput": result}))
-        return
-    if params.get("shape") == "join":
-        rows = min(params["rows"], params.get("pathway_max_rows", params["rows"]))
-        result = join_throughput(rows, params["batch_rows"])
-        print(json.dumps({"engine": f"pathway {pw.__version__}", "throughput": [result]}))
-        return
-    if params.get("shape") in SHAPES:
-        rows = min(params["rows"], params.get("pathway_max_rows", params["rows"]))
-        result = shape_throughput(params["shape"], rows, params["batch_rows"])
-        print(json.dumps({"engine": f"pathway {pw.__version__}", "throughput": [result]}))
-        return
     rows = min(params["rows"], params.get("pathway_max_rows", params["rows"]))
+    shape = params.get("shape")
+    if shape is not None:  # one of the live SQL shapes beside the tumbling workload
+        if shape == "updating":
+            runs_ = [updating_throughput(k, rows, 8192) for k in params["keys"]]
+        elif shape == "join":
+            runs_ = [join_throughput(rows, params["batch_rows"])]
+        else:
+            runs_ = [shape_throughput(shape, rows, params["batch_rows"])]
+        print(json.dumps({"engine": f"pathway {pw.__version__}", "throughput": runs_}))
+        return
     runs = range(params["runs"])
     for _ in range(params.get("warmup", 0)):  # unmeasured, as for every engine of the run
         throughput(rows, params["batch_rows"])

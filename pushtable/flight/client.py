@@ -17,7 +17,7 @@ from pushtable.errors import (
     UnknownTableError,
 )
 from pushtable.flight import protocol
-from pushtable.flight.idempotent import DURABLE_WINDOW, IdempotentSink
+from pushtable.flight.idempotent import DURABLE_WINDOW, DURABLE_WINDOW_BYTES, IdempotentSink
 from pushtable.flight.remote_sink import RemoteSink, Stager
 
 __all__ = ["Client", "RemoteResult", "connect"]
@@ -233,14 +233,15 @@ class Client:
         window: int | None = None,
         producer_id: str | None = None,
         retry: float = 60.0,
+        window_bytes: int | None = None,
     ) -> RemoteSink:
         """A producer for table (or topic) ``name``; ``window`` bounds unacknowledged batches
         (default 8; a table acknowledges a batch once queued).
 
         With ``producer_id`` (a durable topic), an :class:`IdempotentSink`: its batches are
         numbered, kept until stored, and sent again after an outage of up to ``retry``
-        seconds without being stored twice. Its window defaults to 32 batches and 64 MiB:
-        a durable topic acknowledges a batch once a group commit stores it.
+        seconds without being stored twice. Its window defaults to 32 batches and 64 MiB
+        (``window_bytes``): a durable topic acknowledges a batch once a group commit stores it.
         """
         sink: RemoteSink
         if producer_id is not None:
@@ -250,8 +251,11 @@ class Client:
                 self.schema(name),
                 producer_id,
                 window=DURABLE_WINDOW if window is None else window,
+                window_bytes=DURABLE_WINDOW_BYTES if window_bytes is None else window_bytes,
                 retry=retry,
             )
+        elif window_bytes is not None:
+            raise ValueError("window_bytes bounds a durable producer's window: give producer_id")
         else:
             sink = RemoteSink(self, name, self.schema(name), window=8 if window is None else window)
         self._sinks.add(sink)
