@@ -107,6 +107,47 @@ def test_an_inner_match_comes_out_once_both_rows_are_in(unbounded: bool) -> None
     assert results.rows(0) == []
 
 
+@pytest.mark.parametrize("unbounded", [False, True], ids=["bounded", "unbounded"])
+def test_an_outer_row_comes_out_unmatched_once_the_other_watermark_passes_its_bound(
+    unbounded: bool,
+) -> None:
+    """``advance(ts)`` on one side prunes the other like a row would: an ``a`` row whose
+    second has passed on ``b`` comes out with nulls while both tables stay open, once."""
+    ctx, a, b = live(unbounded)
+    results = Results(ctx, sql("LEFT JOIN"))
+    a.write(a_rows([(1, 0), (2, 100)]))
+    b.write(b_rows([(2, 700)]))  # key 2 matches; key 1 waits for b to pass 1 s
+    (match,) = results.rows(1)
+    assert (match["k"], match["tag"]) == (2, "t700")
+    b.advance(T0 + timedelta(milliseconds=1500))  # no b row can reach a's key 1 any more
+    (unmatched,) = results.rows(1)
+    assert (unmatched["k"], unmatched["b_ts"], unmatched["tag"]) == (1, None, None)
+    a.advance(T0 + timedelta(milliseconds=3000))  # prunes b's rows: none is an outer row here
+    a.write(a_rows([(3, 3000)]))
+    b.write(b_rows([(3, 3200)]))
+    (match,) = results.rows(1)
+    assert match["k"] == 3
+    a.close()
+    b.close()
+    assert results.rows(0) == []  # each row once: the unmatched one is not repeated
+
+
+def test_a_full_join_emits_both_sides_unmatched_rows_on_watermarks() -> None:
+    ctx, a, b = live(True)
+    results = Results(ctx, sql("FULL JOIN"))
+    a.write(a_rows([(1, 0)]))
+    b.write(b_rows([(5, 100)]))
+    b.advance(T0 + timedelta(milliseconds=2000))  # a's key 1 can no longer match
+    (left_only,) = results.rows(1)
+    assert (left_only["k"], left_only["tag"]) == (1, None)
+    a.advance(T0 + timedelta(milliseconds=2000))  # b's key 5 (at 100 ms) can no longer match
+    (right_only,) = results.rows(1)
+    assert (right_only["k"], right_only["b_ts"]) == (None, T0 + timedelta(milliseconds=100))
+    a.close()
+    b.close()
+    assert results.rows(0) == []
+
+
 @pytest.mark.parametrize("kind", ["JOIN", "LEFT JOIN", "RIGHT JOIN", "FULL JOIN"])
 @pytest.mark.parametrize("unbounded", [False, True], ids=["bounded", "unbounded"])
 def test_two_producers_give_the_rows_of_the_whole_input(kind: str, unbounded: bool) -> None:
@@ -205,12 +246,14 @@ def test_a_join_of_unordered_live_tables_is_refused() -> None:
     st.lists(st.tuples(st.integers(0, 3), st.integers(0, 400)), min_size=1, max_size=40),
     st.lists(st.tuples(st.integers(0, 3), st.integers(0, 400)), min_size=1, max_size=40),
     st.integers(1, 6),
-    st.sampled_from(["JOIN", "LEFT JOIN", "RIGHT JOIN"]),
+    st.sampled_from(["JOIN", "LEFT JOIN", "RIGHT JOIN", "FULL JOIN"]),
+    st.booleans(),
 )
 def test_any_batches_give_the_rows_of_the_whole_input(
-    ea: list[tuple[int, int]], eb: list[tuple[int, int]], per: int, kind: str
+    ea: list[tuple[int, int]], eb: list[tuple[int, int]], per: int, kind: str, advance: bool
 ) -> None:
-    """Random keys and gaps, cut into random batches, written by two producers."""
+    """Random keys and gaps, cut into random batches, written by two producers (with a
+    watermark after each batch, or none)."""
 
     def batches(events: list[tuple[int, int]], make: Any) -> list[pa.RecordBatch]:
         ordered, t = [], 0
@@ -222,11 +265,16 @@ def test_any_batches_give_the_rows_of_the_whole_input(
     da, db = batches(ea, a_rows), batches(eb, b_rows)
     ctx, a, b = live(False)
     result = Background(lambda: ctx.sql(sql(kind)).to_arrow_table())
+
+    def produce(sink: Any, data: list[pa.RecordBatch]) -> None:
+        for x in data:
+            sink.write(x, timeout=WAIT)
+            if advance:  # a watermark at the batch's last row: nothing later is behind it
+                sink.advance(x.column("ts")[-1].as_py())
+        sink.close()
+
     for sink, data in ((a, da), (b, db)):
-        threading.Thread(
-            target=lambda s=sink, d=data: ([s.write(x, timeout=WAIT) for x in d], s.close()),
-            daemon=True,
-        ).start()
+        threading.Thread(target=produce, args=(sink, data), daemon=True).start()
     assert rows(result.join()) == whole(sql(kind), da, db)
 
 

@@ -25,6 +25,7 @@ mod runs;
 mod session;
 mod spark_windows;
 mod updating;
+mod watermark_rows;
 mod window;
 
 use std::ffi::CString;

@@ -50,6 +50,7 @@ use super::spark_windows::{
     session_gap, SessionWindow, SparkWindow, WindowEnvelope, Windowing, INVALID,
 };
 use super::updating::UpdatingAggregateExec;
+use super::watermark_rows::{WatermarkRowsExec, MARKER};
 use super::window::{WindowAggregateExec, WINDOW_START};
 use crate::channel::WatermarkCell;
 use crate::provider::LiveScanExec;
@@ -612,8 +613,30 @@ fn symmetric(
     if filter.is_none() {
         return refuse_join();
     }
-    let left: Arc<dyn ExecutionPlan> = Arc::new(ReadAheadExec::new(Arc::clone(left)));
-    let right: Arc<dyn ExecutionPlan> = Arc::new(ReadAheadExec::new(Arc::clone(right)));
+    let (nl, nr) = (left.schema().fields().len(), right.schema().fields().len());
+    let marked = match join_type {
+        JoinType::Inner | JoinType::Left | JoinType::Right | JoinType::Full => {
+            match (with_watermark_rows(left)?, with_watermark_rows(right)?) {
+                (Some(l), Some(r)) => Some((l, r)),
+                _ => None,
+            }
+        }
+        _ => None,
+    };
+    let (left, right, on) = match marked {
+        Some((l, r)) => {
+            // A marker row meets only marker rows: one more equal key.
+            let mut on = on;
+            let lm: PhysicalExprRef = Arc::new(Column::new(MARKER, nl));
+            let rm: PhysicalExprRef = Arc::new(Column::new(MARKER, nr));
+            on.push((lm, rm));
+            (l, r, on)
+        }
+        None => (Arc::clone(left), Arc::clone(right), on),
+    };
+    let with_markers = left.is::<WatermarkRowsExec>();
+    let left: Arc<dyn ExecutionPlan> = Arc::new(ReadAheadExec::new(left));
+    let right: Arc<dyn ExecutionPlan> = Arc::new(ReadAheadExec::new(right));
     let shj = SymmetricHashJoinExec::try_new(
         Arc::clone(&left),
         Arc::clone(&right),
@@ -628,7 +651,32 @@ fn symmetric(
     if !shj.check_if_order_information_available()? {
         return refuse_join();
     }
-    let shj: Arc<dyn ExecutionPlan> = Arc::new(shj);
+    let mut shj: Arc<dyn ExecutionPlan> = Arc::new(shj);
+    let mut projection = projection;
+    if with_markers {
+        // The rows that carry a marker (a marker meeting a marker, or one left unmatched)
+        // go no further; the marker columns neither.
+        let yes: Arc<dyn PhysicalExpr> = Arc::new(Literal::new(ScalarValue::Boolean(Some(true))));
+        let unmarked = |at: usize| -> Arc<dyn PhysicalExpr> {
+            let marker: Arc<dyn PhysicalExpr> = Arc::new(Column::new(MARKER, at));
+            Arc::new(BinaryExpr::new(
+                marker,
+                Operator::IsDistinctFrom,
+                Arc::clone(&yes),
+            ))
+        };
+        let predicate: Arc<dyn PhysicalExpr> = Arc::new(BinaryExpr::new(
+            unmarked(nl),
+            Operator::And,
+            unmarked(nl + 1 + nr),
+        ));
+        shj = Arc::new(FilterExec::try_new(predicate, shj)?);
+        let original: Vec<usize> = (0..nl).chain(nl + 1..nl + 1 + nr).collect();
+        projection = Some(match projection {
+            Some(p) => p.iter().map(|&i| original[i]).collect(),
+            None => original,
+        });
+    }
     let Some(projection) = projection else {
         return Ok(shj);
     };
@@ -766,6 +814,16 @@ fn refit_window_function(node: &Arc<dyn ExecutionPlan>) -> Result<Option<Arc<dyn
         }
     }
     get_best_fitting_window(exprs, input, &keys)
+}
+
+/// `input` with its watermarks as marker rows ([`WatermarkRowsExec`]), when it has both a
+/// watermark source and an ascending order column.
+fn with_watermark_rows(input: &Arc<dyn ExecutionPlan>) -> Result<Option<Arc<dyn ExecutionPlan>>> {
+    let (Some(cell), Some(order)) = (watermark_source(input), leading_order_column(input)) else {
+        return Ok(None);
+    };
+    let marked = WatermarkRowsExec::try_new(Arc::clone(input), order, cell)?;
+    Ok(Some(Arc::new(marked)))
 }
 
 /// The column `plan`'s output is ordered on, ascending, first (index in its schema).

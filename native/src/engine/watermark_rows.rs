@@ -1,0 +1,169 @@
+//! Watermarks as rows, so that a join of two live tables prunes by `advance(ts)` too.
+//!
+//! DataFusion's `SymmetricHashJoinExec` prunes one side's state (and emits its unmatched rows
+//! in an outer join) when a batch from the other side proves that no later row can match
+//! them: it reads the bound from that batch's order column. A watermark declared with
+//! `advance(ts)` carries no row, so on its own it would prune nothing. Below each side of
+//! such a join this operator turns the watermark its live scan announces (an empty batch,
+//! the value in a [`WatermarkCell`]) into one marker row: the order column at the watermark,
+//! a marker column `true` (every other row `false`). The rule joins the marker columns as
+//! one more equal key, so a marker meets only markers, and drops the rows that carry one
+//! above the join.
+
+use std::fmt;
+use std::sync::Arc;
+
+use arrow::array::{new_null_array, ArrayRef, BooleanArray, RecordBatch};
+use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
+use datafusion::common::{Result, ScalarValue};
+use datafusion::execution::{SendableRecordBatchStream, TaskContext};
+use datafusion::physical_expr::EquivalenceProperties;
+use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
+use datafusion::physical_plan::{
+    DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties, PlanProperties,
+};
+use futures::StreamExt;
+
+use crate::channel::WatermarkCell;
+
+/// The name of the marker column this operator appends.
+pub const MARKER: &str = "__pushtable_watermark";
+
+/// `input` with a marker column, and a marker row for each new watermark (module docs).
+pub struct WatermarkRowsExec {
+    input: Arc<dyn ExecutionPlan>,
+    order: usize,
+    cell: Arc<WatermarkCell>,
+    schema: SchemaRef,
+    props: Arc<PlanProperties>,
+}
+
+impl WatermarkRowsExec {
+    /// Marker rows for the watermarks `cell` receives, `input` ordered on column `order`.
+    pub fn try_new(
+        input: Arc<dyn ExecutionPlan>,
+        order: usize,
+        cell: Arc<WatermarkCell>,
+    ) -> Result<Self> {
+        let mut fields: Vec<Arc<Field>> = input.schema().fields().iter().cloned().collect();
+        fields.push(Arc::new(Field::new(MARKER, DataType::Boolean, false)));
+        let schema = Arc::new(Schema::new_with_metadata(
+            fields,
+            input.schema().metadata().clone(),
+        ));
+        // The input's order, over the same columns (the marker comes after them).
+        let eq = EquivalenceProperties::new_with_orderings(
+            Arc::clone(&schema),
+            input.output_ordering().cloned(),
+        );
+        let props = PlanProperties::new(
+            eq,
+            input.output_partitioning().clone(),
+            input.pipeline_behavior(),
+            input.boundedness(),
+        );
+        Ok(Self {
+            input,
+            order,
+            cell,
+            schema,
+            props: Arc::new(props),
+        })
+    }
+}
+
+impl fmt::Debug for WatermarkRowsExec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WatermarkRowsExec").finish()
+    }
+}
+
+impl DisplayAs for WatermarkRowsExec {
+    fn fmt_as(&self, _t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
+        write!(f, "WatermarkRowsExec: order={}", self.order)
+    }
+}
+
+impl ExecutionPlan for WatermarkRowsExec {
+    fn name(&self) -> &str {
+        "WatermarkRowsExec"
+    }
+
+    fn properties(&self) -> &Arc<PlanProperties> {
+        &self.props
+    }
+
+    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
+        vec![&self.input]
+    }
+
+    fn maintains_input_order(&self) -> Vec<bool> {
+        vec![true]
+    }
+
+    fn with_new_children(
+        self: Arc<Self>,
+        mut children: Vec<Arc<dyn ExecutionPlan>>,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        let input = children.pop().expect("one child");
+        Ok(Arc::new(Self::try_new(
+            input,
+            self.order,
+            Arc::clone(&self.cell),
+        )?))
+    }
+
+    fn execute(
+        &self,
+        partition: usize,
+        context: Arc<TaskContext>,
+    ) -> Result<SendableRecordBatchStream> {
+        let input = self.input.execute(partition, context)?;
+        let schema = Arc::clone(&self.schema);
+        let cell = Arc::clone(&self.cell);
+        let order = self.order;
+        let mut last: Option<ScalarValue> = None;
+        let out_schema = Arc::clone(&schema);
+        let output = input.map(move |item| {
+            let batch = item?;
+            if batch.num_rows() == 0 {
+                // The scan announced a watermark just now (same poll): mark it once.
+                if let Some(w) = cell.get() {
+                    if last.as_ref() != Some(&w) {
+                        last = Some(w.clone());
+                        return marker_row(&out_schema, order, &w);
+                    }
+                }
+            }
+            let n = batch.num_rows();
+            let mut columns = batch.columns().to_vec();
+            columns.push(Arc::new(BooleanArray::from(vec![false; n])));
+            Ok(RecordBatch::try_new(Arc::clone(&out_schema), columns)?)
+        });
+        Ok(Box::pin(RecordBatchStreamAdapter::new(schema, output)))
+    }
+}
+
+/// One row: the order column at `watermark`, the marker `true`, every other column null
+/// (or its type's default where the column is not nullable: the marker keeps it unmatched).
+fn marker_row(schema: &SchemaRef, order: usize, watermark: &ScalarValue) -> Result<RecordBatch> {
+    let last = schema.fields().len() - 1;
+    let columns = schema
+        .fields()
+        .iter()
+        .enumerate()
+        .map(|(i, field)| -> Result<ArrayRef> {
+            if i == last {
+                return Ok(Arc::new(BooleanArray::from(vec![true])));
+            }
+            if i == order {
+                return watermark.cast_to(field.data_type())?.to_array_of_size(1);
+            }
+            if field.is_nullable() {
+                return Ok(new_null_array(field.data_type(), 1));
+            }
+            ScalarValue::new_default(field.data_type())?.to_array_of_size(1)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(RecordBatch::try_new(Arc::clone(schema), columns)?)
+}
