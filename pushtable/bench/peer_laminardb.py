@@ -75,21 +75,30 @@ def _read(sub: Any, until: threading.Event, out: list[tuple[float, pa.Table]]) -
             out.append((time.perf_counter(), got.to_arrow()))
 
 
-def throughput(rows: int, batch_rows: int) -> dict[str, Any]:
-    db, sub, writer, schema = _open()
-    batches = throughput_batches(rows, batch_rows, schema)
-    windows = -(-rows // PER_WINDOW)
+def _reading(sub: Any) -> tuple[list[tuple[float, pa.Table]], threading.Event, threading.Thread]:
+    """A started thread reading ``sub`` into a list of (arrival, table) until its event."""
     got: list[tuple[float, pa.Table]] = []
     stop = threading.Event()
     reader = threading.Thread(target=_read, args=(sub, stop, got), daemon=True)
     reader.start()
-    start = time.perf_counter()
+    return got, stop, reader
+
+
+def _write_flushed(writer: Any, batches: list[pa.RecordBatch]) -> None:
+    """Each batch inserted and flushed in turn (LaminarDB's unit of arrival)."""
     for b in batches:
         writer.insert(b)
         writer.flush()
+
+
+def throughput(rows: int, batch_rows: int) -> dict[str, Any]:
+    db, sub, writer, schema = _open()
+    batches = throughput_batches(rows, batch_rows, schema)
+    windows = -(-rows // PER_WINDOW)
+    got, stop, reader = _reading(sub)
+    start = time.perf_counter()
     # End of input: one row far ahead moves the watermark past every window (not counted).
-    writer.insert(latency_batch(windows + 1, 1, schema))
-    writer.flush()
+    _write_flushed(writer, [*batches, latency_batch(windows + 1, 1, schema)])
     deadline = time.monotonic() + 120
     while sum(t.num_rows for _, t in got) < windows and time.monotonic() < deadline:
         time.sleep(0.001)
@@ -111,10 +120,7 @@ def throughput(rows: int, batch_rows: int) -> dict[str, Any]:
 
 def close_latency(batch_rows: int, samples: int, interval: float = 0.02) -> dict[str, Any]:
     db, sub, writer, schema = _open()
-    got: list[tuple[float, pa.Table]] = []
-    stop = threading.Event()
-    reader = threading.Thread(target=_read, args=(sub, stop, got), daemon=True)
-    reader.start()
+    got, stop, reader = _reading(sub)
     written: list[float] = []
     start = time.perf_counter()
     for i in range(samples + 1):
@@ -167,13 +173,9 @@ def updating_throughput(keys: int, rows: int, batch_rows: int) -> dict[str, Any]
     reader = threading.Thread(target=_read, args=(sub, stop, got), daemon=True)
     reader.start()
     start = time.perf_counter()
-    for b in batches:
-        writer.insert(b)
-        writer.flush()
     # One row far ahead, of no key of the workload, moves the watermark past everything.
     marker = pa.record_batch([pa.array([10**12]), pa.array([-1]), pa.array([0])], schema=schema)
-    writer.insert(marker)
-    writer.flush()
+    _write_flushed(writer, [*batches, marker])
     deadline = time.monotonic() + 300
     last = start
     while not np.array_equal(counts, expected) and time.monotonic() < deadline:
@@ -199,10 +201,7 @@ def updating_latency(keys: int, batches: int, rows: int, rate: float) -> dict[st
     """Write -> the first change carrying batch ``i``'s number, at ``rate`` batches/s."""
     db, sub, writer, schema = _open(UPDATING, "agg")
     data = [_updating(keys, rows, i, schema) for i in range(batches)]
-    got: list[tuple[float, pa.Table]] = []
-    stop = threading.Event()
-    reader = threading.Thread(target=_read, args=(sub, stop, got), daemon=True)
-    reader.start()
+    got, stop, reader = _reading(sub)
     written = [0.0] * batches
     t0 = time.perf_counter()
     for i, b in enumerate(data):
@@ -250,16 +249,9 @@ def shape_throughput(shape: str, rows: int, batch_rows: int) -> dict[str, Any]:
     )
     db, sub, writer, schema = _open(sql)
     batches = make(rows, batch_rows, schema)
-    got: list[tuple[float, pa.Table]] = []
-    stop = threading.Event()
-    reader = threading.Thread(target=_read, args=(sub, stop, got), daemon=True)
-    reader.start()
+    got, stop, reader = _reading(sub)
     start = time.perf_counter()
-    for b in batches:
-        writer.insert(b)
-        writer.flush()
-    writer.insert(batch(FAR_MS, 1, 0, schema))
-    writer.flush()
+    _write_flushed(writer, [*batches, batch(FAR_MS, 1, 0, schema)])
     written = sum(b.num_rows for b in batches)
     quiet_until = time.monotonic() + 30  # no window row for 30 s: it has given all it will
     seen = 0
@@ -300,10 +292,7 @@ def join_throughput(rows_per_side: int, batch_rows: int) -> dict[str, Any]:
     db.start()
     sub = db.subscribe_stream("j")
     writers = {side: (db.writer(side), db.schema(side)) for side in ("a", "b")}
-    got: list[tuple[float, pa.Table]] = []
-    stop = threading.Event()
-    reader = threading.Thread(target=_read, args=(sub, stop, got), daemon=True)
-    reader.start()
+    got, stop, reader = _reading(sub)
     batches = rows_per_side // batch_rows
     start = time.perf_counter()
     for i in range(batches):
