@@ -60,6 +60,45 @@ def engine_threads() -> int:
     return _native.engine_threads()
 
 
+@dataclass(frozen=True)
+class LiveState:
+    """The state one kind of stateful live operator holds in this process, summed over its
+    running queries: what grows with the keys (or sessions) a query has seen, within each
+    query's ``memory_limit``."""
+
+    #: the operator (``UpdatingAggregateExec``: an updating ``GROUP BY``;
+    #: ``SessionWindowExec``: Spark's ``session_window``)
+    operator: str
+    #: its running streams (a query's partitions)
+    streams: int
+    #: groups (updating aggregates) or sessions not yet dropped (session windows) held
+    groups: int
+    #: bytes of that state, as counted against the session's memory pool
+    state_bytes: int
+
+
+def live_state() -> list[LiveState]:
+    """The state the live engine's stateful operators hold now, one entry per kind (also
+    served as Prometheus gauges: ``pushtable_live_state_groups``/``_bytes``).
+
+    Example:
+        >>> import pyarrow as pa
+        >>> from pushtable import SessionContext
+        >>> from pushtable.engine import live_state
+        >>> ctx = SessionContext()
+        >>> sink = ctx.register_streaming_table(
+        ...     "ev", pa.schema([("k", pa.int64())]), unbounded=True)
+        >>> changes = iter(ctx.sql("SELECT k, count(*) AS n FROM ev GROUP BY k"))
+        >>> sink.write(pa.record_batch({"k": [1, 2, 2]}))
+        >>> next(changes).to_pyarrow().num_rows
+        2
+        >>> [s.groups for s in live_state() if s.operator == "UpdatingAggregateExec"]
+        [2]
+        >>> sink.close()
+    """
+    return [LiveState(*row) for row in _native.live_state()]
+
+
 @dataclass
 class TableSources:
     """How the tables of one context were registered (what the engine can register too)."""

@@ -175,6 +175,24 @@ class _Tracked(Collector):
         yield from fams.values()
         yield from subs.values()
         yield from server.values()
+        yield from _live_state()
+
+
+def _live_state() -> Iterator[Any]:
+    """The live engine's stateful operators (updating aggregates, session windows), summed
+    per kind over the process's running queries."""
+    from pushtable import _native
+
+    op = ["operator"]
+    g = GaugeMetricFamily
+    streams = g("pushtable_live_state_streams", "Running stateful live operators.", labels=op)
+    groups = g("pushtable_live_state_groups", "Groups or sessions they hold.", labels=op)
+    nbytes = g("pushtable_live_state_bytes", "Bytes of state they hold.", labels=op)
+    for operator, n_streams, n_groups, n_bytes in _native.live_state():
+        streams.add_metric([operator], n_streams)
+        groups.add_metric([operator], n_groups)
+        nbytes.add_metric([operator], n_bytes)
+    yield from (streams, groups, nbytes)
 
 
 REGISTRY.register(_Tracked())

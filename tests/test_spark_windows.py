@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pushtable import InvalidQueryError, SessionContext, explain_live
+from pushtable.engine import live_state
 from pushtable.flight import Client, Server
 from tests.conftest import WAIT, Background
 
@@ -305,11 +306,18 @@ def test_the_same_query_text_gives_the_rows_spark_gives(spark: Any) -> None:
     assert same_as_spark(spark, query, rows)
 
 
+def sessions_held() -> int:
+    """Sessions the process's session windows hold (pushtable's stats)."""
+    (state,) = [s for s in live_state() if s.operator == "SessionWindowExec"]
+    return state.groups
+
+
 def test_a_session_closes_once_the_order_passes_its_end() -> None:
     ctx, sink = live()
     window = "session_window(ts, '5 seconds')"
     explained = explain_live(ctx, sql(window))
     assert (explained.engine, explained.mode) == ("pushtable", "incremental"), explained
+    held = sessions_held()  # other tests' queries may still run: read as a change
     out = streamed(ctx, sql(window))
     sink.write(events([(0, "a"), (1_000, "b"), (3_000, "a")]))
     # a's session [0, 8 s) and b's [1, 6 s) stay open: nothing has reached their ends
@@ -324,6 +332,7 @@ def test_a_session_closes_once_the_order_passes_its_end() -> None:
     sink.advance(T0 + timedelta(seconds=8))  # a's end: a row at 8 s would start a new session
     (row,) = out.get(timeout=WAIT).to_pylist()
     assert (row["k"], row["n"], row["w"]["end"]) == ("a", 2, T0 + timedelta(seconds=8))
+    assert sessions_held() == held + 3  # a, b (closed, kept until a rebuild), c
     sink.close()
     (row,) = out.get(timeout=WAIT).to_pylist()  # c's, at the end of the stream
     assert row["k"] == "c"

@@ -29,7 +29,7 @@ from pushtable import (
     explain_live,
 )
 from pushtable.flight import Client, Server
-from tests.conftest import WAIT, Background
+from tests.conftest import WAIT, Background, wait_until
 
 T0 = datetime(2026, 11, 25, 12, tzinfo=timezone.utc)
 EV = pa.schema(
@@ -292,6 +292,40 @@ def test_state_past_its_limit_fails_the_query_naming_the_limit() -> None:
     assert isinstance(result.error, ResourceLimitError), result.error
     assert "updating GROUP BY" in str(result.error)
     assert "limit of 4194304 bytes" in str(result.error)
+
+
+def updating_state() -> tuple[int, int, int]:
+    """(streams, groups, bytes) of the process's updating aggregates, from pushtable's stats
+    and, the same figures, its Prometheus gauges."""
+    from prometheus_client import generate_latest
+
+    from pushtable import metrics
+    from pushtable.engine import live_state
+
+    (state,) = [s for s in live_state() if s.operator == "UpdatingAggregateExec"]
+    text = generate_latest(metrics.REGISTRY).decode()
+    gauge = f'pushtable_live_state_groups{{operator="UpdatingAggregateExec"}} {state.groups:.1f}'
+    assert gauge in text
+    return state.streams, state.groups, state.state_bytes
+
+
+def test_group_state_is_counted_in_the_stats_while_the_query_runs() -> None:
+    """Other tests' queries may still run in this process: the figures are read as changes."""
+    streams, groups, nbytes = updating_state()
+    ctx, sink = live()
+    changes = Changes(ctx, "SELECT k, count(*) AS c FROM ev GROUP BY k")
+    sink.write(events([("a", 1), ("b", 2), ("c", 3)]))
+    changes.next()
+    now = updating_state()
+    assert now[:2] == (streams + 1, groups + 3)
+    assert now[2] > nbytes
+    sink.write(events([("a", 4), ("d", 5)]))
+    changes.next()
+    assert updating_state()[1] == groups + 4
+    sink.close()
+    changes.rest()
+    # The ended query takes its share back once its stream is let go.
+    wait_until(lambda: updating_state() == (streams, groups, nbytes), "the share taken back")
 
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -24,6 +24,7 @@ mod rule;
 mod runs;
 mod session;
 mod spark_windows;
+mod tally;
 mod updating;
 mod watermark_rows;
 mod window;
@@ -473,7 +474,21 @@ fn table_references(sql: &str) -> Vec<String> {
 }
 
 /// Add the engine's classes to the module.
+/// The state of the engine's running stateful operators: per kind, (running streams, groups,
+/// bytes of state).
+#[pyfunction]
+fn live_state() -> Vec<(&'static str, i64, i64, i64)> {
+    tally::ALL
+        .iter()
+        .map(|t| {
+            let (streams, groups, bytes) = t.read();
+            (t.name, streams, groups, bytes)
+        })
+        .collect()
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(live_state, m)?)?;
     m.add_function(wrap_pyfunction!(table_references, m)?)?;
     m.add_function(wrap_pyfunction!(threads, m)?)?;
     m.add_class::<PyEngine>()?;

@@ -39,6 +39,7 @@ use futures::{Stream, StreamExt};
 
 use super::groups::{copy_groups, update_all, Keys};
 use super::spark_windows::envelope_of;
+use super::tally::{Share, SESSIONS};
 use super::window::group_accumulator;
 use crate::channel::WatermarkCell;
 
@@ -214,6 +215,7 @@ impl ExecutionPlan for SessionWindowExec {
             done: false,
             deferred: None,
             reservation,
+            share: Share::new(&SESSIONS),
         };
         Ok(Box::pin(RecordBatchStreamAdapter::new(
             Arc::clone(&self.schema),
@@ -263,6 +265,9 @@ struct SessionStream {
     /// A batch whose first row closed sessions: folded once they have gone out.
     deferred: Option<RecordBatch>,
     reservation: MemoryReservation,
+    /// This stream's share of the process's session-window state (pushtable's stats): its
+    /// sessions (open, and closed ones not yet rebuilt away) and bytes.
+    share: Share,
 }
 
 impl SessionStream {
@@ -457,6 +462,7 @@ impl SessionStream {
             + self.sessions.capacity() * std::mem::size_of::<Session>()
             + self.ends.capacity() * 16
             + self.open.capacity() * 8;
+        self.share.set(self.sessions.len(), size);
         self.reservation.try_resize(size)
     }
 

@@ -51,6 +51,7 @@ use datafusion::physical_plan::{
 use futures::{Stream, StreamExt};
 
 use super::groups::{copy_groups, update_all, Keys};
+use super::tally::{Share, UPDATING};
 use super::window::group_accumulator;
 
 /// The state an updating aggregate may hold when the session sets no memory limit.
@@ -200,6 +201,7 @@ impl ExecutionPlan for UpdatingAggregateExec {
             reservation,
             groups_gauge: MetricBuilder::new(&self.metrics).gauge("groups", partition),
             state_gauge: MetricBuilder::new(&self.metrics).gauge("state_bytes", partition),
+            share: Share::new(&UPDATING),
             schema: Arc::clone(&self.schema),
             done: false,
         };
@@ -267,6 +269,8 @@ struct ChangesStream {
     reservation: MemoryReservation,
     groups_gauge: Gauge,
     state_gauge: Gauge,
+    /// This stream's share of the process's updating-aggregate state (pushtable's stats).
+    share: Share,
     schema: SchemaRef,
     done: bool,
 }
@@ -352,6 +356,7 @@ impl ChangesStream {
             + self.changed.size();
         self.groups_gauge.set(self.groups);
         self.state_gauge.set(size);
+        self.share.set(self.groups, size);
         if size > self.limit {
             return Err(DataFusionError::ResourcesExhausted(format!(
                 "the updating GROUP BY holds {} groups in {size} bytes of state, past its limit \
