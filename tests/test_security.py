@@ -19,6 +19,7 @@ import pytest
 from pushtable import (
     PermissionDeniedError,
     ReaderGoneError,
+    RemoteError,
     ResourceLimitError,
     SessionContext,
     StatementRefusedError,
@@ -123,7 +124,8 @@ def test_files_of_the_server_are_not_tables(secured: Server) -> None:
             "SELECT * FROM read_csv('/etc/hostname')",
             "SELECT * FROM parquet_metadata('/etc/hostname')",
         ):
-            with pytest.raises(Exception, match="not found") as info:
+            # A planning error on the server: no table by that name, no file read.
+            with pytest.raises(RemoteError, match="not found") as info:
                 client.sql(query).read_all()
             assert "localhost" not in str(info.value)
 
@@ -503,7 +505,7 @@ def test_the_live_engine_plans_in_the_same_memory_pool() -> None:
     )
     assert ctx.explain_live(query).engine == "pushtable"
     sink.close()
-    with pytest.raises(Exception, match=r"(?i)resources exhausted"):
+    with pytest.raises(ResourceLimitError, match=r"(?i)resources exhausted"):
         ctx.sql(query).to_arrow_table()
 
 
@@ -530,7 +532,7 @@ def test_a_lookup_join_whose_bounded_side_outgrows_the_memory_limit_fails() -> N
     query = "SELECT e.ts, d.s FROM events e JOIN dim d ON e.k = d.k"
     assert ctx.explain_live(query).engine == "pushtable"
     sink.close()
-    with pytest.raises(Exception, match=r"(?i)resources exhausted.*LookupJoinExec"):
+    with pytest.raises(ResourceLimitError, match=r"(?i)resources exhausted.*LookupJoinExec"):
         ctx.sql(query).to_arrow_table()
     ample = SessionContext(memory_limit=512 << 20)  # the same join within a larger pool
     ample.from_arrow(pa.table({"k": pa.array([1], pa.int64()), "s": ["one"]}), name="dim")

@@ -14,6 +14,7 @@ from typing import Any
 import lance
 import pyarrow as pa
 import pytest
+from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame, SparkSession
 
 from pushtable import SessionContext
@@ -88,7 +89,7 @@ def test_a_failing_query_makes_the_live_reader_raise(spark: SparkSession, tmp_pa
     started = q.option("checkpointLocation", str(tmp_path / "chk")).trigger(availableNow=True)
     handle = started.start()
     bridge.watch(handle)
-    with pytest.raises(Exception, match="injected crash"):
+    with pytest.raises(StreamingQueryException, match="injected crash"):
         handle.awaitTermination(QUERY_WAIT)
     err = reader.join_error(timeout=QUERY_WAIT)
     assert "StreamingQueryFailedError" in str(err)
@@ -104,7 +105,7 @@ def test_crash_and_restart_keeps_every_row_exactly_once(
     uri, chk = tmp_path / "out.lance", tmp_path / "chk"
     crashing = ForeachBatchBridge(lance_uri=uri)
     crashing.fault = crash_at(step, 1)
-    with pytest.raises(Exception, match="injected crash"):
+    with pytest.raises(StreamingQueryException, match="injected crash"):
         run(stream(spark, tmp_path / "src"), crashing, chk)
     restarted = ForeachBatchBridge(lance_uri=uri)
     q = run(stream(spark, tmp_path / "src"), restarted, chk)

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from pyspark.errors import StreamingQueryException
 from pyspark.sql import SparkSession
 from pyspark.sql.streaming.query import StreamingQuery
 
@@ -89,7 +90,7 @@ def test_spark_publishes_into_a_durable_topic_exactly_once_across_server_kills(
         server.kill()
         server = Serve(data, port)
         (tmp_path / "pause.1.go").touch()
-        with pytest.raises(Exception, match="SharesLostError"):
+        with pytest.raises(StreamingQueryException, match="SharesLostError"):
             failing.awaitTermination(QUERY_WAIT)
         client = connect(location)
         query_id = query_id_from_checkpoint(chk)

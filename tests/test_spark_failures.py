@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from pyspark.errors import StreamingQueryException
 from pyspark.sql import SparkSession
 from pyspark.sql.functions import udf
 
@@ -46,7 +47,7 @@ def test_a_bad_record_fails_the_query_and_the_live_reader(
     bridge = ForeachBatchBridge(sinks=[live], lance_uri=tmp_path / "out.lance")
     df = spark.readStream.schema(DDL).option("maxFilesPerTrigger", 1).option("mode", "FAILFAST")
     q = _start(spark, df.json(str(src)), bridge, tmp_path / "chk")
-    with pytest.raises(Exception, match=r"(?i)malformed"):
+    with pytest.raises(StreamingQueryException, match=r"(?i)malformed"):
         q.awaitTermination(QUERY_WAIT)  # type: ignore[attr-defined]
     failed_at = time.monotonic()
     err = reader.join_error(timeout=QUERY_WAIT)
@@ -73,7 +74,7 @@ def test_a_killed_executor_task_fails_the_query_and_the_live_reader(
     bridge = ForeachBatchBridge(sinks=[live], lance_uri=tmp_path / "out.lance")
     df = stream(spark, src).withColumn("id", die_on_12("id"))
     q = _start(spark, df, bridge, tmp_path / "chk")
-    with pytest.raises(Exception, match=r"(?i)worker|crash|exited|EOF"):
+    with pytest.raises(StreamingQueryException, match=r"(?i)worker|crash|exited|EOF"):
         q.awaitTermination(QUERY_WAIT)  # type: ignore[attr-defined]
     assert "StreamingQueryFailedError" in str(reader.join_error(timeout=QUERY_WAIT))
     assert ids(tmp_path / "out.lance") == list(range(10))

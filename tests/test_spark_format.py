@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from pyspark.errors import StreamingQueryException
 from pyspark.sql import SparkSession
 from pyspark.sql.streaming.query import StreamingQuery
 
@@ -252,7 +253,7 @@ def test_a_failed_batch_is_aborted_its_shares_dropped_and_a_restart_lands_it_onc
         .trigger(availableNow=True)
         .start()
     )
-    with pytest.raises(Exception, match="injected failure"):
+    with pytest.raises(StreamingQueryException, match="injected failure"):
         failing.awaitTermination(QUERY_WAIT)  # raises the query's error once it has failed
     assert server.dropped_shares >= 1  # aborted: nothing held
     assert not server._staged

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pyspark.errors import StreamingQueryException
 from pyspark.sql import SparkSession
 
 from pushtable import SessionContext, StreamFailedError
@@ -69,7 +70,7 @@ def test_sinks_fail_with_sparks_error_without_watch(spark: SparkSession, tmp_pat
     bridge = ForeachBatchBridge(sinks=[live], query_id="q")
     bridge.fault = crash_at("before_push", 1)
     q = start(stream(spark, tmp_path / "src"), bridge, tmp_path / "chk")
-    with pytest.raises(Exception, match="injected crash"):
+    with pytest.raises(StreamingQueryException, match="injected crash"):
         q.awaitTermination(QUERY_WAIT)
     error = reader.join_error(QUERY_WAIT)
     assert isinstance(error, StreamFailedError)
