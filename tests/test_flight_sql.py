@@ -10,6 +10,8 @@ import adbc_driver_flightsql.dbapi as flightsql
 import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pushtable.flight import Client, Server, connect, sql
 from pushtable.flight.auth import Grant
@@ -238,3 +240,33 @@ def test_pandas_and_polars_read_through_an_adbc_connection(browsed: Server) -> N
     with adbc(browsed) as conn:
         polars_frame = pl.read_database("SELECT 1 + 1 AS two", connection=conn)
     assert polars_frame["two"].to_list() == [2]
+
+
+# The hand-written codec against protobuf's own encoder and decoder (the runtime Spark
+# Connect installs): every field number protobuf allows, every value.
+FIELD_NUMBERS = st.integers(1, 2**29 - 1)
+
+
+@given(FIELD_NUMBERS, st.booleans())
+def test_a_bool_field_encodes_as_protobuf_encodes_it(number: int, value: bool) -> None:
+    from google.protobuf.internal import encoder, wire_format
+
+    expected = encoder.TagBytes(number, wire_format.WIRETYPE_VARINT) + encoder._VarintBytes(
+        int(value)
+    )
+    assert sql.bool_field(number, value) == expected
+    assert sql.Command("T", sql.message(expected)).flag(number) is value
+
+
+@given(FIELD_NUMBERS, st.text(max_size=300))
+def test_a_string_field_encodes_and_decodes_as_protobuf_does(number: int, text: str) -> None:
+    from google.protobuf.internal import encoder, wire_format
+
+    raw = text.encode()
+    expected = (
+        encoder.TagBytes(number, wire_format.WIRETYPE_LENGTH_DELIMITED)
+        + encoder._VarintBytes(len(raw))
+        + raw
+    )
+    assert sql.string_field(number, text) == expected
+    assert sql.Command("T", sql.message(expected)).text(number) == text

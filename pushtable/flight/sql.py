@@ -284,7 +284,9 @@ def string_field(number: int, text: str) -> bytes:
 
 
 def bool_field(number: int, value: bool) -> bytes:
-    return bytes([number << 3 | 0, 1 if value else 0])
+    """A varint field (wire type 0) holding ``value``: the tag is a varint too (one byte only
+    for field numbers below 16)."""
+    return _varint_bytes(number << 3 | 0) + bytes([1 if value else 0])
 
 
 def _any(name: str, payload: bytes) -> bytes:
