@@ -14,10 +14,18 @@ Example:
 from __future__ import annotations
 
 from importlib.metadata import version as _version
+from importlib.util import find_spec as _find_spec
 
 from pushtable import cpu as _cpu
 
 _cpu.check()  # before the native core loads: a clear ImportError, not SIGILL
+
+if _find_spec("pushtable._native") is None:  # a source checkout whose core was never built
+    raise ImportError(
+        "pushtable's native core (pushtable/_native.abi3.so) is not built: run `make setup` "
+        "in the source checkout (it builds the core with cargo and maturin), or install the "
+        "pushtable wheel"
+    )
 
 from pushtable.context import SessionContext, register_streaming_table
 from pushtable.dataframe import DataFrame

@@ -1,6 +1,9 @@
-"""The import-time CPU check (our logic alone: the CPU itself cannot be swapped in a test)."""
+"""The import-time checks: the CPU (our logic alone: the CPU itself cannot be swapped in a test)
+and a native core that was never built."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from pushtable.cpu import X86_64_V3, missing_features
 
@@ -19,3 +22,26 @@ def test_an_older_cpu_is_told_what_it_lacks() -> None:
 def test_only_the_first_flags_line_counts_and_none_means_no_verdict() -> None:
     assert missing_features(HASWELL + "flags : fpu\n") == []
     assert missing_features("processor : 0\n") == []
+
+
+def test_a_checkout_without_the_built_core_says_to_build_it(tmp_path: Path) -> None:
+    """``import pushtable`` from sources whose native core was never built names it and the
+    command that builds it (it once failed with a misleading "circular import")."""
+    import shutil
+    import subprocess
+    import sys
+
+    import pushtable
+
+    source = Path(pushtable.__file__).parent
+    shutil.copytree(source, tmp_path / "pushtable", ignore=shutil.ignore_patterns("_native*.so"))
+    done = subprocess.run(
+        [sys.executable, "-c", "import pushtable"],
+        cwd=tmp_path,  # first on sys.path: the copy without the core
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert "native core (pushtable/_native.abi3.so) is not built: run `make setup`" in done.stderr
+    assert "circular import" not in done.stderr
