@@ -31,6 +31,7 @@ from pushtable.context import SessionContext, register_streaming_table
 from pushtable.dataframe import DataFrame
 from pushtable.errors import (
     CommitFailedError,
+    EpochCommitError,
     InvalidBatchError,
     InvalidQueryError,
     OffsetOutOfRangeError,
@@ -40,6 +41,7 @@ from pushtable.errors import (
     ReaderGoneError,
     RemoteError,
     ResourceLimitError,
+    SchemaDriftError,
     SchemaMismatchError,
     SequenceError,
     ServerStoppedError,
@@ -67,6 +69,7 @@ __version__ = _version("pushtable")
 __all__ = [
     "CommitFailedError",
     "DataFrame",
+    "EpochCommitError",
     "InvalidBatchError",
     "InvalidQueryError",
     "LiveExplanation",
@@ -77,6 +80,7 @@ __all__ = [
     "ReaderGoneError",
     "RemoteError",
     "ResourceLimitError",
+    "SchemaDriftError",
     "SchemaMismatchError",
     "SequenceError",
     "ServerStoppedError",

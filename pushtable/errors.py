@@ -13,6 +13,7 @@ from collections import OrderedDict
 
 __all__ = [
     "CommitFailedError",
+    "EpochCommitError",
     "InvalidBatchError",
     "InvalidQueryError",
     "OffsetOutOfRangeError",
@@ -20,6 +21,7 @@ __all__ = [
     "PushTableError",
     "ReaderGoneError",
     "RemoteError",
+    "SchemaDriftError",
     "SchemaMismatchError",
     "SequenceError",
     "ServerStoppedError",
@@ -45,6 +47,16 @@ class PushTableError(Exception):
     """
 
     batches_written: int = 0
+
+
+class SchemaDriftError(PushTableError, ValueError):
+    """A Spark epoch's columns differ from its Lance dataset's (a column added, dropped or
+    retyped); the message names the column."""
+
+
+class EpochCommitError(PushTableError, RuntimeError):
+    """A Spark epoch could not be committed to Lance (a conflict that retrying cannot fix,
+    or retries ran out)."""
 
 
 class SinkClosedError(PushTableError):

@@ -24,6 +24,7 @@ import lance
 import pyarrow as pa
 
 from pushtable import lance_commits
+from pushtable.errors import EpochCommitError, SchemaDriftError
 from pushtable.lance_commits import CommitContentionError, open_dataset
 
 __all__ = [
@@ -45,14 +46,6 @@ TAG_PREFIX = "pushtable-"
 
 Mode = Literal["append", "complete", "update"]
 MODES: tuple[str, ...] = ("append", "complete", "update")
-
-
-class SchemaDriftError(ValueError):
-    """An epoch's columns differ from the dataset's (a column added, dropped or retyped)."""
-
-
-class EpochCommitError(RuntimeError):
-    """An epoch could not be committed (a conflict that retrying cannot fix, or retries ran out)."""
 
 
 @dataclass(frozen=True)
