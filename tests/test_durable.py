@@ -261,6 +261,37 @@ def test_a_failed_commit_is_not_acknowledged_and_is_retried(tmp_path: Path) -> N
     assert stored_keys(path) == list(range(6))
 
 
+def test_close_stops_and_joins_the_threads_of_the_topic_even_when_its_commit_fails(
+    tmp_path: Path,
+) -> None:
+    """A topic's committer and upkeep threads end with ``close()``; a close whose last commit
+    fails raises that error and leaves no committer retrying behind a closed topic."""
+
+    def threads_of(name: str) -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.endswith(f"-{name}") and t.is_alive()]
+
+    good = Topic("good", SCHEMA, persist=tmp_path / "good.lance", upkeep_interval=0.05)
+    good.write(rows(0))
+    assert {t.name for t in threads_of("good")} == {
+        "pushtable-commit-good",
+        "pushtable-upkeep-good",
+    }
+    good.close()
+    assert threads_of("good") == []
+    assert stored_keys(tmp_path / "good.lance") == [0, 1]
+
+    path = tmp_path / "bad.lance"
+    bad = Topic("bad", SCHEMA, persist=path, commit_interval=0.05)
+    bad.write(rows(0))
+    bad.flush(timeout=WAIT)
+    break_dataset(path)
+    bad.write(rows(2))
+    with pytest.raises(CommitFailedError, match=r"offsets 1\.\.1"):
+        bad.close()
+    assert threads_of("bad") == []  # not retrying behind the closed topic
+    assert lance.dataset(str(path)).count_rows() == 2  # what was acknowledged, only
+
+
 # -- on a server ---------------------------------------------------------------------------
 
 

@@ -178,13 +178,15 @@ class DurableLog:
         self._committer.start()
         self._upkeep_stop = threading.Event()
         self._keep_versions = keep_versions
+        self._upkeep: threading.Thread | None = None
         if upkeep_interval is not None:
-            threading.Thread(
+            self._upkeep = threading.Thread(
                 target=self._upkeep_loop,
                 args=(upkeep_interval,),
                 name=f"pushtable-upkeep-{name}",
                 daemon=True,
-            ).start()
+            )
+            self._upkeep.start()
 
     # -- appending ----------------------------------------------------------------------
 
@@ -592,15 +594,28 @@ class DurableLog:
     # -- ending -------------------------------------------------------------------------
 
     def close(self, timeout: float | None = None) -> None:
-        """Store what is pending, then stop the committer (raises if the commit fails)."""
+        """Store what is pending, then stop the committer and upkeep threads and join them
+        (raises if the last commit fails: what it held is not stored, and was never
+        acknowledged; the committer stops all the same, after at most the attempt under way).
+        """
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-        self.flush(timeout)
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-        self._upkeep_stop.set()
+        try:
+            self.flush(timeout)
+        finally:
+            with self._cond:
+                self._closed = True
+                self._cond.notify_all()
+            self._upkeep_stop.set()
+            self._join(timeout)
+
+    def _join(self, timeout: float | None) -> None:
+        """Join the threads this log owns (bounded: a commit or an upkeep round under way
+        finishes first; ``timeout`` None waits for it)."""
+        for thread in (self._committer, self._upkeep):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout)
 
     def abandon(self) -> None:
         """Stop without waiting for pending batches (a failed topic, a stopping server)."""
