@@ -85,6 +85,9 @@ def live_state() -> list[LiveState]:
         >>> import pyarrow as pa
         >>> from pushtable import SessionContext
         >>> from pushtable.engine import live_state
+        >>> def groups() -> int:  # summed over every query of this process
+        ...     return {s.operator: s.groups for s in live_state()}["UpdatingAggregateExec"]
+        >>> before = groups()
         >>> ctx = SessionContext()
         >>> sink = ctx.register_streaming_table(
         ...     "ev", pa.schema([("k", pa.int64())]), unbounded=True)
@@ -92,8 +95,8 @@ def live_state() -> list[LiveState]:
         >>> sink.write(pa.record_batch({"k": [1, 2, 2]}))
         >>> next(changes).to_pyarrow().num_rows
         2
-        >>> [s.groups for s in live_state() if s.operator == "UpdatingAggregateExec"]
-        [2]
+        >>> groups() - before
+        2
         >>> sink.close()
     """
     return [LiveState(*row) for row in _native.live_state()]

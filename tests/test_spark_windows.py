@@ -308,6 +308,9 @@ def test_the_same_query_text_gives_the_rows_spark_gives(spark: Any) -> None:
 
 def sessions_held() -> int:
     """Sessions the process's session windows hold (pushtable's stats)."""
+    import gc
+
+    gc.collect()  # earlier tests' finished queries let go of their share now, not mid-test
     (state,) = [s for s in live_state() if s.operator == "SessionWindowExec"]
     return state.groups
 

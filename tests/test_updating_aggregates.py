@@ -297,11 +297,14 @@ def test_state_past_its_limit_fails_the_query_naming_the_limit() -> None:
 def updating_state() -> tuple[int, int, int]:
     """(streams, groups, bytes) of the process's updating aggregates, from pushtable's stats
     and, the same figures, its Prometheus gauges."""
+    import gc
+
     from prometheus_client import generate_latest
 
     from pushtable import metrics
     from pushtable.engine import live_state
 
+    gc.collect()  # earlier tests' finished queries let go of their share now, not mid-test
     (state,) = [s for s in live_state() if s.operator == "UpdatingAggregateExec"]
     text = generate_latest(metrics.REGISTRY).decode()
     gauge = f'pushtable_live_state_groups{{operator="UpdatingAggregateExec"}} {state.groups:.1f}'
