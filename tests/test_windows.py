@@ -9,6 +9,7 @@ from __future__ import annotations
 import queue
 import threading
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -377,6 +378,53 @@ def test_explain_live_names_the_engine() -> None:
     assert (rows_only.mode, rows_only.engine) == ("incremental", "datafusion")
     at_end = ctx.explain_live("SELECT k, count(*) FROM u GROUP BY k")
     assert (at_end.mode, at_end.engine) == ("at_end", "datafusion")
+
+
+RUNNING_SUM = "SELECT ts, sum(v) OVER (ORDER BY ts ROWS UNBOUNDED PRECEDING) AS s FROM {}"
+
+
+@pytest.mark.parametrize(
+    ("query", "mode", "engine"),
+    [
+        # running window functions stream in the table's order...
+        (RUNNING_SUM.format("t"), "incremental", "pushtable"),
+        # ...but over a table without that order they sort the whole input first
+        (RUNNING_SUM.format("u"), "at_end", "datafusion"),
+        # a projection needs no engine of ours
+        ("SELECT ts, k, v * 2 AS w FROM t", "incremental", "datafusion"),
+        # lookups into pandas, Lance and in-memory tables, per batch
+        ("SELECT t.ts, p.name FROM t JOIN pdn p ON t.k = p.k", "incremental", "pushtable"),
+        ("SELECT t.ts, n.name FROM t LEFT JOIN ln n ON t.k = n.k", "incremental", "pushtable"),
+    ],
+)
+def test_explain_live_says_what_each_shape_does(
+    tmp_path: Path, query: str, mode: str, engine: str
+) -> None:
+    """What ``explain_live`` says is what the query then does: rows before ``close()`` when it
+    says incremental, none when it says at_end."""
+    import lance
+    import pandas as pd
+
+    ctx = SessionContext()
+    sinks = {
+        "t": ctx.register_streaming_table("t", SCHEMA, order_by="ts", unbounded=True),
+        "u": ctx.register_streaming_table("u", SCHEMA),
+    }
+    names = pa.table({"k": ["a", "b"], "name": ["alpha", "beta"]})
+    ctx.from_pandas(pd.DataFrame(names.to_pydict()), name="pdn")
+    ctx.register_table("ln", lance.write_dataset(names, str(tmp_path / "names.lance")))
+    explained = ctx.explain_live(query)
+    assert (explained.mode, explained.engine) == (mode, engine), str(explained)
+    sink = sinks["u" if " FROM u" in query else "t"]
+    live = LiveRows(ctx, query)
+    sink.write(rows((2.0, "a", 10), (3.0, "b", 1)))
+    if mode == "incremental":
+        assert len(live.take(2)) == 2  # before close()
+        sink.close()
+        assert live.finish() == []
+    else:
+        sink.close()
+        assert len(live.finish()) == 2  # at the end, whole
 
 
 def test_windows_join_in_memory_tables() -> None:

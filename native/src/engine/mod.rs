@@ -48,6 +48,7 @@ use datafusion::physical_plan::aggregates::AggregateExec;
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
 use datafusion::physical_plan::joins::SymmetricHashJoinExec;
 use datafusion::physical_plan::projection::ProjectionExec;
+use datafusion::physical_plan::sorts::sort::SortExec;
 use datafusion::physical_plan::windows::BoundedWindowAggExec;
 use datafusion::physical_plan::{displayable, ExecutionPlan, InputOrderMode};
 use datafusion::prelude::{SQLOptions, SessionConfig, SessionContext};
@@ -202,35 +203,50 @@ fn uses_of_order(plan: &Arc<dyn ExecutionPlan>, out: &mut Vec<String>) -> bool {
     if !live {
         return false;
     }
-    let reason =
-        if plan.is::<window::WindowAggregateExec>() || plan.is::<session::SessionWindowExec>() {
-            Some("incremental: windows emit as they close (and on watermarks)")
-        } else if plan.is::<join::LookupJoinExec>() {
-            Some("incremental: joined rows stream as they arrive")
-        } else if plan.is::<SymmetricHashJoinExec>() {
-            Some(
-                "incremental: a join of two live tables emits each match once both rows are in; \
+    let reason = if plan.is::<window::WindowAggregateExec>()
+        || plan.is::<session::SessionWindowExec>()
+    {
+        Some("incremental: windows emit as they close (and on watermarks)")
+    } else if plan.is::<join::LookupJoinExec>() {
+        Some("incremental: joined rows stream as they arrive")
+    } else if plan.is::<SymmetricHashJoinExec>() {
+        Some(
+            "incremental: a join of two live tables emits each match once both rows are in; \
              its state is pruned by the time bound between their orders",
-            )
-        } else if plan.is::<updating::UpdatingAggregateExec>() {
-            Some(
-                "incremental: an updating aggregate emits the groups changed by each batch with \
+        )
+    } else if plan.is::<updating::UpdatingAggregateExec>() {
+        Some(
+            "incremental: an updating aggregate emits the groups changed by each batch with \
              their current values (an upsert changelog keyed by the GROUP BY columns)",
-            )
-        } else if plan.is::<BoundedWindowAggExec>() {
-            Some("incremental: window functions stream in the table's order")
-        } else if let Some(agg) = plan.downcast_ref::<AggregateExec>() {
-            (*agg.input_order_mode() != InputOrderMode::Linear)
-                .then_some("incremental: the aggregate streams in the table's order")
-        } else {
-            None
-        };
+        )
+    } else if plan.is::<BoundedWindowAggExec>() {
+        // Over a sort of the live input (a table without that order) it waits for the
+        // whole input like the sort: nothing to claim.
+        (!sorted_below(plan)).then_some("incremental: window functions stream in the table's order")
+    } else if let Some(agg) = plan.downcast_ref::<AggregateExec>() {
+        (*agg.input_order_mode() != InputOrderMode::Linear && !sorted_below(plan))
+            .then_some("incremental: the aggregate streams in the table's order")
+    } else {
+        None
+    };
     if let Some(r) = reason {
         if !out.iter().any(|o| o == r) {
             out.push(r.to_string());
         }
     }
     true
+}
+
+/// Whether a sort stands between `plan` and a live scan below it (it reads its whole input
+/// before its first row).
+fn sorted_below(plan: &Arc<dyn ExecutionPlan>) -> bool {
+    plan.children()
+        .into_iter()
+        .any(|child| (child.is::<SortExec>() && reads_live_scan(child)) || sorted_below(child))
+}
+
+fn reads_live_scan(plan: &Arc<dyn ExecutionPlan>) -> bool {
+    plan.is::<LiveScanExec>() || plan.children().into_iter().any(reads_live_scan)
 }
 
 /// The output columns (indices) that key an updating aggregate's changelog at the root of
