@@ -84,6 +84,23 @@ def _reading(sub: Any) -> tuple[list[tuple[float, pa.Table]], threading.Event, t
     return got, stop, reader
 
 
+def _until_quiet(
+    got: list[tuple[float, pa.Table]],
+    first: float,
+    quiet: float,
+    enough: Any = lambda: False,
+    give_up: float = 120.0,
+) -> None:
+    """Wait until ``enough()``, or until no result came for ``quiet`` seconds (``first`` for
+    the first one), at most ``give_up`` seconds: LaminarDB has then given all it will."""
+    now = time.monotonic()
+    quiet_until, deadline, seen = now + first, now + give_up, 0
+    while not enough() and time.monotonic() < min(quiet_until, deadline):
+        time.sleep(0.05)
+        if len(got) != seen:
+            seen, quiet_until = len(got), time.monotonic() + quiet
+
+
 def _write_flushed(writer: Any, batches: list[pa.RecordBatch]) -> None:
     """Each batch inserted and flushed in turn (LaminarDB's unit of arrival)."""
     for b in batches:
@@ -253,12 +270,7 @@ def shape_throughput(shape: str, rows: int, batch_rows: int) -> dict[str, Any]:
     start = time.perf_counter()
     _write_flushed(writer, [*batches, batch(FAR_MS, 1, 0, schema)])
     written = sum(b.num_rows for b in batches)
-    quiet_until = time.monotonic() + 30  # no window row for 30 s: it has given all it will
-    seen = 0
-    while time.monotonic() < quiet_until:
-        time.sleep(0.05)
-        if len(got) != seen:
-            seen, quiet_until = len(got), time.monotonic() + 5
+    _until_quiet(got, first=30, quiet=5)
     stop.set()
     reader.join(5)
     db.close()
@@ -302,14 +314,9 @@ def join_throughput(rows_per_side: int, batch_rows: int) -> dict[str, Any]:
             writer.flush()
     for writer, schema in writers.values():
         far = pa.record_batch([pa.array([-1]), pa.array([FAR_MS]), pa.array([0])], schema=schema)
-        writer.insert(far)
-        writer.flush()
+        _write_flushed(writer, [far])
     want = batches * batch_rows
-    quiet_until, give_up, seen = time.monotonic() + 10, time.monotonic() + 120, 0
-    while sum(t.num_rows for _, t in got) < want and time.monotonic() < min(quiet_until, give_up):
-        time.sleep(0.05)
-        if len(got) != seen:
-            seen, quiet_until = len(got), time.monotonic() + 10
+    _until_quiet(got, first=10, quiet=10, enough=lambda: sum(t.num_rows for _, t in got) >= want)
     stop.set()
     reader.join(5)
     db.close()

@@ -14,6 +14,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use arrow::array::{new_null_array, ArrayRef, BooleanArray, RecordBatch};
+use arrow::buffer::BooleanBuffer;
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 use datafusion::common::{Result, ScalarValue};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
@@ -137,7 +138,10 @@ impl ExecutionPlan for WatermarkRowsExec {
             }
             let n = batch.num_rows();
             let mut columns = batch.columns().to_vec();
-            columns.push(Arc::new(BooleanArray::from(vec![false; n])));
+            columns.push(Arc::new(BooleanArray::new(
+                BooleanBuffer::new_unset(n),
+                None,
+            )));
             Ok(RecordBatch::try_new(Arc::clone(&out_schema), columns)?)
         });
         Ok(Box::pin(RecordBatchStreamAdapter::new(schema, output)))
