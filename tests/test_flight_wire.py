@@ -49,6 +49,9 @@ class _Recorder(flight.FlightServerBase):  # type: ignore[misc]
 def recorder() -> Iterator[_Recorder]:
     server = _Recorder()
     threading.Thread(target=server.serve, daemon=True).start()
+    # Reachable before the test connects: under load the first connection was once refused.
+    with flight.FlightClient(f"grpc://127.0.0.1:{server.port}") as probe:
+        probe.wait_for_available(int(WAIT))
     yield server
     server.shutdown()
 
