@@ -45,15 +45,24 @@ class _Recorder(flight.FlightServerBase):  # type: ignore[misc]
             self.seen.append((chunk.data.num_rows, metadata, offsets))
 
 
-@pytest.fixture
-def recorder() -> Iterator[_Recorder]:
+@pytest.fixture(scope="module")
+def served() -> Iterator[_Recorder]:
+    """One bare server for the module: a second one started right after the first was shut
+    down was, under load, sometimes never reachable (gRPC's listeners share ports)."""
     server = _Recorder()
     threading.Thread(target=server.serve, daemon=True).start()
-    # Reachable before the test connects: under load the first connection was once refused.
     with flight.FlightClient(f"grpc://127.0.0.1:{server.port}") as probe:
         probe.wait_for_available(int(WAIT))
     yield server
     server.shutdown()
+
+
+@pytest.fixture
+def recorder(served: _Recorder) -> _Recorder:
+    """The module's server with nothing recorded yet."""
+    served.seen.clear()
+    served.done.clear()
+    return served
 
 
 @pytest.mark.parametrize("rows", [8_192, 65_536])
