@@ -21,11 +21,16 @@
 //! The groups' keys are kept as compact copies (one chunk per input batch that opened
 //! groups), and the state is counted against the session's memory pool and held to a
 //! limit: past it the query fails naming the limit, rather than the process running out.
+//!
+//! The folding runs as a task of the engine's runtime, so input is folded while the reader
+//! works on the previous changes; a batch of changes is made when the reader asks for the
+//! next one (after whatever input is ready has been folded), so it always holds the latest
+//! values, never a version made before the reader was ready for it.
 
 use std::fmt;
-use std::pin::Pin;
+use std::pin::pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::Poll;
 
 use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
@@ -48,7 +53,10 @@ use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties, PlanProperties,
 };
-use futures::{Stream, StreamExt};
+use futures::future::poll_fn;
+use futures::future::{select, Either};
+use futures::StreamExt;
+use tokio::sync::{mpsc, oneshot};
 
 use super::groups::{copy_groups, update_all, Keys};
 use super::tally::{Share, UPDATING};
@@ -173,10 +181,10 @@ impl ExecutionPlan for UpdatingAggregateExec {
             .register(context.memory_pool());
         let batch_size = context.session_config().batch_size();
         let input = self.input.execute(partition, context)?;
+        let runtime = super::runtime().map_err(|e| DataFusionError::Execution(e.to_string()))?;
         let group_schema = self.group_by.group_schema(&self.input.schema())?;
         let keyless = self.group_by.expr().is_empty();
-        let stream = ChangesStream {
-            input,
+        let changes = Changes {
             group_by: self.group_by.clone(),
             arguments: aggregate_expressions(&self.aggr_expr, &AggregateMode::Single, 0)?,
             filters: self.filter_expr.clone(),
@@ -203,11 +211,19 @@ impl ExecutionPlan for UpdatingAggregateExec {
             state_gauge: MetricBuilder::new(&self.metrics).gauge("state_bytes", partition),
             share: Share::new(&UPDATING),
             schema: Arc::clone(&self.schema),
-            done: false,
         };
+        // Each poll of the output asks the task for the next batch of changes.
+        let (asks, asked) = mpsc::channel(1);
+        runtime.spawn(changes.run(input, asked));
+        let output = futures::stream::unfold(asks, |asks| async move {
+            let (reply, answer) = oneshot::channel();
+            asks.send(reply).await.ok()?;
+            let item = answer.await.ok()??;
+            Some((item, asks))
+        });
         Ok(Box::pin(RecordBatchStreamAdapter::new(
             Arc::clone(&self.schema),
-            stream,
+            output,
         )))
     }
 }
@@ -250,8 +266,8 @@ impl Changed {
     }
 }
 
-struct ChangesStream {
-    input: SendableRecordBatchStream,
+/// The groups and their accumulators: what an updating aggregate's task folds into.
+struct Changes {
     group_by: PhysicalGroupBy,
     arguments: Vec<Vec<Arc<dyn PhysicalExpr>>>,
     filters: Vec<Option<Arc<dyn PhysicalExpr>>>,
@@ -272,10 +288,99 @@ struct ChangesStream {
     /// This stream's share of the process's updating-aggregate state (pushtable's stats).
     share: Share,
     schema: SchemaRef,
-    done: bool,
 }
 
-impl ChangesStream {
+/// The reader's request for the next batch of changes: answered with it, or None at the end.
+type Ask = oneshot::Sender<Option<Result<RecordBatch>>>;
+
+impl Changes {
+    /// Fold `input` as it comes and answer the reader's asks (see the module's docs), until
+    /// the input ends or fails and its last answers are given, or the reader goes away.
+    ///
+    /// An ask is answered once input that is ready has been folded, unless enough was folded
+    /// since the last answer to pay for the next one ([`Self::due`]); with nothing changed
+    /// it waits for input that changes something.
+    async fn run(mut self, mut input: SendableRecordBatchStream, mut asks: mpsc::Receiver<Ask>) {
+        let mut ask: Option<Ask> = None;
+        loop {
+            let item = match ask.take() {
+                // An ask first: folding on while the reader waits would starve it.
+                None => match select(pin!(asks.recv()), input.next()).await {
+                    Either::Left((Some(next), _)) => {
+                        ask = Some(next);
+                        continue;
+                    }
+                    Either::Left((None, _)) => return, // the reader is gone
+                    Either::Right((item, _)) => item,
+                },
+                Some(mut reply) => {
+                    let ready = if self.changed.is_empty() {
+                        match select(input.next(), pin!(reply.closed())).await {
+                            Either::Left((item, _)) => Some(item),
+                            Either::Right(_) => return,
+                        }
+                    } else if self.due() {
+                        None
+                    } else {
+                        ready_now(&mut input).await
+                    };
+                    match ready {
+                        Some(item) => {
+                            ask = Some(reply);
+                            item
+                        }
+                        None => {
+                            let changes = self.emit().transpose();
+                            let failed = matches!(changes, Some(Err(_)));
+                            let _ = reply.send(changes);
+                            if failed {
+                                return;
+                            }
+                            continue;
+                        }
+                    }
+                }
+            };
+            let failure = match item {
+                Some(Ok(batch)) => match self.absorb(&batch) {
+                    Ok(()) => continue,
+                    Err(e) => e,
+                },
+                Some(Err(e)) => e,
+                None => {
+                    // The end: the last changes, then a keyless aggregate's answer over no rows.
+                    let last = self.emit().transpose();
+                    let answer = self.keyless_of_nothing().transpose();
+                    Self::answer_all(ask, &mut asks, last.into_iter().chain(answer)).await;
+                    return;
+                }
+            };
+            Self::answer_all(ask, &mut asks, std::iter::once(Err(failure))).await;
+            return;
+        }
+    }
+
+    /// Answer the pending ask and the next ones with `items`, then the end.
+    async fn answer_all(
+        mut ask: Option<Ask>,
+        asks: &mut mpsc::Receiver<Ask>,
+        items: impl Iterator<Item = Result<RecordBatch>>,
+    ) {
+        for item in items.map(Some).chain(std::iter::once(None)) {
+            let reply = match ask.take() {
+                Some(reply) => reply,
+                None => match asks.recv().await {
+                    Some(reply) => reply,
+                    None => return,
+                },
+            };
+            let last = !matches!(item, Some(Ok(_)));
+            if reply.send(item).is_err() || last {
+                return;
+            }
+        }
+    }
+
     /// Fold `batch` into the groups and mark the groups it touched.
     fn absorb(&mut self, batch: &RecordBatch) -> Result<()> {
         let n = batch.num_rows();
@@ -394,47 +499,13 @@ impl ChangesStream {
     }
 }
 
-impl Stream for ChangesStream {
-    type Item = Result<RecordBatch>;
-
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        if self.done {
-            return Poll::Ready(None);
-        }
-        loop {
-            match self.input.poll_next_unpin(cx) {
-                Poll::Ready(Some(Ok(batch))) => {
-                    if let Err(e) = self.absorb(&batch) {
-                        self.done = true;
-                        return Poll::Ready(Some(Err(e)));
-                    }
-                    if !self.due() {
-                        continue;
-                    }
-                }
-                Poll::Ready(Some(Err(e))) => {
-                    self.done = true;
-                    return Poll::Ready(Some(Err(e)));
-                }
-                Poll::Ready(None) => {
-                    self.done = true;
-                    if let Some(answer) = self.keyless_of_nothing().transpose() {
-                        return Poll::Ready(Some(answer));
-                    }
-                }
-                Poll::Pending => {}
-            }
-            // Nothing more ready (or enough folded, or the end): the changes so far go out.
-            let pending = !self.done;
-            return match self.emit() {
-                Ok(Some(batch)) => Poll::Ready(Some(Ok(batch))),
-                Ok(None) if pending => Poll::Pending,
-                Ok(None) => Poll::Ready(None),
-                Err(e) => {
-                    self.done = true;
-                    Poll::Ready(Some(Err(e)))
-                }
-            };
-        }
-    }
+/// The input's next item if it is ready now. Polled with the task's own waker: a live
+/// table's write wakes one waker per reader, so a throwaway waker registered here could take
+/// the one wake-up the task was waiting for.
+async fn ready_now(input: &mut SendableRecordBatchStream) -> Option<Option<Result<RecordBatch>>> {
+    poll_fn(|cx| match input.poll_next_unpin(cx) {
+        Poll::Ready(item) => Poll::Ready(Some(item)),
+        Poll::Pending => Poll::Ready(None),
+    })
+    .await
 }
