@@ -179,7 +179,18 @@ def write_fragments(
     The one fragment writer of every path: a driver's epoch, a Spark task's partition, a
     durable topic's group commit. Returns Lance's ``FragmentMetadata`` list.
     """
-    pieces = [data] if isinstance(data, pa.Table) else data
+    if isinstance(data, pa.Table):
+        # A table goes to Lance as one: its batches are then read without the GIL (a reader
+        # over a Python iterator takes the GIL for every batch, and waits for it while other
+        # threads run Python: 0.25 -> 0.59 s for 4 M rows beside one busy thread).
+        if not data.num_rows:
+            return []
+        table = aligned(conform_to(data, schema))
+        whole: list[Any] = lance.fragment.write_fragments(
+            table, uri, schema=schema, storage_options=storage_options
+        )
+        return whole
+    pieces = data
     tables = (
         aligned(conform_to(t if isinstance(t, pa.Table) else pa.Table.from_batches([t]), schema))
         for t in pieces

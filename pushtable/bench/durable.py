@@ -74,11 +74,15 @@ def _local(durable: bool, data: list[pa.RecordBatch], count: int, where: Path) -
 
 
 def _remote(durable: bool, data: list[pa.RecordBatch], count: int, where: Path) -> float:
-    from pushtable.flight import Server, connect
+    """One producer over Flight into ``pushtable serve`` in a process of its own (as a
+    deployment runs it: client and server do not share an interpreter), timed to the last
+    acknowledgement."""
+    from pushtable.bench.flight import server_process
+    from pushtable.flight import connect
 
-    server = Server(data_dir=where / f"d{time.monotonic_ns()}")
-    try:
-        client = connect(server.location)
+    data_dir = str(where / f"d{time.monotonic_ns()}")
+    with server_process("pushtable", "serve", "--port", "0", "--data-dir", data_dir) as uri:
+        client = connect(uri)
         client.create_topic("t", SCHEMA, durable=durable)
         sink = client.sink("t", producer_id="bench") if durable else client.sink("t")
         started = time.perf_counter()
@@ -88,8 +92,6 @@ def _remote(durable: bool, data: list[pa.RecordBatch], count: int, where: Path) 
         elapsed = time.perf_counter() - started
         client.close()
         return elapsed
-    finally:
-        server.stop()
 
 
 def _lance(data: list[pa.RecordBatch], count: int, where: Path) -> float:
