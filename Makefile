@@ -35,6 +35,7 @@ lint:
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
 	$(PYTHON) -m mypy
+	$(VENV)/bin/lint-imports
 
 bench: setup
 	$(PYTHON) -m pushtable bench --json bench.json --plots docs/img

@@ -23,17 +23,23 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:  # the sink and topic modules import this one
-    from pushtable.sink import TableSink
-    from pushtable.topic import Topic
-
-__all__ = ["CALLS", "FIRST_RESULT", "REGISTRY", "WRITE_ACK", "track"]
+__all__ = [
+    "CALLS",
+    "FIRST_RESULT",
+    "REGISTRY",
+    "WRITE_ACK",
+    "QueueReport",
+    "ServerReport",
+    "SubscriptionReport",
+    "track",
+]
 
 REGISTRY = CollectorRegistry()
 
@@ -62,17 +68,71 @@ FIRST_RESULT = Histogram(
 _tracked: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
 
 
-def queue_bound(obj: TableSink | Topic) -> tuple[int | None, int | None]:
-    """A table's or topic's queue bound as (batches, bytes): ``capacity`` / ``max_bytes``,
-    a topic's ``retain`` / ``retain_bytes`` (None: no bound of that kind)."""
-    from pushtable.sink import TableSink
+class QueueStats(Protocol):
+    """The counters a table or topic reports (``SinkStats`` and ``TopicStats`` have them)."""
 
-    if isinstance(obj, TableSink):
-        return obj.capacity, obj.max_bytes
-    return obj.retain, obj.retain_bytes
+    @property
+    def rows(self) -> int: ...
+    @property
+    def batches(self) -> int: ...
+    @property
+    def bytes(self) -> int: ...
+    @property
+    def queued_batches(self) -> int: ...
+    @property
+    def queued_bytes(self) -> int: ...
+    @property
+    def waiting_writers(self) -> int: ...
+    @property
+    def blocked_seconds(self) -> float: ...
+    @property
+    def late_rows(self) -> int: ...
+    @property
+    def held_rows(self) -> int: ...
 
 
-def track(obj: Any, session: str = "") -> None:
+@dataclass(frozen=True)
+class QueueReport:
+    """What a table or topic reports: its counters and its queue's bound as (batches,
+    bytes) — ``capacity`` / ``max_bytes``, a topic's ``retain`` / ``retain_bytes`` (None: no
+    bound of that kind) — and a topic's subscribers."""
+
+    name: str
+    stats: QueueStats
+    bound_batches: int | None
+    bound_bytes: int | None
+    subscribers: int | None = None
+    detached: int | None = None
+
+
+@dataclass(frozen=True)
+class SubscriptionReport:
+    """What a topic's subscription reports."""
+
+    topic: str
+    name: str
+    read_batches: int
+    queued_batches: int
+
+
+@dataclass(frozen=True)
+class ServerReport:
+    """What a server reports: its location, what is open now, and its refusals by reason."""
+
+    location: str
+    queries: int
+    streams: int
+    staged_bytes: int
+    refusals: dict[str, int] = field(default_factory=dict)
+
+
+class Reporting(Protocol):
+    """What :func:`track` takes: an object that says what it reports when scraped."""
+
+    def metrics_report(self) -> QueueReport | SubscriptionReport | ServerReport: ...
+
+
+def track(obj: Reporting, session: str = "") -> None:
     """Report ``obj`` (a ``TableSink``, ``Topic``, ``Subscription`` or a server) while it
     lives; the context, topics and servers call this for what they create. ``session`` (a
     ``SessionContext``'s ``session_id()``) tells apart tables of the same name in two
@@ -88,9 +148,6 @@ class _Tracked(Collector):
     """Reads the tracked objects' ``stats`` at scrape time."""
 
     def collect(self) -> Iterator[Any]:
-        from pushtable.sink import TableSink
-        from pushtable.topic import Subscription, Topic
-
         g, c = GaugeMetricFamily, CounterMetricFamily
         t = ["session", "table"]
         fams = {
@@ -139,38 +196,37 @@ class _Tracked(Collector):
             ),
         }
         for obj, session in list(_tracked.items()):
-            if isinstance(obj, TableSink | Topic):
-                s = obj.stats
-                name = [session, obj.name]
+            report = obj.metrics_report()
+            if isinstance(report, QueueReport):
+                s = report.stats
+                name = [session, report.name]
                 fams["rows"].add_metric(name, s.rows)
                 fams["batches"].add_metric(name, s.batches)
                 fams["bytes"].add_metric(name, s.bytes)
                 fams["queued_batches"].add_metric(name, s.queued_batches)
                 fams["queued_bytes"].add_metric(name, s.queued_bytes)
-                bound, nbytes = queue_bound(obj)
-                if bound is not None:
-                    fams["bound_batches"].add_metric(name, bound)
-                if nbytes is not None:
-                    fams["bound_bytes"].add_metric(name, nbytes)
+                if report.bound_batches is not None:
+                    fams["bound_batches"].add_metric(name, report.bound_batches)
+                if report.bound_bytes is not None:
+                    fams["bound_bytes"].add_metric(name, report.bound_bytes)
                 fams["waiting"].add_metric(name, s.waiting_writers)
                 fams["blocked"].add_metric(name, s.blocked_seconds)
                 fams["late"].add_metric(name, s.late_rows)
                 fams["held"].add_metric(name, s.held_rows)
-                if isinstance(obj, Topic):
-                    fams["subscribers"].add_metric(name, s.subscribers)  # type: ignore[attr-defined]
-                    fams["detached"].add_metric(name, s.detached)  # type: ignore[attr-defined]
-            elif isinstance(obj, Subscription):
-                ss = obj.stats
-                labels = [session, obj.topic.name, obj.name]
-                subs["read"].add_metric(labels, ss.read_batches)
-                subs["queued"].add_metric(labels, ss.queued_batches)
-            elif hasattr(obj, "usage"):  # a pushtable.flight.Server
-                queries, streams, staged, refusals = obj.usage.snapshot()
-                where = [str(obj.location)]
-                server["queries"].add_metric(where, queries)
-                server["streams"].add_metric(where, streams)
-                server["staged"].add_metric(where, staged)
-                for reason, n in sorted(refusals.items()):
+                if report.subscribers is not None:
+                    fams["subscribers"].add_metric(name, report.subscribers)
+                if report.detached is not None:
+                    fams["detached"].add_metric(name, report.detached)
+            elif isinstance(report, SubscriptionReport):
+                labels = [session, report.topic, report.name]
+                subs["read"].add_metric(labels, report.read_batches)
+                subs["queued"].add_metric(labels, report.queued_batches)
+            else:
+                where = [report.location]
+                server["queries"].add_metric(where, report.queries)
+                server["streams"].add_metric(where, report.streams)
+                server["staged"].add_metric(where, report.staged_bytes)
+                for reason, n in sorted(report.refusals.items()):
                     server["refusals"].add_metric([*where, reason], n)
         yield from fams.values()
         yield from subs.values()

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from pushtable import _native
+from pushtable import _native, metrics
 from pushtable.errors import (
     InvalidBatchError,
     OrderViolationError,
@@ -324,6 +324,10 @@ class TableSink(_Producer):
     def stats(self) -> SinkStats:
         """Current counters (see :class:`SinkStats`)."""
         return SinkStats(**self._native.stats())
+
+    def metrics_report(self) -> metrics.QueueReport:
+        """What the Prometheus metrics read of this table when scraped."""
+        return metrics.QueueReport(self.name, self.stats, self.capacity, self.max_bytes)
 
 
 # --- where asyncio meets the blocking native write ---------------------------------------

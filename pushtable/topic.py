@@ -100,6 +100,13 @@ class Subscription:
         """Current counters (see :class:`SubscriptionStats`)."""
         return SubscriptionStats(**self._native.stats())
 
+    def metrics_report(self) -> metrics.SubscriptionReport:
+        """What the Prometheus metrics read of this subscription when scraped."""
+        s = self.stats
+        return metrics.SubscriptionReport(
+            self.topic.name, self.name, s.read_batches, s.queued_batches
+        )
+
 
 class Topic(_Producer):
     """A broadcast stream: producers write once, every subscription reads every batch.
@@ -350,6 +357,13 @@ class Topic(_Producer):
         """Current counters (see :class:`TopicStats`)."""
         extra = self.durable.stats if self.durable is not None else {}
         return TopicStats(**self._native.stats(), **extra)
+
+    def metrics_report(self) -> metrics.QueueReport:
+        """What the Prometheus metrics read of this topic when scraped."""
+        s = self.stats
+        return metrics.QueueReport(
+            self.name, s, self.retain, self.retain_bytes, s.subscribers, s.detached
+        )
 
     def subscribe(
         self,

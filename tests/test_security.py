@@ -51,7 +51,7 @@ def as_(server: Server, token: str) -> Client:
 
 def push(client: Client, table: str, b: pa.RecordBatch) -> None:
     """One batch, acknowledged (a refusal of the stream surfaces here)."""
-    sink = RemoteSink(client, table, b.schema)
+    sink = RemoteSink(client._transport, table, b.schema)
     sink.write(b, timeout=WAIT)
     sink.flush(timeout=WAIT)
 

@@ -147,7 +147,7 @@ impl BatchImporter {
 /// A batch as imported, with what the channel charges for it.
 pub struct Imported {
     pub batch: RecordBatch,
-    /// The bytes its columns' slices span (`channel::batch_bytes`), taken while importing.
+    /// The bytes its columns' slices span (`sizing::batch_bytes`), taken while importing.
     pub bytes: usize,
 }
 
@@ -199,7 +199,7 @@ fn into_batch(mut data: ArrayData, schema: SchemaRef) -> Result<Imported, Import
                 nulls: column.null_count(),
             });
         }
-        bytes += crate::channel::data_bytes(column);
+        bytes += crate::sizing::data_bytes(column);
     }
     let rows = data.len();
     let columns = StructArray::from(data).into_parts().1;

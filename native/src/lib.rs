@@ -23,6 +23,7 @@ mod provider;
 mod reorder;
 mod schema;
 mod sink;
+mod sizing;
 
 /// A batch is imported on the producer's thread and dropped on the reader's: glibc's
 /// allocator serialises those frees on the producer's arena lock; mimalloc frees across
@@ -157,7 +158,7 @@ fn order_gate(schema: &SchemaRef, order_by: &[String], late: &str) -> PyResult<O
 #[pyfunction]
 fn batch_bytes(batch: Bound<'_, PyAny>) -> PyResult<usize> {
     let batch = RecordBatch::from_pyarrow_bound(&batch)?;
-    Ok(channel::batch_bytes(&batch))
+    Ok(sizing::batch_bytes(&batch))
 }
 
 /// Called once from an `atexit` hook: producers woken after this never re-enter Python.

@@ -106,7 +106,7 @@ impl Reorder {
                 .expect("rows");
             held.newest = Some(held.newest.map_or(max, |n| n.max(max)));
             held.rows += batch.num_rows();
-            held.bytes += crate::channel::batch_bytes(&batch);
+            held.bytes += crate::sizing::batch_bytes(&batch);
             held.batches.push(batch);
         }
         let watermark = held.newest.map(|n| n.saturating_sub(self.delay)).max(floor);
@@ -145,7 +145,7 @@ impl Reorder {
         );
         held.batches.clear();
         held.rows = rest.num_rows();
-        held.bytes = crate::channel::batch_bytes(&rest);
+        held.bytes = crate::sizing::batch_bytes(&rest);
         if rest.num_rows() > 0 {
             held.batches.push(rest);
         }

@@ -3,7 +3,6 @@ Spark bridge's staged epochs. Producers are in :mod:`pushtable.flight.remote_sin
 
 from __future__ import annotations
 
-import json
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime, timedelta
@@ -11,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.flight as flight
 
 from pushtable.errors import (
     UnknownTableError,
@@ -19,6 +17,7 @@ from pushtable.errors import (
 from pushtable.flight import protocol
 from pushtable.flight.idempotent import DURABLE_WINDOW, DURABLE_WINDOW_BYTES, IdempotentSink
 from pushtable.flight.remote_sink import RemoteSink, Stager
+from pushtable.flight.transport import Transport
 
 __all__ = ["Client", "RemoteResult", "connect"]
 
@@ -58,33 +57,18 @@ class Client:
         tls_root_certs: str | Path | bytes | None = None,
         timeout: float | None = 30.0,
     ) -> None:
-        roots = tls_root_certs
-        if isinstance(roots, (str, Path)):
-            roots = Path(roots).read_bytes()
-        kwargs: dict[str, Any] = {}
-        if roots is not None:
-            kwargs["tls_root_certs"] = roots
         self.uri = uri
-        self._flight = flight.FlightClient(uri, **kwargs)
-        headers = [(protocol.AUTH_HEADER.encode(), f"Bearer {token}".encode())] if token else []
-        self._headers = headers
-        self._stream_options = flight.FlightCallOptions(headers=headers)
-        self._control_options = flight.FlightCallOptions(headers=headers, timeout=timeout)
+        self._transport = Transport(
+            uri, token=token, tls_root_certs=tls_root_certs, timeout=timeout
+        )
         self._sinks: weakref.WeakSet[RemoteSink] = weakref.WeakSet()
         self._results: weakref.WeakSet[RemoteResult] = weakref.WeakSet()
 
     def __repr__(self) -> str:
         return f"Client({self.uri!r})"
 
-    def _options(self, timeout: float) -> Any:
-        return flight.FlightCallOptions(headers=self._headers, timeout=timeout)
-
     def _action(self, name: str, body: dict[str, Any] | None = None, options: Any = None) -> Any:
-        options = self._control_options if options is None else options
-        results = protocol.call(
-            lambda: list(self._flight.do_action(protocol.action(name, body), options))
-        )
-        return json.loads(results[0].body.to_pybytes()) if results else None
+        return self._transport.action(name, body, options)
 
     # -- declaring tables ---------------------------------------------------------------
 
@@ -213,10 +197,7 @@ class Client:
         """The committed batches of offsets ``[start, end)`` of a durable topic, from its
         dataset: the same rows each time (``end`` at most ``offsets(topic)["committed"]``)."""
         ticket = {"topic": topic, "start": int(start), "end": int(end)}
-        reader = protocol.call(
-            self._flight.do_get, flight.Ticket(json.dumps(ticket).encode()), self._stream_options
-        )
-        return RemoteResult(reader)
+        return RemoteResult(self._transport.do_get(ticket))
 
     def schema(self, name: str) -> pa.Schema:
         for t in self.tables():
@@ -246,7 +227,7 @@ class Client:
         sink: RemoteSink
         if producer_id is not None:
             sink = IdempotentSink(
-                self,
+                self._transport,
                 name,
                 self.schema(name),
                 producer_id,
@@ -257,15 +238,15 @@ class Client:
         elif window_bytes is not None:
             raise ValueError("window_bytes bounds a durable producer's window: give producer_id")
         else:
-            sink = RemoteSink(self, name, self.schema(name), window=8 if window is None else window)
+            sink = RemoteSink(
+                self._transport, name, self.schema(name), window=8 if window is None else window
+            )
         self._sinks.add(sink)
         return sink
 
     def sql(self, query: str) -> RemoteResult:
         """Run ``query`` on the server; its batches stream back as the query produces them."""
-        ticket = flight.Ticket(json.dumps({"sql": query}).encode())
-        reader = protocol.call(self._flight.do_get, ticket, self._stream_options)
-        result = RemoteResult(reader)
+        result = RemoteResult(self._transport.do_get({"sql": query}))
         self._results.add(result)
         return result
 
@@ -277,7 +258,7 @@ class Client:
         """A stream for one Spark task attempt's share of an epoch: held by the server until
         :meth:`publish` names the attempt (see :mod:`pushtable.spark.remote`)."""
         path = [table, protocol.STAGE, query, str(epoch), str(partition), str(attempt)]
-        return Stager(self, path, schema)
+        return Stager(self._transport, path, schema)
 
     def stage(
         self,
@@ -314,7 +295,7 @@ class Client:
         ``timeout`` bounds the wait for the table's reader to make room (None: no bound).
         ``advance``: then move an ordered table's watermark there (an unordered table has
         none: nothing to move)."""
-        options = self._stream_options if timeout is None else self._options(timeout)
+        options = self._transport.options(timeout)
         body: dict[str, Any] = {
             "table": table,
             "query": query,
@@ -346,7 +327,7 @@ class Client:
             sink._end_stream()
         for result in list(self._results):
             result.cancel()
-        self._flight.close()
+        self._transport.close()
 
     def __enter__(self) -> Client:
         return self

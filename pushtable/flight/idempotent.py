@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.flight as flight
@@ -25,10 +25,8 @@ from pushtable.errors import (
 )
 from pushtable.flight import protocol
 from pushtable.flight.remote_sink import RemoteSink, _Put
+from pushtable.flight.transport import Transport
 from pushtable.sink import _check_timeout, arrow_batches
-
-if TYPE_CHECKING:
-    from pushtable.flight.client import Client
 
 __all__ = ["DURABLE_WINDOW", "DURABLE_WINDOW_BYTES", "IdempotentSink"]
 
@@ -68,7 +66,7 @@ class IdempotentSink(RemoteSink):
 
     def __init__(
         self,
-        client: Client,
+        transport: Transport,
         name: str,
         schema: pa.Schema,
         producer_id: str,
@@ -77,7 +75,7 @@ class IdempotentSink(RemoteSink):
         window_bytes: int = DURABLE_WINDOW_BYTES,
         retry: float = 60.0,
     ) -> None:
-        super().__init__(client, name, schema, window=window)
+        super().__init__(transport, name, schema, window=window)
         if isinstance(window_bytes, bool) or not isinstance(window_bytes, int) or window_bytes < 1:
             raise ValueError(f"window_bytes must be an integer >= 1, got {window_bytes!r}")
         self.window_bytes = window_bytes
@@ -85,7 +83,7 @@ class IdempotentSink(RemoteSink):
             raise ValueError(f"producer_id must be a non-empty string, got {producer_id!r}")
         self.producer_id = producer_id
         self.retry = _check_timeout(retry)
-        last = client._action("producer", {"name": name, "producer_id": producer_id})
+        last = transport.action("producer", {"name": name, "producer_id": producer_id})
         self._next_sequence = int(last["sequence"]) + 1
         self._unacked: collections.deque[tuple[int, pa.RecordBatch]] = collections.deque()
         self._first = 0  # the sequence of the open stream's first batch
@@ -109,7 +107,7 @@ class IdempotentSink(RemoteSink):
             self._sent_upto = self._first - 1
             path = [self.name, protocol.PRODUCER, self.producer_id, str(self._first)]
             descriptor = flight.FlightDescriptor.for_path(*path)
-            self._put = _Put(self._client, descriptor, self._wire_schema)
+            self._put = _Put(self._transport, descriptor, self._wire_schema)
         return self._put
 
     def _trim(self) -> None:

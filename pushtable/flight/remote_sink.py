@@ -14,7 +14,7 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.flight as flight
@@ -26,11 +26,9 @@ from pushtable.errors import (
     WriteTimeoutError,
 )
 from pushtable.flight import protocol
+from pushtable.flight.transport import Transport
 from pushtable.sink import ProducerScope, SinkStats, _check_timeout, arrow_batches
 from pushtable.topic import TopicStats
-
-if TYPE_CHECKING:
-    from pushtable.flight.client import Client
 
 __all__ = ["RemoteSink", "RemoteSinkStats", "Stager"]
 
@@ -50,10 +48,8 @@ class RemoteSinkStats:
 class _Put:
     """One DoPut stream and the thread that reads its acknowledgements."""
 
-    def __init__(self, client: Client, descriptor: Any, schema: pa.Schema) -> None:
-        self.writer, self._reader = protocol.call(
-            client._flight.do_put, descriptor, schema, client._stream_options
-        )
+    def __init__(self, transport: Transport, descriptor: Any, schema: pa.Schema) -> None:
+        self.writer, self._reader = transport.do_put(descriptor, schema)
         self.schema = schema
         self.sent = 0
         self.acked = 0
@@ -188,11 +184,11 @@ class _Put:
 class Stager:
     """One Spark task attempt's share of an epoch, sent to the server's stage area."""
 
-    def __init__(self, client: Client, path: list[str], schema: pa.Schema) -> None:
+    def __init__(self, transport: Transport, path: list[str], schema: pa.Schema) -> None:
         self._table = path[0]
         self._schema = schema
         self._wire_schema = protocol.wire_schema(schema)
-        self._put = _Put(client, flight.FlightDescriptor.for_path(*path), self._wire_schema)
+        self._put = _Put(transport, flight.FlightDescriptor.for_path(*path), self._wire_schema)
 
     def write(self, batch: pa.RecordBatch) -> None:
         batch = protocol.to_wire(self._table, self._schema, self._wire_schema, batch)
@@ -225,10 +221,12 @@ class RemoteSink(ProducerScope):
         0
     """
 
-    def __init__(self, client: Client, name: str, schema: pa.Schema, *, window: int = 8) -> None:
+    def __init__(
+        self, transport: Transport, name: str, schema: pa.Schema, *, window: int = 8
+    ) -> None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be an integer >= 1, got {window!r}")
-        self._client = client
+        self._transport = transport
         self.name = name
         self.schema = schema
         self.window = window
@@ -240,14 +238,14 @@ class RemoteSink(ProducerScope):
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
-        return f"RemoteSink(name={self.name!r}, server={self._client.uri!r})"
+        return f"RemoteSink(name={self.name!r}, server={self._transport.uri!r})"
 
     def _stream(self) -> _Put:
         if self._put is not None and self._put.idle:  # the server ended it: start anew
             self._end_stream_locked()
         if self._put is None:
             descriptor = flight.FlightDescriptor.for_path(self.name)
-            self._put = _Put(self._client, descriptor, self._wire_schema)
+            self._put = _Put(self._transport, descriptor, self._wire_schema)
         return self._put
 
     def _drop_stream(self) -> None:
@@ -349,7 +347,7 @@ class RemoteSink(ProducerScope):
                 put.finish()
                 self._sent += put.sent
                 self._acked += put.acked
-        self._client._action("close", {"name": self.name})
+        self._transport.action("close", {"name": self.name})
 
     async def aclose(self) -> None:
         await asyncio.to_thread(self.close)
@@ -361,7 +359,7 @@ class RemoteSink(ProducerScope):
         with self._lock:
             self._closed = True
             put, self._put = self._put, None
-        self._client._action(
+        self._transport.action(
             "fail", {"name": self.name, "type": type(exc).__name__, "message": str(exc)}
         )
         if put is not None:
@@ -370,7 +368,7 @@ class RemoteSink(ProducerScope):
 
     @property
     def stats(self) -> RemoteSinkStats:
-        table = self._client._action("stats", {"name": self.name})
+        table = self._transport.action("stats", {"name": self.name})
         cls = TopicStats if "subscribers" in table else SinkStats
         put = self._put
         sent = self._sent + (put.sent if put else 0)

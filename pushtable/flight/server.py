@@ -341,7 +341,8 @@ class Server(Ingest, Queries, flight.FlightServerBase):  # type: ignore[misc]
             with self._lock:
                 for n, p in self._tables.items():
                     if grant.covers(n):
-                        batches, nbytes = metrics.queue_bound(p)
+                        report = p.metrics_report()
+                        batches, nbytes = report.bound_batches, report.bound_bytes
                         out.append(
                             {
                                 "name": n,
@@ -365,6 +366,10 @@ class Server(Ingest, Queries, flight.FlightServerBase):  # type: ignore[misc]
         raise ValueError(f"unknown action {kind!r}; expected one of {', '.join(protocol.ACTIONS)}")
 
     # -- lifecycle ----------------------------------------------------------------------
+
+    def metrics_report(self) -> metrics.ServerReport:
+        """What the Prometheus metrics read of this server when scraped."""
+        return metrics.ServerReport(str(self.location), *self.usage.snapshot())
 
     def stop(self, timeout: float = 10.0) -> int:
         """Fail every table, let calls deliver their errors, then shut down. Idempotent.

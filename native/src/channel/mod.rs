@@ -39,7 +39,7 @@ use crate::reorder::Reorder;
 
 use log::{Cursor, ReaderState, State};
 pub use log::{CursorStats, Limits, OnSlow, Retention, Start, Stats};
-pub use push::{batch_bytes, data_bytes, set_finalizing, CancelToken, PushError};
+pub use push::{set_finalizing, CancelToken, PushError};
 pub use reader::{CursorWatch, Markers, Prelude, Reader, ReaderStream, WatermarkCell};
 
 /// Whether a channel backs one table or a topic.

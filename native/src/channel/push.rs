@@ -7,11 +7,12 @@ use std::sync::Arc;
 use std::task::Waker;
 use std::time::{Duration, Instant};
 
-use arrow::array::{Array, ArrayData, RecordBatch};
+use arrow::array::RecordBatch;
 use arrow::datatypes::SchemaRef;
 
 use super::log::{Entry, OnSlow, ReaderState, State, Waiter};
 use super::Channel;
+use crate::sizing::batch_bytes;
 
 /// How often a blocked *interruptible* producer (Python's main thread) checks for Ctrl-C.
 const TICK: Duration = Duration::from_millis(50);
@@ -83,22 +84,6 @@ fn stamp_arrival(schema: &SchemaRef, batch: RecordBatch, stamp: i64) -> RecordBa
         &arrow::array::RecordBatchOptions::new().with_row_count(Some(n)),
     )
     .expect("the arrival column matches the table's schema")
-}
-
-/// Bytes a batch holds *as a slice*: a 1,000-row slice of a 1,000,000-row column counts
-/// its 1,000 rows, not the parent buffer (`get_array_memory_size` would).
-pub fn batch_bytes(batch: &RecordBatch) -> usize {
-    batch
-        .columns()
-        .iter()
-        .map(|c| data_bytes(&c.to_data()))
-        .sum()
-}
-
-/// What one column's data is charged: the bytes its slice spans.
-pub fn data_bytes(data: &ArrayData) -> usize {
-    data.get_slice_memory_size()
-        .unwrap_or_else(|_| data.get_array_memory_size())
 }
 
 /// Room for a batch of `bytes`, or why not.
