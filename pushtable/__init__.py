@@ -13,22 +13,15 @@ Example:
 
 from __future__ import annotations
 
+import importlib as _importlib
 from importlib.metadata import version as _version
 from importlib.util import find_spec as _find_spec
+from typing import TYPE_CHECKING, Any
 
 from pushtable import cpu as _cpu
 
 _cpu.check()  # before the native core loads: a clear ImportError, not SIGILL
 
-if _find_spec("pushtable._native") is None:  # a source checkout whose core was never built
-    raise ImportError(
-        "pushtable's native core (pushtable/_native.abi3.so) is not built: run `make setup` "
-        "in the source checkout (it builds the core with cargo and maturin), or install the "
-        "pushtable wheel"
-    )
-
-from pushtable.context import SessionContext, register_streaming_table
-from pushtable.dataframe import DataFrame
 from pushtable.errors import (
     CommitFailedError,
     EpochCommitError,
@@ -59,10 +52,54 @@ from pushtable.errors import (
     UnsupportedTableError,
     WriteTimeoutError,
 )
-from pushtable.explain import LiveExplanation, explain_live
-from pushtable.flight import connect, serve
-from pushtable.sink import SinkStats, TableSink
-from pushtable.topic import Subscription, SubscriptionStats, Topic, TopicStats
+from pushtable.producer import SinkStats, SubscriptionStats, TopicStats
+
+if TYPE_CHECKING:
+    from pushtable.context import SessionContext, register_streaming_table
+    from pushtable.dataframe import DataFrame
+    from pushtable.explain import LiveExplanation, explain_live
+    from pushtable.flight.client import connect
+    from pushtable.flight.server import serve
+    from pushtable.sink import TableSink
+    from pushtable.topic import Subscription, Topic
+
+#: Names loaded on first use, by module: ``import pushtable.flight.client`` (a Spark
+#: executor's remote producer) then needs neither DataFusion nor the native core.
+_LAZY = {
+    "SessionContext": "pushtable.context",
+    "register_streaming_table": "pushtable.context",
+    "DataFrame": "pushtable.dataframe",
+    "LiveExplanation": "pushtable.explain",
+    "explain_live": "pushtable.explain",
+    "connect": "pushtable.flight.client",
+    "serve": "pushtable.flight.server",
+    "TableSink": "pushtable.sink",
+    "Subscription": "pushtable.topic",
+    "Topic": "pushtable.topic",
+}
+
+_NO_CORE = (
+    "pushtable's native core (pushtable/_native.abi3.so) is not built: run `make setup` in the "
+    "source checkout (it builds the core with cargo and maturin), or install the pushtable wheel"
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "_native":  # ``from pushtable import _native``: name a missing core
+        if _find_spec("pushtable._native") is None:
+            raise ImportError(_NO_CORE)
+        return _importlib.import_module("pushtable._native")
+    where = _LAZY.get(name)
+    if where is None:
+        raise AttributeError(f"module 'pushtable' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(where), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
 
 __version__ = _version("pushtable")
 

@@ -10,13 +10,9 @@ from __future__ import annotations
 import asyncio
 import atexit
 import logging
-import math
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
@@ -33,9 +29,10 @@ from pushtable.errors import (
     describe,
     remember_failure,
 )
+from pushtable.producer import ProducerScope, SinkStats, check_timeout
 
 if TYPE_CHECKING:
-    from typing_extensions import Self
+    pass
 
 __all__ = ["SinkStats", "TableSink"]
 
@@ -61,122 +58,9 @@ def _public_error(exc: _native.NativeError) -> PushTableError:
 atexit.register(_native.interpreter_finalizing)
 
 
-def _check_timeout(timeout: float | None) -> float | None:
-    """``timeout`` as a wait limit: None for no limit (also for infinity)."""
-    if timeout is None:
-        return None
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(
-            f"timeout must be a number of seconds or None, got {type(timeout).__name__}"
-        )
-    if math.isnan(timeout) or timeout < 0:
-        raise ValueError(f"timeout must be a number >= 0 or None, got {timeout}")
-    return None if math.isinf(timeout) else float(timeout)
-
-
-def arrow_batches(data: Any) -> Iterator[pa.RecordBatch]:
-    """The record batches of ``data``: a batch, a table, or any Arrow PyCapsule object."""
-    if isinstance(data, pa.RecordBatch):
-        yield data
-    elif isinstance(data, pa.Table):
-        yield from data.to_batches()
-    elif hasattr(data, "__arrow_c_array__"):
-        yield pa.record_batch(data)
-    elif hasattr(data, "__arrow_c_stream__"):
-        yield from pa.RecordBatchReader.from_stream(data)
-    else:
-        raise InvalidBatchError(
-            "expected Arrow data (a pyarrow RecordBatch or Table, or an object with "
-            f"__arrow_c_array__ / __arrow_c_stream__), got {type(data).__name__}"
-        )
-
-
 def _on_main_thread() -> bool:
     """Only Python's main thread receives Ctrl-C, so only its blocked writes poll for it."""
     return threading.get_ident() == threading.main_thread().ident
-
-
-@dataclass(frozen=True)
-class SinkStats:
-    """A snapshot of a sink's counters.
-
-    ``rows``/``batches``/``bytes`` count what was accepted (``bytes`` counts each batch's
-    own slice of its buffers); ``queued_*`` is what waits for the reader now;
-    ``waiting_writers`` is how many writes are blocked for room right now, served in arrival
-    order; ``late_rows`` counts rows an ordered table with ``late="drop"`` dropped for arriving
-    behind the newest value (or the watermark); ``held_rows``/``held_bytes`` is what a
-    ``max_delay`` table holds in its reorder buffer until the watermark passes it;
-    ``blocked_seconds`` is the total time producers spent waiting.
-    """
-
-    rows: int
-    batches: int
-    bytes: int
-    queued_batches: int
-    queued_bytes: int
-    waiting_writers: int
-    late_rows: int
-    held_rows: int
-    held_bytes: int
-    blocked_seconds: float
-    closed: bool
-    failed: bool
-    reader_gone: bool
-
-
-class ProducerScope:
-    """``with`` / ``async with`` for a producer: end of stream on success, ``fail(exc)`` on
-    error. Shared by local sinks, topics and remote sinks."""
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-    async def aclose(self) -> None:
-        raise NotImplementedError
-
-    def fail(self, exc: BaseException) -> None:
-        raise NotImplementedError
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc is None:
-            self.close()
-        else:
-            self._fail_keeping(exc)
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc is None:
-            await self.aclose()
-        else:
-            self._fail_keeping(exc)
-
-    def _fail_keeping(self, exc: BaseException) -> None:
-        """``fail(exc)`` on the way out of a ``with`` block on an error; if that fails too (the
-        server refused it, the connection is gone), the producer's own error still propagates:
-        the failure to fail is logged and noted on it, never raised in its place."""
-        try:
-            self.fail(exc)
-        except Exception as refused:  # noqa: BLE001 -- any, or it would replace ``exc``
-            log.warning("fail() of %r on a producer's error did not succeed: %s", self, refused)
-            if hasattr(exc, "add_note"):  # Python 3.11+
-                exc.add_note(
-                    f"pushtable: fail() of this producer's table did not succeed: {refused}"
-                )
 
 
 class _Producer(ProducerScope):
@@ -219,7 +103,7 @@ class _Producer(ProducerScope):
         not yet enqueued unwritten (a single batch is all or nothing; for a stream, the
         batches enqueued before the cancellation stay queued).
         """
-        timeout = _check_timeout(timeout)
+        timeout = check_timeout(timeout)
         if isinstance(data, pa.RecordBatch):  # room right now: no thread hop at all
             try:
                 self._native.write(data, 0.0)

@@ -16,7 +16,6 @@ import asyncio
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -35,52 +34,10 @@ from pushtable.context import (
 from pushtable.durable import DurableLog, Start
 from pushtable.durable.store import describe
 from pushtable.errors import PushTableError
-from pushtable.sink import SinkStats, _check_timeout, _Producer, arrow_batches
+from pushtable.producer import SubscriptionStats, TopicStats, arrow_batches, check_timeout
+from pushtable.sink import _Producer
 
 __all__ = ["Subscription", "SubscriptionStats", "Topic", "TopicStats"]
-
-
-@dataclass(frozen=True)
-class TopicStats(SinkStats):
-    """A topic's counters: :class:`SinkStats` plus its subscribers.
-
-    ``queued_batches``/``queued_bytes`` count what the topic holds (batches some subscriber
-    has still to read, plus the retention window); ``subscribers`` are the live ones;
-    ``detached`` counts subscribers cut loose for falling behind. A durable topic adds its
-    offsets (``next_offset``; every offset below ``committed_offset`` is stored), what waits
-    for a commit (``pending_batches``/``pending_bytes``), ``commits``, ``commit_failures``,
-    ``consumers`` (each consumer's position, e.g. a Spark query's: see ``consumed``),
-    ``earliest_offset`` (retention deleted what is below it) and ``expirations`` (its
-    deletions).
-    """
-
-    subscribers: int = 0
-    detached: int = 0
-    durable: bool = False
-    next_offset: int = 0
-    committed_offset: int = 0
-    pending_batches: int = 0
-    pending_bytes: int = 0
-    commits: int = 0
-    commit_failures: int = 0
-    consumers: dict[str, int] = field(default_factory=dict)
-    earliest_offset: int = 0
-    expirations: int = 0
-
-
-@dataclass(frozen=True)
-class SubscriptionStats:
-    """One subscription's counters: its backlog, what it read, and its state.
-
-    ``state`` is ``"waiting for a query"``, ``"reading"``, ``"detached"`` (see
-    ``detached_because``) or ``"finished"`` (its query ended or its table was dropped).
-    """
-
-    queued_batches: int
-    queued_bytes: int
-    read_batches: int
-    state: str
-    detached_because: str | None
 
 
 class Subscription:
@@ -280,7 +237,7 @@ class Topic(_Producer):
         :class:`~pushtable.CommitFailedError` until a commit succeeds."""
         if self.durable is None:
             return super().write(data, timeout)
-        timeout = _check_timeout(timeout)
+        timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         written = 0
         try:
@@ -304,7 +261,7 @@ class Topic(_Producer):
         :class:`~pushtable.CommitFailedError` if a commit holding one failed. A topic in
         memory has nothing to wait for."""
         if self.durable is not None:
-            self.durable.flush(_check_timeout(timeout))
+            self.durable.flush(check_timeout(timeout))
 
     def close(self) -> None:
         """End of stream; a durable topic first stores what is pending (and raises

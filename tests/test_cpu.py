@@ -25,8 +25,9 @@ def test_only_the_first_flags_line_counts_and_none_means_no_verdict() -> None:
 
 
 def test_a_checkout_without_the_built_core_says_to_build_it(tmp_path: Path) -> None:
-    """``import pushtable`` from sources whose native core was never built names it and the
-    command that builds it (it once failed with a misleading "circular import")."""
+    """From sources whose native core was never built, what needs the core names it and the
+    command that builds it (it once failed with a misleading "circular import"); the remote
+    client, which needs no core, imports."""
     import shutil
     import subprocess
     import sys
@@ -35,13 +36,38 @@ def test_a_checkout_without_the_built_core_says_to_build_it(tmp_path: Path) -> N
 
     source = Path(pushtable.__file__).parent
     shutil.copytree(source, tmp_path / "pushtable", ignore=shutil.ignore_patterns("_native*.so"))
-    done = subprocess.run(
-        [sys.executable, "-c", "import pushtable"],
-        cwd=tmp_path,  # first on sys.path: the copy without the core
-        capture_output=True,
-        text=True,
-        timeout=60,
+
+    def run(code: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=tmp_path,  # first on sys.path: the copy without the core
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    for code in ("from pushtable import SessionContext", "import pushtable.sink"):
+        done = run(code)
+        assert done.returncode != 0, code
+        assert "native core (pushtable/_native.abi3.so) is not built: run `make setup`" in (
+            done.stderr
+        ), done.stderr
+        assert "circular import" not in done.stderr
+    done = run("from pushtable.flight.client import connect; print(connect.__name__)")
+    assert (done.returncode, done.stdout.strip()) == (0, "connect"), done.stderr
+
+
+def test_the_remote_client_loads_neither_datafusion_nor_the_native_core() -> None:
+    """A Spark executor's remote producer imports the client only: the engine stays out."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, pushtable.flight.client as c, pushtable.flight.idempotent;"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('datafusion', 'lance')"
+        " or m == 'pushtable._native'))"
     )
-    assert done.returncode != 0
-    assert "native core (pushtable/_native.abi3.so) is not built: run `make setup`" in done.stderr
-    assert "circular import" not in done.stderr
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.strip() == "[]"

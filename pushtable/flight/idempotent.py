@@ -26,7 +26,7 @@ from pushtable.errors import (
 from pushtable.flight import protocol
 from pushtable.flight.remote_sink import RemoteSink, _Put
 from pushtable.flight.transport import Transport
-from pushtable.sink import _check_timeout, arrow_batches
+from pushtable.producer import arrow_batches, check_timeout
 
 __all__ = ["DURABLE_WINDOW", "DURABLE_WINDOW_BYTES", "IdempotentSink"]
 
@@ -82,7 +82,7 @@ class IdempotentSink(RemoteSink):
         if not isinstance(producer_id, str) or not producer_id:
             raise ValueError(f"producer_id must be a non-empty string, got {producer_id!r}")
         self.producer_id = producer_id
-        self.retry = _check_timeout(retry)
+        self.retry = check_timeout(retry)
         last = transport.action("producer", {"name": name, "producer_id": producer_id})
         self._next_sequence = int(last["sequence"]) + 1
         self._unacked: collections.deque[tuple[int, pa.RecordBatch]] = collections.deque()
@@ -190,7 +190,7 @@ class IdempotentSink(RemoteSink):
         )
 
     def write(self, data: Any, timeout: float | None = None) -> None:
-        timeout = _check_timeout(timeout)
+        timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             self._refuse_closed()
@@ -206,7 +206,7 @@ class IdempotentSink(RemoteSink):
 
     def flush(self, timeout: float | None = None) -> None:
         """Return once every batch written is stored; reconnects and resends as needed."""
-        timeout = _check_timeout(timeout)
+        timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             while True:

@@ -27,8 +27,7 @@ from pushtable.errors import (
 )
 from pushtable.flight import protocol
 from pushtable.flight.transport import Transport
-from pushtable.sink import ProducerScope, SinkStats, _check_timeout, arrow_batches
-from pushtable.topic import TopicStats
+from pushtable.producer import ProducerScope, SinkStats, TopicStats, arrow_batches, check_timeout
 
 __all__ = ["RemoteSink", "RemoteSinkStats", "Stager"]
 
@@ -278,7 +277,7 @@ class RemoteSink(ProducerScope):
         ``ReaderGoneError``, ``WriteTimeoutError``; an error of an earlier batch in flight is
         raised by the next call. ``batches_written`` counts what this call sent.
         """
-        timeout = _check_timeout(timeout)
+        timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         written = 0
         with self._lock:
@@ -310,7 +309,7 @@ class RemoteSink(ProducerScope):
         before and after it on this sink (an ``int``, or a ``datetime`` for a timestamp
         column). Errors (no ``order_by``, a closed table) come back like a write's."""
         metadata = protocol.advance_metadata(ts)
-        timeout = _check_timeout(timeout)
+        timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             if self._closed:
@@ -325,7 +324,7 @@ class RemoteSink(ProducerScope):
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the server acknowledged every batch sent (queued in its table)."""
-        timeout = _check_timeout(timeout)
+        timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             try:

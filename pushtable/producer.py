@@ -1,0 +1,189 @@
+"""What every producer shares, local or remote: the ``with`` scope, the Arrow data a write
+takes, timeouts, and the counters' snapshots.
+
+A leaf of the package (pyarrow and :mod:`pushtable.errors` only): the remote producers of
+:mod:`pushtable.flight` use it without loading DataFusion or the native core.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+
+from pushtable.errors import InvalidBatchError
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+__all__ = [
+    "ProducerScope",
+    "SinkStats",
+    "SubscriptionStats",
+    "TopicStats",
+    "arrow_batches",
+    "check_timeout",
+]
+
+log = logging.getLogger(__name__)
+
+
+def check_timeout(timeout: float | None) -> float | None:
+    """``timeout`` as a wait limit: None for no limit (also for infinity)."""
+    if timeout is None:
+        return None
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(
+            f"timeout must be a number of seconds or None, got {type(timeout).__name__}"
+        )
+    if math.isnan(timeout) or timeout < 0:
+        raise ValueError(f"timeout must be a number >= 0 or None, got {timeout}")
+    return None if math.isinf(timeout) else float(timeout)
+
+
+def arrow_batches(data: Any) -> Iterator[pa.RecordBatch]:
+    """The record batches of ``data``: a batch, a table, or any Arrow PyCapsule object."""
+    if isinstance(data, pa.RecordBatch):
+        yield data
+    elif isinstance(data, pa.Table):
+        yield from data.to_batches()
+    elif hasattr(data, "__arrow_c_array__"):
+        yield pa.record_batch(data)
+    elif hasattr(data, "__arrow_c_stream__"):
+        yield from pa.RecordBatchReader.from_stream(data)
+    else:
+        raise InvalidBatchError(
+            "expected Arrow data (a pyarrow RecordBatch or Table, or an object with "
+            f"__arrow_c_array__ / __arrow_c_stream__), got {type(data).__name__}"
+        )
+
+
+@dataclass(frozen=True)
+class SinkStats:
+    """A snapshot of a sink's counters.
+
+    ``rows``/``batches``/``bytes`` count what was accepted (``bytes`` counts each batch's
+    own slice of its buffers); ``queued_*`` is what waits for the reader now;
+    ``waiting_writers`` is how many writes are blocked for room right now, served in arrival
+    order; ``late_rows`` counts rows an ordered table with ``late="drop"`` dropped for arriving
+    behind the newest value (or the watermark); ``held_rows``/``held_bytes`` is what a
+    ``max_delay`` table holds in its reorder buffer until the watermark passes it;
+    ``blocked_seconds`` is the total time producers spent waiting.
+    """
+
+    rows: int
+    batches: int
+    bytes: int
+    queued_batches: int
+    queued_bytes: int
+    waiting_writers: int
+    late_rows: int
+    held_rows: int
+    held_bytes: int
+    blocked_seconds: float
+    closed: bool
+    failed: bool
+    reader_gone: bool
+
+
+class ProducerScope:
+    """``with`` / ``async with`` for a producer: end of stream on success, ``fail(exc)`` on
+    error. Shared by local sinks, topics and remote sinks."""
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+    async def aclose(self) -> None:
+        raise NotImplementedError
+
+    def fail(self, exc: BaseException) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self.close()
+        else:
+            self._fail_keeping(exc)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            await self.aclose()
+        else:
+            self._fail_keeping(exc)
+
+    def _fail_keeping(self, exc: BaseException) -> None:
+        """``fail(exc)`` on the way out of a ``with`` block on an error; if that fails too (the
+        server refused it, the connection is gone), the producer's own error still propagates:
+        the failure to fail is logged and noted on it, never raised in its place."""
+        try:
+            self.fail(exc)
+        except Exception as refused:  # noqa: BLE001 -- any, or it would replace ``exc``
+            log.warning("fail() of %r on a producer's error did not succeed: %s", self, refused)
+            if hasattr(exc, "add_note"):  # Python 3.11+
+                exc.add_note(
+                    f"pushtable: fail() of this producer's table did not succeed: {refused}"
+                )
+
+
+@dataclass(frozen=True)
+class TopicStats(SinkStats):
+    """A topic's counters: :class:`SinkStats` plus its subscribers.
+
+    ``queued_batches``/``queued_bytes`` count what the topic holds (batches some subscriber
+    has still to read, plus the retention window); ``subscribers`` are the live ones;
+    ``detached`` counts subscribers cut loose for falling behind. A durable topic adds its
+    offsets (``next_offset``; every offset below ``committed_offset`` is stored), what waits
+    for a commit (``pending_batches``/``pending_bytes``), ``commits``, ``commit_failures``,
+    ``consumers`` (each consumer's position, e.g. a Spark query's: see ``consumed``),
+    ``earliest_offset`` (retention deleted what is below it) and ``expirations`` (its
+    deletions).
+    """
+
+    subscribers: int = 0
+    detached: int = 0
+    durable: bool = False
+    next_offset: int = 0
+    committed_offset: int = 0
+    pending_batches: int = 0
+    pending_bytes: int = 0
+    commits: int = 0
+    commit_failures: int = 0
+    consumers: dict[str, int] = field(default_factory=dict)
+    earliest_offset: int = 0
+    expirations: int = 0
+
+
+@dataclass(frozen=True)
+class SubscriptionStats:
+    """One subscription's counters: its backlog, what it read, and its state.
+
+    ``state`` is ``"waiting for a query"``, ``"reading"``, ``"detached"`` (see
+    ``detached_because``) or ``"finished"`` (its query ended or its table was dropped).
+    """
+
+    queued_batches: int
+    queued_bytes: int
+    read_batches: int
+    state: str
+    detached_because: str | None
