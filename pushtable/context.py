@@ -19,6 +19,7 @@ from pushtable import _native, metrics
 from pushtable.dataframe import DataFrame
 from pushtable.engine import TableSources, plan_live
 from pushtable.explain import LiveExplanation, explain_live
+from pushtable.producer import Late
 from pushtable.sink import TableSink
 
 __all__ = ["SessionContext", "register_streaming_table"]
@@ -107,7 +108,7 @@ def register_streaming_table(
     max_bytes: int | None = None,
     unbounded: bool = False,
     order_by: str | Sequence[str] | None = None,
-    late: Literal["reject", "drop"] = "reject",
+    late: Late = "reject",
     arrival_column: str | None = None,
     max_delay: timedelta | int | None = None,
     validate: Validate = "basic",
@@ -280,7 +281,7 @@ class SessionContext(datafusion.SessionContext):
         max_bytes: int | None = None,
         unbounded: bool = False,
         order_by: str | Sequence[str] | None = None,
-        late: Literal["reject", "drop"] = "reject",
+        late: Late = "reject",
         arrival_column: str | None = None,
         max_delay: timedelta | int | None = None,
         validate: Validate = "basic",

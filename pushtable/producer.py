@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import pyarrow as pa
 
@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from typing_extensions import Self
 
 __all__ = [
+    "Late",
+    "OnSlow",
     "ProducerScope",
     "SinkStats",
     "SubscriptionStats",
@@ -31,6 +33,11 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+#: What an ordered table does with a row behind its order: raise, or drop it and count it.
+Late = Literal["reject", "drop"]
+#: What a topic does about a subscriber that falls behind: wait for it, or cut it loose.
+OnSlow = Literal["block", "detach"]
 
 
 def check_timeout(timeout: float | None) -> float | None:

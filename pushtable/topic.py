@@ -18,7 +18,7 @@ import time
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import datafusion
 import pyarrow as pa
@@ -34,7 +34,14 @@ from pushtable.context import (
 from pushtable.durable import DurableLog, Start
 from pushtable.durable.store import describe
 from pushtable.errors import PushTableError
-from pushtable.producer import SubscriptionStats, TopicStats, arrow_batches, check_timeout
+from pushtable.producer import (
+    Late,
+    OnSlow,
+    SubscriptionStats,
+    TopicStats,
+    arrow_batches,
+    check_timeout,
+)
 from pushtable.sink import _Producer
 
 __all__ = ["Subscription", "SubscriptionStats", "Topic", "TopicStats"]
@@ -120,7 +127,7 @@ class Topic(_Producer):
         retain: int | None = None,
         retain_bytes: int | None = None,
         order_by: str | Sequence[str] | None = None,
-        late: Literal["reject", "drop"] = "reject",
+        late: Late = "reject",
         arrival_column: str | None = None,
         max_delay: timedelta | int | None = None,
         validate: Validate = "basic",
@@ -330,7 +337,7 @@ class Topic(_Producer):
         *,
         max_bytes: int | None = None,
         start: Start = "now",
-        on_slow: Literal["block", "detach"] = "block",
+        on_slow: OnSlow = "block",
         slow_timeout: float = 5.0,
         unbounded: bool = False,
         history: Any = None,

@@ -18,6 +18,7 @@ from pushtable.flight import protocol
 from pushtable.flight.idempotent import DURABLE_WINDOW, DURABLE_WINDOW_BYTES, IdempotentSink
 from pushtable.flight.remote_sink import RemoteSink, Stager
 from pushtable.flight.transport import Transport
+from pushtable.producer import Late, OnSlow
 
 __all__ = ["Client", "RemoteResult", "connect"]
 
@@ -81,7 +82,7 @@ class Client:
         max_bytes: int | None = None,
         unbounded: bool = False,
         order_by: str | list[str] | None = None,
-        late: str = "reject",
+        late: Late = "reject",
         arrival_column: str | None = None,
         max_delay: timedelta | int | None = None,
         if_not_exists: bool = False,
@@ -153,7 +154,7 @@ class Client:
         capacity: int = 16,
         *,
         start: str | int | datetime = "now",
-        on_slow: str = "block",
+        on_slow: OnSlow = "block",
         slow_timeout: float = 5.0,
     ) -> None:
         """Register a subscription of ``topic`` as table ``name`` on the server; on a

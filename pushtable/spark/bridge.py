@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
@@ -37,6 +37,7 @@ from pushtable.lance_epochs import (
     conform_to,
     write_fragments,
 )
+from pushtable.producer import OnSlow
 from pushtable.sink import TableSink
 from pushtable.spark.arrow import arrow_schema
 from pushtable.spark.session import ensure_worker_python
@@ -147,7 +148,7 @@ class ForeachBatchBridge:
         max_commit_retries: int = 8,
         storage_options: dict[str, str] | None = None,
         push_timeout: float = 30.0,
-        on_slow_reader: Literal["detach", "block"] = "detach",
+        on_slow_reader: OnSlow = "detach",
         key: Sequence[str] | None = None,
         epoch_column: str | None = None,
     ) -> None:
