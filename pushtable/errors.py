@@ -14,13 +14,16 @@ from collections import OrderedDict
 __all__ = [
     "CommitFailedError",
     "EpochCommitError",
+    "IncompatibleSinkError",
     "InvalidBatchError",
     "InvalidQueryError",
     "OffsetOutOfRangeError",
     "OrderViolationError",
+    "PermissionDeniedError",
     "PushTableError",
     "ReaderGoneError",
     "RemoteError",
+    "ResourceLimitError",
     "SchemaDriftError",
     "SchemaMismatchError",
     "SequenceError",
@@ -28,13 +31,20 @@ __all__ = [
     "ServerUnavailableError",
     "SharesLostError",
     "SinkClosedError",
+    "SlowReaderError",
     "SlowSubscriberError",
+    "StatementRefusedError",
     "StreamConsumedError",
+    "StreamEndedError",
     "StreamFailedError",
+    "StreamingQueryFailedError",
     "UnauthenticatedError",
     "UnboundedQueryError",
     "UnknownTableError",
+    "UnsupportedCallError",
+    "UnsupportedSparkTypeError",
     "UnsupportedTableError",
+    "WorkerPythonError",
     "WriteTimeoutError",
 ]
 
@@ -183,6 +193,47 @@ class SharesLostError(PushTableError):
     """A Spark epoch's staged shares are not on the server any more (it restarted after the
     tasks staged them): nothing of the epoch was published. Spark runs the batch again when
     its query restarts; the message names the epoch and the partitions."""
+
+
+class StreamingQueryFailedError(PushTableError):
+    """The Spark streaming query feeding a live table failed; the message is Spark's."""
+
+
+class IncompatibleSinkError(PushTableError):
+    """A live table cannot take the query's epochs (columns, types or NOT NULL): detached.
+
+    The Lance commit and the query go on; the table's reader gets this error.
+    """
+
+
+class UnsupportedSparkTypeError(PushTableError, TypeError):
+    """A micro-batch column has a Spark type pushtable cannot carry as Arrow; the message
+    names the column and the type, and what to cast it to. Raised on the driver, before any
+    task runs.
+
+    Example:
+        >>> from pyspark.sql.types import StructType, StructField, YearMonthIntervalType
+        >>> arrow_schema(StructType([StructField("age", YearMonthIntervalType())]))
+        ... # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        pushtable.errors.UnsupportedSparkTypeError: column 'age' has Spark type interval ...
+    """
+
+
+class WorkerPythonError(PushTableError, RuntimeError):
+    """Spark's Python workers would run an interpreter that cannot import pushtable; the
+    message names it and says what to set. Raised on the driver, before any task runs."""
+
+
+class StreamEndedError(SinkClosedError):
+    """The server ended a producer's stream before acknowledging every batch, without saying
+    why (the connection broke): an idempotent producer reconnects and sends them again."""
+
+
+#: The name the Spark bridge once gave a live table's reader that fell behind (an epoch not
+#: taken within ``push_timeout``): the same event as a topic's, one class.
+SlowReaderError = SlowSubscriberError
 
 
 class RemoteError(PushTableError):

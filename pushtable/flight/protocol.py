@@ -145,26 +145,12 @@ def producer_path(path: list[str]) -> tuple[str, int] | None:
 
 
 def retriable(exc: BaseException) -> bool:
-    """Whether an idempotent producer should reconnect and resend after ``exc``: the server
-    is unreachable, stopped, or the connection broke (not: a refusal of the data itself)."""
-    if isinstance(exc, (errors.ServerUnavailableError, errors.ServerStoppedError)):
-        return True
-    if isinstance(exc, errors.PushTableError) and not isinstance(
-        exc, (errors.SinkClosedError, errors.RemoteError)
-    ):
-        return False
-    text = str(exc).lower()
-    return any(
-        k in text
-        for k in (
-            "unavailable",
-            "socket closed",
-            "connection",
-            "rst_stream",
-            "ended the stream before",
-            "server stopped",
-            "broken pipe",
-        )
+    """Whether an idempotent producer should reconnect and resend after ``exc``, by its
+    class: the server is unreachable (gRPC's UNAVAILABLE: refused, reset, closed), stopped,
+    or ended the stream without a word (:class:`~pushtable.StreamEndedError`); never a
+    refusal of the data itself."""
+    return isinstance(
+        exc, (errors.ServerUnavailableError, errors.ServerStoppedError, errors.StreamEndedError)
     )
 
 

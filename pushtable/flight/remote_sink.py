@@ -23,6 +23,7 @@ from pushtable.errors import (
     PushTableError,
     ServerStoppedError,
     SinkClosedError,
+    StreamEndedError,
     WriteTimeoutError,
 )
 from pushtable.flight import protocol
@@ -145,7 +146,7 @@ class _Put:
                 self.writer.close()
         except (flight.FlightError, pa.ArrowException) as exc:
             return protocol.client_error(exc)
-        return SinkClosedError("the server ended the stream before acknowledging every batch")
+        return StreamEndedError("the server ended the stream before acknowledging every batch")
 
     def abandon(self, timeout: float = 5.0) -> None:
         """Let go of a stream whose error was raised. The writer is closed only once the

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import pyarrow as pa
 
-from pushtable.errors import PushTableError
+from pushtable.errors import UnsupportedSparkTypeError
 
 if TYPE_CHECKING:
     from pyspark.sql.types import DataType, StructType
@@ -37,21 +37,6 @@ __all__ = ["UnsupportedSparkTypeError", "arrow_schema"]
 
 #: the label of Spark's instants in Arrow, as ``DataFrame.toArrow`` writes it
 TIMESTAMP_ZONE = "UTC"
-
-
-class UnsupportedSparkTypeError(PushTableError, TypeError):
-    """A micro-batch column has a Spark type pushtable cannot carry as Arrow; the message
-    names the column and the type, and what to cast it to. Raised on the driver, before any
-    task runs.
-
-    Example:
-        >>> from pyspark.sql.types import StructType, StructField, YearMonthIntervalType
-        >>> arrow_schema(StructType([StructField("age", YearMonthIntervalType())]))
-        ... # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        pushtable.spark.arrow.UnsupportedSparkTypeError: column 'age' has Spark type interval ...
-    """
 
 
 def arrow_schema(schema: StructType) -> pa.Schema:

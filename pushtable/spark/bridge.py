@@ -27,7 +27,15 @@ from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 
-from pushtable.errors import PushTableError, ReaderGoneError, SinkClosedError, WriteTimeoutError
+from pushtable.errors import (
+    IncompatibleSinkError,
+    PushTableError,
+    ReaderGoneError,
+    SinkClosedError,
+    SlowReaderError,
+    StreamingQueryFailedError,
+    WriteTimeoutError,
+)
 from pushtable.lance_epochs import (
     MODES,
     CommitResult,
@@ -57,24 +65,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-
-class StreamingQueryFailedError(PushTableError):
-    """The Spark streaming query feeding a live table failed; the message is Spark's."""
-
-
-class SlowReaderError(PushTableError):
-    """A live table's reader did not take an epoch within ``push_timeout``: it was detached.
-
-    Its query fails with this error (as the cause of ``StreamFailedError``): it missed data.
-    """
-
-
-class IncompatibleSinkError(PushTableError):
-    """A live table cannot take the query's epochs (columns, types or NOT NULL): detached.
-
-    The Lance commit and the query go on; the table's reader gets this error.
-    """
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pushtable.errors import PushTableError
+from pushtable.errors import WorkerPythonError
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -41,11 +41,6 @@ _USER_PYTHON = os.environ.get("PYSPARK_PYTHON")
 # Spark starts workers with whatever `python3` is on PATH unless told otherwise; outside an
 # activated venv that interpreter lacks pyarrow ("No module named 'pyarrow'").
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-
-
-class WorkerPythonError(PushTableError, RuntimeError):
-    """Spark's Python workers would run an interpreter that cannot import pushtable; the
-    message names it and says what to set. Raised on the driver, before any task runs."""
 
 
 #: interpreters already asked whether they import pushtable: path -> the error, or None

@@ -1,0 +1,56 @@
+"""The error hierarchy: one home, every class exported and documented, classified by type."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from pathlib import Path
+
+import pushtable
+import pushtable.errors as errors
+from pushtable.flight import protocol
+
+SEMANTICS = (Path(__file__).resolve().parents[1] / "docs" / "semantics.md").read_text()
+
+
+def _all_error_classes() -> set[type]:
+    """Every PushTableError subclass the package defines (its modules imported; the
+    benchmarks' peers need a venv of their own and the CLI's entry point runs on import)."""
+    for info in pkgutil.walk_packages(pushtable.__path__, "pushtable."):
+        if info.name.startswith("pushtable.bench") or info.name.endswith("__main__"):
+            continue
+        importlib.import_module(info.name)
+    found: set[type] = set()
+    todo = [errors.PushTableError]
+    while todo:
+        cls = todo.pop()
+        found.add(cls)
+        todo.extend(cls.__subclasses__())
+    return {c for c in found if c.__module__.startswith("pushtable")}
+
+
+def test_every_error_is_defined_in_errors_exported_and_documented() -> None:
+    classes = _all_error_classes()
+    assert len(classes) >= 30
+    for cls in classes:
+        assert cls.__module__ == "pushtable.errors", f"{cls.__qualname__} in {cls.__module__}"
+        assert getattr(pushtable, cls.__name__) is cls, cls.__name__
+        assert cls.__name__ in pushtable.__all__
+        assert f"`{cls.__name__}`" in SEMANTICS, f"docs/semantics.md does not name {cls.__name__}"
+
+
+def test_the_bridge_s_slow_reader_is_the_subscriber_error() -> None:
+    from pushtable.spark import SlowReaderError
+
+    assert SlowReaderError is pushtable.SlowSubscriberError
+
+
+def test_a_producer_resends_after_a_lost_server_by_class_never_by_message() -> None:
+    assert protocol.retriable(pushtable.ServerUnavailableError("refused"))
+    assert protocol.retriable(pushtable.ServerStoppedError("stopped"))
+    assert protocol.retriable(pushtable.StreamEndedError("ended"))
+    # Words that once made a message look like a broken connection decide nothing.
+    assert not protocol.retriable(pushtable.SinkClosedError("connection closed by close()"))
+    assert not protocol.retriable(pushtable.RemoteError("OSError: connection reset"))
+    assert not protocol.retriable(pushtable.CommitFailedError("socket closed"))
+    assert not protocol.retriable(ConnectionResetError("connection reset"))
