@@ -213,6 +213,7 @@ class UnsupportedSparkTypeError(PushTableError, TypeError):
 
     Example:
         >>> from pyspark.sql.types import StructType, StructField, YearMonthIntervalType
+        >>> from pushtable.spark import arrow_schema
         >>> arrow_schema(StructType([StructField("age", YearMonthIntervalType())]))
         ... # doctest: +ELLIPSIS
         Traceback (most recent call last):
