@@ -58,6 +58,7 @@ from pushtable.errors import (
     WorkerPythonError,
     WriteTimeoutError,
 )
+from pushtable.lazy import lazy_names
 from pushtable.producer import SinkStats, SubscriptionStats, TopicStats
 
 if TYPE_CHECKING:
@@ -90,21 +91,15 @@ _NO_CORE = (
 )
 
 
+_load, __dir__ = lazy_names("pushtable", _LAZY, globals())
+
+
 def __getattr__(name: str) -> Any:
     if name == "_native":  # ``from pushtable import _native``: name a missing core
         if _find_spec("pushtable._native") is None:
             raise ImportError(_NO_CORE)
         return _importlib.import_module("pushtable._native")
-    where = _LAZY.get(name)
-    if where is None:
-        raise AttributeError(f"module 'pushtable' has no attribute {name!r}")
-    value = getattr(_importlib.import_module(where), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+    return _load(name)
 
 
 __version__ = _version("pushtable")

@@ -9,10 +9,10 @@ See docs/network.md.
 
 from __future__ import annotations
 
-import importlib as _importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from pushtable.errors import ServerStoppedError
+from pushtable.lazy import lazy_names
 
 if TYPE_CHECKING:
     from pushtable.flight.auth import Grant, Tokens
@@ -36,18 +36,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    where = _LAZY.get(name)
-    if where is None:
-        raise AttributeError(f"module 'pushtable.flight' has no attribute {name!r}")
-    value = getattr(_importlib.import_module(where), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
-
+__getattr__, __dir__ = lazy_names("pushtable.flight", _LAZY, globals())
 
 __all__ = [
     "Client",
