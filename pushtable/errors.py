@@ -17,6 +17,7 @@ __all__ = [
     "IncompatibleSinkError",
     "InvalidBatchError",
     "InvalidQueryError",
+    "InvalidRequestError",
     "OffsetOutOfRangeError",
     "OrderViolationError",
     "PermissionDeniedError",
@@ -157,6 +158,11 @@ class InvalidQueryError(PushTableError, ValueError):
     ``session_window`` (a zero, negative or unparseable duration, a slide longer than the
     window…), ``EMIT CHANGES`` over no live table. Raised at planning; the message names the
     argument."""
+
+
+class InvalidRequestError(PushTableError, ValueError):
+    """A call to the server is malformed: an unknown action, or a field of its request that
+    is missing or of the wrong kind; the message names it."""
 
 
 class UnsupportedCallError(PushTableError, NotImplementedError):

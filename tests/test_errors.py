@@ -54,3 +54,28 @@ def test_a_producer_resends_after_a_lost_server_by_class_never_by_message() -> N
     assert not protocol.retriable(pushtable.RemoteError("OSError: connection reset"))
     assert not protocol.retriable(pushtable.CommitFailedError("socket closed"))
     assert not protocol.retriable(ConnectionResetError("connection reset"))
+
+
+def test_a_request_missing_a_field_is_refused_naming_it() -> None:
+    """Through a real server: the action's request is checked before anything runs."""
+    import pyarrow as pa
+    import pytest
+
+    from pushtable.flight import Server, connect
+
+    server = Server()
+    try:
+        client = connect(server.location)
+        client.create_topic("events", pa.schema([("v", pa.int64())]), durable=False)
+        with pytest.raises(
+            pushtable.InvalidRequestError, match="'consumed' needs the field 'offset'"
+        ):
+            client._action("consumed", {"name": "events", "consumer": "job"})
+        with pytest.raises(pushtable.InvalidRequestError, match="'offset' must be an integer"):
+            client._action("consumed", {"name": "events", "consumer": "job", "offset": "3"})
+        with pytest.raises(pushtable.InvalidRequestError, match="unknown action 'drop'"):
+            client._action("drop", {"name": "events"})
+        assert [t["name"] for t in client.tables()] == ["events"]  # nothing else happened
+        client.close()
+    finally:
+        server.stop()

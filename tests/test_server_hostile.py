@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from pushtable.flight import connect, protocol, sql
+from pushtable.flight import actions, connect, sql
 from tests.conftest import WAIT, Background, serve_process
 from tests.flight_raw import do_put, flight_data, ipc_messages, lie_about_length, path_descriptor
 
@@ -100,7 +100,7 @@ bodies = st.one_of(
         max_size=6,
     ).map(lambda d: json.dumps(d).encode()),
 )
-action_types = st.sampled_from([*protocol.ACTIONS, *sql.ACTIONS]) | texts
+action_types = st.sampled_from([*actions.ACTIONS, *sql.ACTIONS]) | texts
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))

@@ -19,6 +19,7 @@ from pushtable.durable import DurableLog
 from pushtable.durable.log import epoch_of, epoch_sequence
 from pushtable.errors import PushTableError, WriteTimeoutError
 from pushtable.flight import protocol
+from pushtable.flight.actions import Epoch, Publish
 from pushtable.flight.auth import ADMIN, WRITE, caller
 from pushtable.flight.calls import POLL_S, audit, wire_errors
 from pushtable.flight.limits import Limits, Usage
@@ -250,9 +251,9 @@ class Ingest:
             replaced.release()
         return share.rows
 
-    def _discard(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _discard(self, req: Epoch) -> dict[str, Any]:
         """Drop every share staged for an epoch (Spark aborted it): none is ever written."""
-        key = (str(body["table"]), str(body["query"]), int(body["epoch"]))
+        key = (req.table, req.query, req.epoch)
         with self._lock:
             stage = self._staged.pop(key, {})
             self.dropped_shares += len(stage)
@@ -271,7 +272,7 @@ class Ingest:
         with self._lock:
             return self._published.get((table, query), -1)
 
-    def _publish(self, body: dict[str, Any]) -> dict[str, Any]:
+    def _publish(self, req: Publish) -> dict[str, Any]:
         """Write an epoch's staged batches (the attempts the driver names) once.
 
         Shares of other attempts (failed or speculative tasks) and of older epochs are
@@ -284,7 +285,7 @@ class Ingest:
         retryable there; a plain table is failed with it instead, as its reader would
         otherwise miss rows silently.
         """
-        table, query, epoch = str(body["table"]), str(body["query"]), int(body["epoch"])
+        table, query, epoch = req.table, req.query, req.epoch
         producer = self._table(table)
         if producer.closed:  # before anything is marked: the epoch stays unpublished
             raise errors.SinkClosedError(
@@ -293,7 +294,7 @@ class Ingest:
                 "query runs; close it once no query writes to it again, or give the next run "
                 "a new table"
             )
-        parts = [(int(p[0]), int(p[1]), int(p[2]) if len(p) > 2 else None) for p in body["parts"]]
+        parts = [(int(p[0]), int(p[1]), int(p[2]) if len(p) > 2 else None) for p in req.parts]
         named = {(p, a) for p, a, _ in parts}
         log = producer.durable if isinstance(producer, Topic) else None
         key = (table, query)
@@ -330,7 +331,7 @@ class Ingest:
                 )
             self.dropped_shares += len(stage.keys() - named)  # attempts Spark did not keep
             batches = [b for part in sorted(named) if part in stage for b in stage[part].batches]
-            advance = body.get("advance")
+            advance = req.options.get("advance")
             if log is not None:
                 assert isinstance(producer, Topic)
                 written = self._publish_durable(producer, log, query, epoch, batches, advance)

@@ -40,20 +40,6 @@ import pyarrow.flight as flight
 
 from pushtable import errors
 
-ACTIONS = (
-    "create_table",
-    "subscribe",
-    "close",
-    "fail",
-    "stats",
-    "tables",
-    "publish",
-    "published",
-    "offsets",
-    "producer",
-    "consumed",
-    "discard",
-)
 STAGE = "stage"
 PRODUCER = "producer"
 AUTH_HEADER = "authorization"

@@ -34,8 +34,8 @@ from pushtable.errors import (
     ServerStoppedError,
     UnknownTableError,
 )
-from pushtable.flight import protocol, sql
-from pushtable.flight.auth import ADMIN, READ, WRITE, BearerAuth, Grant, Tokens, caller
+from pushtable.flight import actions, protocol, sql
+from pushtable.flight.auth import BearerAuth, Grant, Tokens, caller
 from pushtable.flight.calls import POLL_S, audit, client_of, table_named, wire_errors
 from pushtable.flight.ingest import Ingest, _Acks, _Share
 from pushtable.flight.limits import DataBudget, Limits, Usage
@@ -258,7 +258,7 @@ class Server(Ingest, Queries, flight.FlightServerBase):  # type: ignore[misc]
 
     def list_actions(self, context: Any) -> list[tuple[str, str]]:
         with wire_errors(), audit(context, "list_actions"):
-            return [(name, "see pushtable.flight.protocol") for name in protocol.ACTIONS]
+            return [(name, a.does) for name, a in actions.ACTIONS.items()]
 
     def do_action(self, context: Any, action: Any) -> Iterator[bytes]:
         with wire_errors(), audit(context, str(action.type)) as record:
@@ -277,93 +277,90 @@ class Server(Ingest, Queries, flight.FlightServerBase):  # type: ignore[misc]
             yield result
 
     def _act(self, grant: Grant, kind: str, body: dict[str, Any]) -> Any:
-        if kind == "create_table":
-            name = str(body.pop("name"))
-            grant.require(ADMIN, "create", [name])
-            for key in ("persist", "upkeep_interval", "fsync"):
-                if key in body:
-                    raise PermissionDeniedError(
-                        f"a remote client cannot set {key!r}: the server places durable topics "
-                        "under its data dir (create_topic(..., durable=True))"
+        """Action ``kind``: its request checked (:mod:`pushtable.flight.actions`), its role
+        required on the tables it touches, then its handler."""
+        req = actions.request(kind, body)
+        action = actions.ACTIONS[kind]
+        grant.require(action.role, action.does, req.tables)
+        return _HANDLERS[kind](self, req, grant)
+
+    def _create_table(self, req: actions.NewTable, grant: Grant) -> Any:
+        body = dict(req.options)
+        for key in ("persist", "upkeep_interval", "fsync"):
+            if key in body:
+                raise PermissionDeniedError(
+                    f"a remote client cannot set {key!r}: the server places durable topics "
+                    "under its data dir (create_topic(..., durable=True))"
+                )
+        schema = protocol.schema_from(req.schema)
+        if (us := body.pop("max_delay_us", None)) is not None:
+            body["max_delay"] = timedelta(microseconds=int(us))
+        with self._lock:
+            count = len(self._tables)
+        try:
+            options = self.limits.check_table_options(count, body)
+        except ResourceLimitError:
+            self.usage.refused("table_options")
+            raise
+        self.create_table(req.name, schema, **options)
+        return {}
+
+    def _subscribe(self, req: actions.Subscribe, grant: Grant) -> Any:
+        topic = self._table(req.topic)
+        if not isinstance(topic, Topic):
+            raise ValueError(f"{topic.name!r} is a streaming table, not a topic")
+        try:
+            options = self.limits.check_queue_options(dict(req.options))
+        except ResourceLimitError:
+            self.usage.refused("table_options")
+            raise
+        options["start"] = protocol.start_value(options.get("start", "now"))
+        topic.subscribe(self.ctx, options.pop("name"), **options)
+        return {}
+
+    def _offsets(self, req: actions.Named, grant: Grant) -> Any:
+        return self._durable(req.name).offsets()
+
+    def _consumed(self, req: actions.Consumed, grant: Grant) -> Any:
+        self._durable(req.name).consumed(req.consumer, req.offset)
+        return {}
+
+    def _producer(self, req: actions.Producer, grant: Grant) -> Any:
+        log = self._durable(req.name).durable
+        assert log is not None
+        return {"sequence": log.last_sequence(req.producer_id)}
+
+    def _close(self, req: actions.Named, grant: Grant) -> Any:
+        self._table(req.name).close()
+        return {}
+
+    def _fail(self, req: actions.Fail, grant: Grant) -> Any:
+        self._table(req.name).fail(errors.RemoteError(req.message, remote_type=req.type))
+        return {}
+
+    def _stats(self, req: actions.Named, grant: Grant) -> Any:
+        return asdict(self._table(req.name).stats)
+
+    def _tables_of(self, req: actions.Listing, grant: Grant) -> Any:
+        out = []
+        with self._lock:
+            for n, p in self._tables.items():
+                if grant.covers(n):
+                    report = p.metrics_report()
+                    out.append(
+                        {
+                            "name": n,
+                            "topic": isinstance(p, Topic),
+                            "durable": isinstance(p, Topic) and p.durable is not None,
+                            "schema": protocol.schema_bytes(p.schema),
+                            "bound_batches": report.bound_batches,  # for a queue's fill
+                            "bound_bytes": report.bound_bytes,
+                        }
                     )
-            schema = protocol.schema_from(body.pop("schema"))
-            if (us := body.pop("max_delay_us", None)) is not None:
-                body["max_delay"] = timedelta(microseconds=int(us))
-            with self._lock:
-                count = len(self._tables)
-            try:
-                options = self.limits.check_table_options(count, body)
-            except ResourceLimitError:
-                self.usage.refused("table_options")
-                raise
-            self.create_table(name, schema, **options)
-            return {}
-        if kind == "subscribe":
-            grant.require(ADMIN, "subscribe to", [str(body.get("topic"))])
-            topic = self._table(body.pop("topic"))
-            if not isinstance(topic, Topic):
-                raise ValueError(f"{topic.name!r} is a streaming table, not a topic")
-            try:
-                options = self.limits.check_queue_options(body)
-            except ResourceLimitError:
-                self.usage.refused("table_options")
-                raise
-            options["start"] = protocol.start_value(options.get("start", "now"))
-            topic.subscribe(self.ctx, options.pop("name"), **options)
-            return {}
-        if kind == "offsets":
-            grant.require((READ, WRITE), "read the offsets of", [str(body["name"])])
-            return self._durable(body["name"]).offsets()
-        if kind == "consumed":
-            grant.require(READ, "read", [str(body["name"])])
-            self._durable(body["name"]).consumed(str(body["consumer"]), int(body["offset"]))
-            return {}
-        if kind == "producer":
-            grant.require(WRITE, "push to", [str(body["name"])])
-            log = self._durable(body["name"]).durable
-            assert log is not None
-            return {"sequence": log.last_sequence(str(body["producer_id"]))}
-        if kind == "close":
-            grant.require(WRITE, "close", [str(body["name"])])
-            self._table(body["name"]).close()
-            return {}
-        if kind == "fail":
-            grant.require(WRITE, "fail", [str(body["name"])])
-            error = errors.RemoteError(str(body["message"]), remote_type=str(body["type"]))
-            self._table(body["name"]).fail(error)
-            return {}
-        if kind == "stats":
-            grant.require((READ, WRITE), "read the stats of", [str(body["name"])])
-            return asdict(self._table(body["name"]).stats)
-        if kind == "tables":
-            grant.require((READ, WRITE), "list tables")
-            out = []
-            with self._lock:
-                for n, p in self._tables.items():
-                    if grant.covers(n):
-                        report = p.metrics_report()
-                        batches, nbytes = report.bound_batches, report.bound_bytes
-                        out.append(
-                            {
-                                "name": n,
-                                "topic": isinstance(p, Topic),
-                                "durable": isinstance(p, Topic) and p.durable is not None,
-                                "schema": protocol.schema_bytes(p.schema),
-                                "bound_batches": batches,  # for a queue's fill
-                                "bound_bytes": nbytes,
-                            }
-                        )
-            return out
-        if kind == "publish":
-            grant.require(ADMIN, "publish an epoch to", [str(body["table"])])
-            return self._publish(body)
-        if kind == "discard":
-            grant.require(ADMIN, "discard staged shares of", [str(body["table"])])
-            return self._discard(body)
-        if kind == "published":
-            grant.require(ADMIN, "read the published epoch of", [str(body["table"])])
-            return {"epoch": self.published_epoch(str(body["table"]), str(body["query"]))}
-        raise ValueError(f"unknown action {kind!r}; expected one of {', '.join(protocol.ACTIONS)}")
+        return out
+
+    def _published_epoch_of(self, req: actions.Epochs, grant: Grant) -> Any:
+        return {"epoch": self.published_epoch(req.table, req.query)}
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -409,6 +406,24 @@ class Server(Ingest, Queries, flight.FlightServerBase):  # type: ignore[misc]
                 finalizer.detach()
             return max(open_calls, 1)
         return 0
+
+
+#: Each action's handler (the action table, its roles and requests: pushtable.flight.actions).
+_HANDLERS: dict[str, Callable[[Server, Any, Grant], Any]] = {
+    "create_table": Server._create_table,
+    "subscribe": Server._subscribe,
+    "close": Server._close,
+    "fail": Server._fail,
+    "stats": Server._stats,
+    "tables": Server._tables_of,
+    "publish": lambda server, req, grant: server._publish(req),
+    "published": Server._published_epoch_of,
+    "offsets": Server._offsets,
+    "producer": Server._producer,
+    "consumed": Server._consumed,
+    "discard": lambda server, req, grant: server._discard(req),
+}
+assert _HANDLERS.keys() == actions.ACTIONS.keys(), "an action without a handler, or the reverse"
 
 
 def _read_config(path: str | Path) -> dict[str, Any]:
