@@ -48,10 +48,11 @@ def orphaned_files(uri: Path) -> int:
     return len(on_disk - referenced)
 
 
-def crash_chain(tmp: Path, crashes: list[tuple[str, int]], path: str) -> None:
+def crash_chain(tmp: Path, crashes: list[tuple[str, int]], path: str) -> int:
     """Run the stream into ``tmp/out.lance``, crashing at each (step, epoch) in turn, then
     once more to the end: every run but the last must die at its step (proof the step was
-    reached), the last must finish."""
+    reached), the last must finish. Returns the rows the last run's live reader counted
+    (-1: it had no live table)."""
     src, uri, chk = tmp / "src", tmp / "out.lance", tmp / "chk"
     write_epochs(src, EPOCHS, ROWS)
     for step, epoch in crashes:
@@ -59,6 +60,14 @@ def crash_chain(tmp: Path, crashes: list[tuple[str, int]], path: str) -> None:
         assert crashed.returncode == CRASH_EXIT, f"{step}@{epoch}: {crashed.stdout}{crashed.stderr}"
     restarted = _child(str(src), str(uri), str(chk), "none", "-1", path)
     assert restarted.returncode == 0, restarted.stdout + restarted.stderr
+    (line,) = [x for x in restarted.stdout.splitlines() if x.startswith("live rows ")]
+    return int(line.split()[-1])
+
+
+def live_within_lance(live: int, uri: Path) -> None:
+    """What the last run's live reader saw was pushed after its commit: some rows (that run
+    had epochs left), never more than Lance holds."""
+    assert 0 < live <= len(ids(uri)), (live, len(ids(uri)))
 
 
 def exactly_once(uri: Path) -> dict[str, int]:
@@ -75,7 +84,8 @@ def exactly_once(uri: Path) -> dict[str, int]:
 
 
 def crash_and_restart(tmp: Path, step: str, epoch: int, executor: bool) -> dict[str, int]:
-    crash_chain(tmp, [(step, epoch)], "executor" if executor else "driver")
+    live = crash_chain(tmp, [(step, epoch)], "executor" if executor else "driver")
+    live_within_lance(live, tmp / "out.lance")
     return exactly_once(tmp / "out.lance")
 
 
@@ -83,7 +93,8 @@ def crash_and_restart(tmp: Path, step: str, epoch: int, executor: bool) -> dict[
 def test_a_crash_at_every_step_in_turn_keeps_rows_exactly_once(tmp_path: Path) -> None:
     # Epoch k crashes at step k: before Arrow, before the commit (fragments written), after
     # the commit (the replay must be skipped), after the live push (Spark never recorded it).
-    crash_chain(tmp_path, [(step, epoch) for epoch, step in enumerate(STEPS)], "driver")
+    live = crash_chain(tmp_path, [(step, epoch) for epoch, step in enumerate(STEPS)], "driver")
+    live_within_lance(live, tmp_path / "out.lance")
     outcome = exactly_once(tmp_path / "out.lance")
     assert outcome["duplicates"] == 0
     assert outcome["losses"] == 0
