@@ -1,0 +1,85 @@
+"""An idempotent producer whose server stays away longer than ``retry``: a clear
+``ServerUnavailableError`` that says what is kept, and nothing lost or doubled once the server
+is back (a real ``pushtable serve --data-dir`` process, killed with SIGKILL)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from pushtable import ServerUnavailableError
+from pushtable.flight import connect
+from tests.conftest import WAIT
+
+SCHEMA = pa.schema([("v", pa.int64())])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def _server(data_dir: Path, port: int) -> Iterator[subprocess.Popen[str]]:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pushtable",
+            "serve",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(data_dir),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    try:
+        assert proc.stdout is not None
+        assert "listening on" in proc.stdout.readline()
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(WAIT)
+
+
+def test_retry_exhaustion_raises_server_unavailable_and_keeps_the_batches(tmp_path: Path) -> None:
+    port = _free_port()
+    uri = f"grpc://127.0.0.1:{port}"
+    with _server(tmp_path / "data", port) as proc:
+        client = connect(uri, timeout=WAIT)
+        client.create_topic("t", SCHEMA, durable=True)
+        sink = client.sink("t", producer_id="p", retry=1.0)
+        sink.write(pa.record_batch({"v": [1, 2]}, schema=SCHEMA))
+        sink.flush(timeout=WAIT)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(WAIT)
+    with pytest.raises(ServerUnavailableError) as info:
+        sink.write(pa.record_batch({"v": [3]}, schema=SCHEMA))
+        sink.flush(timeout=WAIT)
+    message = str(info.value)
+    assert "stayed unreachable for 1.0s" in message
+    assert "1 batch(es) not acknowledged" in message
+    assert "kept and sent again" in message
+    with _server(tmp_path / "data", port):  # back on its data dir: the next flush resends
+        sink.flush(timeout=WAIT)
+        client = connect(uri, timeout=WAIT)
+        committed = client.offsets("t")["committed"]
+        rows = client.read("t", 0, committed).read_all().column("v").to_pylist()
+        assert rows == [1, 2, 3]  # the first batch once, the kept one once
+        sink.close()
+        client.close()
