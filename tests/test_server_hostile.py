@@ -189,7 +189,16 @@ def _stream(rows: int) -> list[tuple[bytes, bytes]]:
 @given(
     rows=st.integers(1, 3000),
     mutation=st.sampled_from(
-        ["honest", "lie", "schema_change", "garbage_header", "short_body", "no_schema", "junk"]
+        [
+            "honest",
+            "lie",
+            "bad_utf8",
+            "schema_change",
+            "garbage_header",
+            "short_body",
+            "no_schema",
+            "junk",
+        ]
     ),
     junk=blobs,
     stage=st.booleans(),
@@ -209,8 +218,11 @@ def test_raw_ipc_streams_that_lie_are_refused(
     (other_schema, _), (other_header, other_body) = ipc_messages(
         other, [pa.record_batch([pa.array(["x"])], schema=other)]
     )
+    at = body.find(b"v0")  # the first string's bytes: made invalid UTF-8, lengths intact
+    bad_utf8 = body[:at] + b"\xff" + body[at + 1 :]
     messages = {
         "honest": [first, flight_data(header, body)],
+        "bad_utf8": [first, flight_data(header, bad_utf8)],
         "lie": [first, flight_data(lie_about_length(header, rows, rows * 1000 + 7), body)],
         "schema_change": [
             first,
@@ -233,6 +245,8 @@ def test_raw_ipc_streams_that_lie_are_refused(
     if code != "OK":
         assert details.strip()
         assert "Traceback (most recent call last)" not in details, details
-    if mutation == "lie":
+    if mutation in ("lie", "bad_utf8"):
         assert "is not valid Arrow data" in details, details
+    if mutation == "bad_utf8":
+        assert "UTF8" in details or "UTF-8" in details, details
     still_serving(proc, location)
