@@ -9,8 +9,10 @@ import base64
 import json
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
@@ -250,3 +252,26 @@ def test_raw_ipc_streams_that_lie_are_refused(
     if mutation == "bad_utf8":
         assert "UTF8" in details or "UTF-8" in details, details
     still_serving(proc, location)
+
+
+def test_one_batch_far_over_the_table_s_byte_bound_goes_through_alone(tmp_path: Path) -> None:
+    """A 96 MiB batch into a remote table bounded at 1 MiB: written alone (as the docs
+    promise for a batch larger than ``max_bytes``), validated in full, read whole; the table
+    takes a small batch after it."""
+    with (
+        serve_process({}, tmp_path) as (_proc, location),
+        connect(location, timeout=WAIT) as client,
+    ):
+        client.create_table("huge", SCHEMA, capacity=2, max_bytes=1 << 20)
+        result = client.sql("SELECT count(*) AS n, sum(k) AS total FROM huge")
+        reading = Background(result.read_all)
+        rows = 12 << 20  # 96 MiB of int64 keys, one string
+        huge = pa.record_batch(
+            [pa.array(np.arange(rows, dtype=np.int64)), pa.array(["x"] * rows)],
+            schema=SCHEMA,
+        )
+        with client.sink("huge") as sink:
+            sink.write(huge, timeout=WAIT)
+            sink.write(pa.record_batch([pa.array([1]), pa.array(["y"])], schema=SCHEMA))
+        got = reading.join().to_pydict()
+    assert got == {"n": [rows + 1], "total": [rows * (rows - 1) // 2 + 1]}
