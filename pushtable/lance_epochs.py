@@ -95,7 +95,8 @@ def _normalise(t: pa.DataType) -> pa.DataType:
 
 
 def conform_to(table: pa.Table, target: pa.Schema) -> pa.Table:
-    """Cast ``table`` to ``target``; a new, missing or retyped column raises SchemaDriftError."""
+    """Cast ``table`` to ``target``; a new, missing or retyped column, or nulls in a NOT NULL
+    one, raise SchemaDriftError naming the column."""
     if table.schema.equals(target):
         return table  # the common case (every epoch after the first): nothing to check or copy
     have = {f.name: f for f in table.schema}
@@ -114,6 +115,12 @@ def conform_to(table: pa.Table, target: pa.Schema) -> pa.Table:
         if _normalise(got) != _normalise(field.type):
             raise SchemaDriftError(
                 f"column '{field.name}' has type {got} in this epoch, the dataset has {field.type}"
+            )
+        if not field.nullable and table.column(field.name).null_count:
+            nulls = table.column(field.name).null_count
+            raise SchemaDriftError(
+                f"column '{field.name}' is NOT NULL in the target but {nulls} row(s) of this "
+                "epoch have no value there: fill or filter them before the sink"
             )
     return table.select(target.names).cast(target)
 

@@ -262,3 +262,44 @@ def test_a_failed_batch_is_aborted_its_shares_dropped_and_a_restart_lands_it_onc
     client.sink("events").close()
     assert reader.join(timeout=WAIT) == expected(range(2))
     assert ids(uri) == expected(range(2))
+
+
+@pytest.mark.spark
+def test_sink_refuses_nulls_for_a_not_null_column_and_a_batch_over_the_staging_limit(
+    pushtable_spark: SparkSession, tmp_path: Path
+) -> None:
+    """A micro-batch with nulls where the live table says NOT NULL, and one bigger than the
+    server lets a query stage: the query fails naming the column or the limit, and the
+    table takes nothing of it."""
+    from pushtable.flight import Limits
+
+    src = tmp_path / "src"
+    write_epochs(src, 1, rows=ROWS)
+    server = Server(limits=Limits(max_staged_bytes_per_query=256))
+    try:
+        client = connect(server.location)
+        strict = pa.schema([pa.field("id", pa.int64(), nullable=False), ("level", pa.string())])
+        client.create_table("strict", strict)
+        client.create_table("events", ARROW)
+
+        def start(table: str, chk: str, nulls: bool) -> None:
+            df = stream(pushtable_spark, src)
+            if nulls:
+                df = df.selectExpr("CASE WHEN id % 2 = 0 THEN NULL ELSE id END AS id", "level")
+            writer = (
+                df.writeStream.format("pushtable")
+                .option("uri", server.location)
+                .option("table", table)
+                .option("checkpointLocation", str(tmp_path / chk))
+            )
+            finish(writer.trigger(availableNow=True).start())
+
+        with pytest.raises(StreamingQueryException, match="column 'id' is NOT NULL in the target"):
+            start("strict", "chk-strict", nulls=True)
+        with pytest.raises(StreamingQueryException, match="max_staged_bytes_per_query"):
+            start("events", "chk-events", nulls=False)
+        for name in ("strict", "events"):
+            assert client.stats(name)["rows"] == 0, name
+        client.close()
+    finally:
+        server.stop()
