@@ -12,7 +12,9 @@ import textwrap
 from pathlib import Path
 
 import lance
+import pyarrow as pa
 import pytest
+from pyspark.errors import PythonException
 from pyspark.sql import DataFrame, SparkSession
 
 from pushtable.flight import Client, Server, connect
@@ -254,3 +256,47 @@ def test_spark_connect_with_a_task_that_fails_once(
     client.sink("events_types").close()
     assert types.join(timeout=WAIT) == want
     assert lance_rows(tmp_path / "types" / "out.lance") == want
+
+
+@pytest.mark.spark
+@pytest.mark.parametrize("push", ["executors", "driver"])
+def test_a_not_null_violation_and_an_over_limit_epoch_are_refused_and_retryable(
+    spark: SparkSession, tmp_path: Path, push: str
+) -> None:
+    """Through ``RemoteBridge``: an epoch with nulls where the table says NOT NULL fails
+    naming the column, one over the server's staging limit names the limit; neither writes
+    anything, and a good epoch then lands once."""
+    from pushtable import ResourceLimitError, SchemaDriftError
+    from pushtable.flight import Limits
+
+    server = Server(limits=Limits(max_staged_bytes_per_query=4096))
+    try:
+        client = connect(server.location)
+        strict = pa.schema([pa.field("id", pa.int64(), nullable=False), ("level", pa.string())])
+        client.create_table("strict", strict)
+        bridge = RemoteBridge(server.location, "strict", query_id="q", push=push)  # type: ignore[arg-type]
+        nulls = epoch_df(spark, 0).selectExpr(
+            "CASE WHEN id % 2 = 0 THEN NULL ELSE id END AS id", "level"
+        )
+        # On executors Spark hands the task's error back as its PythonException, with the
+        # class and message the task raised.
+        on_driver = push == "driver"
+        with pytest.raises(
+            SchemaDriftError if on_driver else PythonException,
+            match=r"SchemaDriftError: column 'id' is NOT NULL|^column 'id' is NOT NULL",
+        ):
+            bridge(nulls, 0)
+        big = spark.range(0, 5000, numPartitions=1).selectExpr("id", "repeat('x', 100) AS level")
+        with pytest.raises(
+            ResourceLimitError if on_driver else PythonException,
+            match="max_staged_bytes_per_query",
+        ):
+            bridge(big, 0)
+        assert client.stats("strict")["rows"] == 0
+        reader = live_ids(client, "strict")
+        bridge(epoch_df(spark, 0), 0)
+        bridge.close()
+        assert reader.join() == expected(range(1))
+        client.close()
+    finally:
+        server.stop()
