@@ -474,3 +474,61 @@ def test_durable_topics_need_a_data_dir(tmp_path: Path) -> None:
             connect(server.location).create_topic("t", SCHEMA, durable=True)
     finally:
         server.stop()
+
+
+def test_upkeep_while_writes_go_on_keeps_every_row_once_and_the_tagged_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Compaction and version cleanup run while a producer writes: a batch is appended while
+    upkeep runs (once, a commit that landed during a compaction had Lance rebase the
+    compaction over it and the rows came back out of offset order: its commit now waits), old
+    versions go, the tag names the newest stamped commit, and every row is read back once,
+    in order, before and after a restart."""
+    from datetime import timedelta
+
+    from pushtable import lance_commits
+    from pushtable.durable.store import TAG
+
+    path = tmp_path / "t.lance"
+    topic = Topic(
+        "t", SCHEMA, persist=path, upkeep_interval=None, keep_versions=timedelta(0), retain=0
+    )
+    for i in range(20):  # many small fragments to compact
+        topic.write(rows(2 * i))
+        topic.flush(timeout=WAIT)
+    upkeep_opened, appended = threading.Event(), threading.Event()
+    real_upkeep = lance_commits.upkeep
+
+    def upkeep_after_an_append(uri: str, **kwargs: object) -> None:
+        upkeep_opened.set()
+        assert appended.wait(WAIT), "no batch was appended during upkeep"
+        real_upkeep(uri, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(lance_commits, "upkeep", upkeep_after_an_append)
+
+    def produce() -> None:
+        assert upkeep_opened.wait(WAIT)
+        for i in range(20, 30):
+            topic.write(rows(2 * i))  # accepted now; its commit comes after upkeep
+            appended.set()
+            topic.flush(timeout=WAIT)
+
+    producer = Background(produce)
+    log = topic.durable
+    assert log is not None
+    log.upkeep()
+    producer.join()
+    log.upkeep()  # once more, with nothing in between: compaction settles
+    ds = lance.dataset(str(path))
+    assert ds.tags.list()[TAG]["version"] == log.store.recover().version
+    assert len(ds.versions()) <= 3  # cleanup ran: not one version per commit (30+)
+    assert len(ds.get_fragments()) < 30  # compaction ran: not one fragment per commit
+    committed = topic.offsets()["committed"]
+    assert committed == 30
+    keys = list(range(60))
+    assert topic.read(0, committed).read_all().column("k").to_pylist() == keys
+    topic.close()
+    again = Topic.reopen(path, upkeep_interval=None)
+    assert again.offsets()["next"] == 30
+    assert again.read(0, 30).read_all().column("k").to_pylist() == keys
+    again.close()

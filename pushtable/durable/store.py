@@ -15,6 +15,7 @@ import dataclasses
 import json
 import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -140,6 +141,10 @@ class LogStore:
         #: fragments' bounds by their first data file (a fragment's files never change;
         #: compaction writes new ones)
         self._bounds: dict[str, _Bounds] = {}
+        #: held by each commit and by upkeep: a commit that landed while a compaction was
+        #: in flight had Lance rebase the compaction over it, and the rows came out of
+        #: offset order (the rebased compaction's fragment after the appended ones).
+        self._committing = threading.Lock()
         ds = self._open()
         if ds is None:
             stamps = [pa.field(OFFSET, pa.int64(), False), pa.field(TIMESTAMP, _TIME_TYPE, False)]
@@ -206,13 +211,14 @@ class LogStore:
         return int(self._ds.version)
 
     def _commit(self, transaction: Any) -> lance.LanceDataset:
-        new = lance_commits.commit(
-            self._ds,
-            transaction,
-            storage_options=self.storage_options,
-            retries=6,  # upkeep committed meanwhile: Lance rebases, or we retry
-            sync=self.sync,
-        )
+        with self._committing:
+            new = lance_commits.commit(
+                self._ds,
+                transaction,
+                storage_options=self.storage_options,
+                retries=6,  # another writer of the dataset committed meanwhile
+                sync=self.sync,
+            )
         assert isinstance(new, lance.LanceDataset)
         return new
 
@@ -337,25 +343,27 @@ class LogStore:
         """Compact small fragments into larger ones and remove versions older than
         ``keep_versions`` (the newest stamped commit is tagged first, so cleanup keeps what
         a restart reads). Compaction writes its new files before cleanup removes the old: it
-        is skipped when the small fragments' bytes do not fit in ``room``. Commits may run
-        meanwhile: Lance rebases them over the compaction. It uses handles of its own: the
-        committer's must not be touched from this thread. With ``spare_oldest`` (a topic with
-        retention) the oldest half of the fragments is left alone: retention deletes from
-        there, and a compaction that lost that race would leave its files behind."""
+        is skipped when the small fragments' bytes do not fit in ``room``. No commit lands
+        while it runs: commits wait for it (they write their fragments meanwhile), as a
+        compaction rebased over an append put rows out of offset order. It uses handles of
+        its own: the committer's must not be touched from this thread. With ``spare_oldest``
+        (a topic with retention) the oldest half of the fragments is left alone: retention
+        deletes from there."""
         ds = self._open()
         if ds is None:
             return
         compact = room is None or _small_bytes(ds) <= room
         if not compact:
             log.info("upkeep of %s skips compaction: %s bytes of room left", self.uri, room)
-        lance_commits.upkeep(
-            self.uri,
-            compact=compact,
-            exclude=_oldest_half if spare_oldest else None,
-            keep={TAG: self.recover().version},
-            older_than=keep_versions,
-            storage_options=self.storage_options,
-        )
+        with self._committing:  # no commit while compaction is in flight (see __init__)
+            lance_commits.upkeep(
+                self.uri,
+                compact=compact,
+                exclude=_oldest_half if spare_oldest else None,
+                keep={TAG: self.recover().version},
+                older_than=keep_versions,
+                storage_options=self.storage_options,
+            )
 
     def disk_bytes(self) -> int:
         """Bytes the dataset's files take on disk now (local datasets)."""
