@@ -161,10 +161,11 @@ class TopicStats(SinkStats):
     has still to read, plus the retention window); ``subscribers`` are the live ones;
     ``detached`` counts subscribers cut loose for falling behind. A durable topic adds its
     offsets (``next_offset``; every offset below ``committed_offset`` is stored), what waits
-    for a commit (``pending_batches``/``pending_bytes``), ``commits``, ``commit_failures``,
-    ``consumers`` (each consumer's position, e.g. a Spark query's: see ``consumed``),
-    ``earliest_offset`` (retention deleted what is below it) and ``expirations`` (its
-    deletions).
+    for a commit (``pending_batches``/``pending_bytes``), the committed batches kept in memory
+    within ``retain``/``retain_bytes`` (``retained_batches``/``retained_bytes``), ``commits``,
+    ``commit_failures``, ``consumers`` (each consumer's position, e.g. a Spark query's: see
+    ``consumed``), ``earliest_offset`` (retention deleted what is below it) and
+    ``expirations`` (its deletions).
     """
 
     subscribers: int = 0
@@ -174,6 +175,8 @@ class TopicStats(SinkStats):
     committed_offset: int = 0
     pending_batches: int = 0
     pending_bytes: int = 0
+    retained_batches: int = 0
+    retained_bytes: int = 0
     commits: int = 0
     commit_failures: int = 0
     consumers: dict[str, int] = field(default_factory=dict)

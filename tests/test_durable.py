@@ -532,3 +532,30 @@ def test_upkeep_while_writes_go_on_keeps_every_row_once_and_the_tagged_commit(
     assert again.offsets()["next"] == 30
     assert again.read(0, 30).read_all().column("k").to_pylist() == keys
     again.close()
+
+
+def test_retain_bytes_bounds_the_committed_batches_kept_in_memory(tmp_path: Path) -> None:
+    """A durable topic keeps its newest committed batches in memory within ``retain_bytes``
+    (history beyond them is read from Lance): the stats show the bound held, and a
+    subscription from an offset below the kept batches reads every row once, in order."""
+    batches = [rows(100 * i, 100) for i in range(10)]
+    sizes = [b.get_total_buffer_size() for b in batches]
+    bound = sum(sizes[-3:])  # the newest three fit, four do not
+    topic = Topic("t", SCHEMA, persist=tmp_path / "t.lance", retain_bytes=bound)
+    for b in batches:
+        topic.write(b)
+    topic.flush(timeout=WAIT)
+    stats = topic.stats
+    assert (stats.retained_batches, stats.retained_bytes) == (3, bound)
+    ctx = SessionContext()
+    topic.subscribe(ctx, "from2", start=2)  # offsets 2..6 from Lance, 7..9 from memory
+    topic.write(rows(1000, 100))
+    topic.close()
+    got = ctx.sql("SELECT k FROM from2").to_pydict()["k"]
+    assert got == [*range(200, 1000), *range(1000, 1100)]
+    assert topic.stats.retained_bytes <= bound
+    none = Topic("n", SCHEMA, persist=tmp_path / "n.lance", retain_bytes=0)
+    none.write(rows(0, 100))
+    none.flush(timeout=WAIT)
+    assert (none.stats.retained_batches, none.stats.retained_bytes) == (0, 0)
+    none.close()

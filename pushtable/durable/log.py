@@ -634,6 +634,8 @@ class DurableLog:
                 "committed_offset": self._committed,
                 "pending_batches": len(self._pending),
                 "pending_bytes": self._pending_bytes,
+                "retained_batches": len(self._tail),
+                "retained_bytes": self._tail_bytes,
                 "earliest_offset": self._earliest,
                 "commits": self.commits,
                 "commit_failures": self.commit_failures,
