@@ -297,3 +297,31 @@ def test_an_updating_aggregate_is_a_table_that_updates_in_place(tmp_path: Path) 
         if browser is not None:
             browser.quit()
         server.stop()
+
+
+def test_stop_ends_the_page_s_query_on_the_server(tmp_path: Path) -> None:
+    """The page's Stop aborts its request, and the server's query ends with it (no remote
+    query left running for a page nobody reads); the page says where it stopped."""
+    from selenium.webdriver.common.by import By
+
+    from tests.conftest import wait_until
+
+    server = _serve_with_tokens(tmp_path)
+    browser = None
+    try:
+        assert server.ui_url is not None
+        sink = server.create_table("events", SCHEMA, capacity=4)
+        sink.write(rows(0, [1, 2, 3]))
+        browser = _browser()
+        wait = run_query_on_the_page(browser, server.ui_url, "SELECT k FROM events")
+        wait.until(lambda b: "3 row(s) so far" in text_of(b, "#status"))
+        assert server.metrics_report().queries == 1
+        browser.find_element(By.ID, "stop").click()
+        wait.until(lambda b: "stopped after 3 row(s)" in text_of(b, "#status"))
+        wait_until(lambda: server.metrics_report().queries == 0, "the server's query to end")
+        assert browser.find_element(By.ID, "run").is_enabled()
+        assert not browser.find_element(By.ID, "stop").is_enabled()
+    finally:
+        if browser is not None:
+            browser.quit()
+        server.stop()

@@ -16,6 +16,7 @@ log apply exactly as to any other client.
 from __future__ import annotations
 
 import json
+import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from importlib import resources
@@ -28,12 +29,14 @@ import pyarrow as pa
 
 from pushtable import metrics
 from pushtable.errors import PermissionDeniedError, UnauthenticatedError
-from pushtable.flight.client import Client, connect
+from pushtable.flight.client import Client, RemoteResult, connect
 from pushtable.flight.query import UPSERT_KEY
 
 Start = Callable[[str, list[tuple[str, str]]], Any]
 #: a query's rows are sent at most this many per message, and the page keeps the last 1,000
 ROWS_PER_MESSAGE = 500
+#: seconds between two lines of a query's stream while no row comes (see :func:`_stream`)
+HEARTBEAT_S = 1.0
 
 
 class _Server(ThreadingMixIn, WSGIServer):
@@ -161,18 +164,60 @@ class UiApp:
             if key is not None:  # an updating aggregate: the page replaces rows by key
                 head["key"] = [schema.names.index(name) for name in json.loads(key)]
             yield _line(head)
-            try:
-                for batch in result:
-                    for at in range(0, batch.num_rows, ROWS_PER_MESSAGE):
-                        yield _line({"rows": _rows(batch.slice(at, ROWS_PER_MESSAGE))})
-            except Exception as exc:  # noqa: BLE001
-                yield _line({"error": str(exc)})
-                return
-            yield _line({"end": True})
+            yield from _stream(result)
         finally:  # the page went away or asked another query: stop this one on the server
             if result is not None:
                 result.cancel()
             client.close()
+
+
+def _stream(result: RemoteResult) -> Iterator[bytes]:
+    """The result's rows as lines, then the end (or the error); while no row comes, a line
+    every ``HEARTBEAT_S`` seconds. A page that went away is noticed only when a write to it
+    fails: without the heartbeat a query waiting for rows would outlive its page for good.
+    The result is read on a thread of this call's own, stopped and joined when it ends."""
+    items: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=4)
+    stopped = threading.Event()
+
+    def offer(item: tuple[str, Any]) -> bool:
+        while not stopped.is_set():
+            try:
+                items.put(item, timeout=HEARTBEAT_S)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def pump() -> None:
+        try:
+            for batch in result:
+                if not offer(("batch", batch)):
+                    return
+            offer(("end", None))
+        except Exception as exc:  # noqa: BLE001 - handed to the page
+            offer(("error", exc))
+
+    reader = threading.Thread(target=pump, name="pushtable-ui-query", daemon=True)
+    reader.start()
+    try:
+        while True:
+            try:
+                kind, item = items.get(timeout=HEARTBEAT_S)
+            except queue.Empty:
+                yield _line({"alive": True})
+                continue
+            if kind == "end":
+                yield _line({"end": True})
+                return
+            if kind == "error":
+                yield _line({"error": str(item)})
+                return
+            for at in range(0, item.num_rows, ROWS_PER_MESSAGE):
+                yield _line({"rows": _rows(item.slice(at, ROWS_PER_MESSAGE))})
+    finally:
+        stopped.set()
+        result.cancel()
+        reader.join(HEARTBEAT_S * 4)
 
 
 def _error(start: Start, status: str, exc: BaseException) -> list[bytes]:
