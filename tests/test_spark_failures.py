@@ -17,7 +17,7 @@ from pyspark.sql.functions import udf
 
 from pushtable import SessionContext
 from pushtable.spark import ForeachBatchBridge
-from tests.conftest import query
+from tests.conftest import Background, query
 from tests.spark_support import ARROW, DDL, QUERY_WAIT, age, ids, run, stream, write_epochs
 
 pytestmark = pytest.mark.spark
@@ -89,19 +89,30 @@ def test_stop_with_an_epoch_in_flight_leaves_lance_consistent(
     live = ctx.register_streaming_table("events", ARROW)
     reader = query(ctx, "SELECT count(*) AS n FROM events")
     bridge = ForeachBatchBridge(sinks=[live], lance_uri=uri)
-    in_flight, finished = threading.Event(), threading.Event()
+    in_flight, stopping, stopped, finished = (threading.Event() for _ in range(4))
+    held_through_stop: list[bool] = []
 
     def hold(step: str, epoch: int) -> None:
         if step == "before_commit" and epoch == 1:
             in_flight.set()
-            time.sleep(1.0)  # Spark is told to stop while this epoch is mid-way
+            # Spark is told to stop while this epoch is mid-way: its stop() is called (and
+            # cannot return: Spark waits for the batch) before the epoch goes on.
+            held_through_stop.append(stopping.wait(QUERY_WAIT) and not stopped.is_set())
         if step == "after_push" and epoch == 1:
             finished.set()
 
     bridge.fault = hold
     q = _start(spark, stream(spark, src), bridge, chk)
     assert in_flight.wait(QUERY_WAIT)
-    q.stop()  # type: ignore[attr-defined]
+
+    def stop() -> None:
+        stopping.set()
+        q.stop()  # type: ignore[attr-defined]
+        stopped.set()
+
+    stopper = Background(stop)
+    stopper.join(timeout=QUERY_WAIT)
+    assert held_through_stop == [True]  # the interleaving the test is about happened
     n = reader.join(timeout=QUERY_WAIT)["n"][0]  # stop() is a normal end: the reader finishes
     # Spark abandons the callback; let it run to its end before looking and restarting.
     assert finished.wait(QUERY_WAIT)
