@@ -35,12 +35,21 @@ def test_random_schemas_round_trip_through_a_durable_topic(
         for b in batches:
             topic.write(b)
         topic.flush(timeout=WAIT)
-        want = pa.Table.from_batches(batches, schema=schema)
-        assert topic.read(0, len(batches)).read_all().equals(want)
+        # Values, not buffers: Lance re-encodes a dictionary column (one dictionary).
+        want = pa.Table.from_batches(batches, schema=schema).to_pylist()
+
+        def stored(t: Topic) -> list[dict[str, object]]:
+            table = t.read(0, len(batches)).read_all()
+            assert table.schema.equals(schema)
+            rows: list[dict[str, object]] = table.to_pylist()
+            return rows
+
+        assert stored(topic) == want
         topic.close()
-        assert ctx.sql("SELECT * FROM live").to_arrow_table().cast(schema).equals(want)
+        live = ctx.sql("SELECT * FROM live").to_arrow_table().to_pylist()
+        assert sorted(map(repr, live)) == sorted(map(repr, want))  # a scan's order is free
         again = Topic.reopen(path, upkeep_interval=None)
         assert again.schema.equals(schema)
         assert again.offsets()["next"] == len(batches)
-        assert again.read(0, len(batches)).read_all().equals(want)
+        assert stored(again) == want
         again.close()
