@@ -116,12 +116,19 @@ def client(server: Server) -> Iterator[Client]:
 
 
 @contextlib.contextmanager
-def serve_process(config: dict[str, Any], directory: Path) -> Iterator[tuple[Any, str]]:
-    """``pushtable serve --config`` in a child process; yields (process, location)."""
+def serve_process(
+    config: dict[str, Any], directory: Path, *args: str, port: int = 0
+) -> Iterator[tuple[Any, str]]:
+    """``pushtable serve --config`` (and ``args``) in a child process on ``port`` (0: any
+    free one); yields (process, location)."""
     path = directory / "serve.json"
     path.write_text(json.dumps(config))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pushtable", "serve", "--port", "0", "--config", str(path)],
+        [
+            sys.executable,
+            *("-m", "pushtable", "serve", "--port", str(port), "--config", str(path)),
+            *args,
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -133,11 +140,12 @@ def serve_process(config: dict[str, Any], directory: Path) -> Iterator[tuple[Any
         assert line.startswith("pushtable serve: listening on grpc://127.0.0.1:"), line
         yield proc, line.split("listening on ")[1].split()[0]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(WAIT)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(WAIT)
+            except subprocess.TimeoutExpired:
+                proc.kill()
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any) -> None:

@@ -4,11 +4,9 @@ is back (a real ``pushtable serve --data-dir`` process, killed with SIGKILL)."""
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
-import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,7 +16,7 @@ import pytest
 
 from pushtable import ServerUnavailableError
 from pushtable.flight import connect
-from tests.conftest import WAIT
+from tests.conftest import WAIT, serve_process
 
 SCHEMA = pa.schema([("v", pa.int64())])
 
@@ -31,30 +29,8 @@ def _free_port() -> int:
 
 @contextmanager
 def _server(data_dir: Path, port: int) -> Iterator[subprocess.Popen[str]]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pushtable",
-            "serve",
-            "--port",
-            str(port),
-            "--data-dir",
-            str(data_dir),
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    try:
-        assert proc.stdout is not None
-        assert "listening on" in proc.stdout.readline()
+    with serve_process({}, data_dir.parent, "--data-dir", str(data_dir), port=port) as (proc, _):
         yield proc
-    finally:
-        if proc.poll() is None:
-            proc.terminate()
-            proc.wait(WAIT)
 
 
 def test_retry_exhaustion_raises_server_unavailable_and_keeps_the_batches(tmp_path: Path) -> None:
