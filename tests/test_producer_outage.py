@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 import socket
 import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -51,8 +52,16 @@ def test_retry_exhaustion_raises_server_unavailable_and_keeps_the_batches(tmp_pa
     assert "stayed unreachable for 1.0s" in message
     assert "1 batch(es) not acknowledged" in message
     assert "kept and sent again" in message
-    with _server(tmp_path / "data", port):  # back on its data dir: the next flush resends
-        sink.flush(timeout=WAIT)
+    with _server(tmp_path / "data", port):  # back on its data dir: a flush resends
+        # gRPC's channel waits out its reconnect backoff (which grew during the outage)
+        # before it tries the server again: a flush inside it gives up after ``retry`` again.
+        deadline = time.monotonic() + WAIT
+        while True:
+            try:
+                sink.flush(timeout=WAIT)
+                break
+            except ServerUnavailableError:
+                assert time.monotonic() < deadline, "the server never became reachable again"
         client = connect(uri, timeout=WAIT)
         committed = client.offsets("t")["committed"]
         rows = client.read("t", 0, committed).read_all().column("v").to_pylist()
