@@ -77,8 +77,10 @@ def order_columns(order_by: str | Sequence[str] | None, late: str) -> list[str]:
 
 
 def delay_units(schema: pa.Schema, order: list[str], max_delay: Any) -> int | None:
-    """``max_delay`` (a ``timedelta``, or an ``int`` in the column's own units) as an integer
-    in the scale of the order column's values."""
+    """``max_delay`` as an integer in the scale of the order column's values.
+
+    ``max_delay`` is a ``timedelta``, or an ``int`` in the column's own units.
+    """
     if max_delay is None:
         return None
     if len(order) != 1:
@@ -202,10 +204,12 @@ class SessionContext(datafusion.SessionContext):
     """
 
     def __init__(self, *args: Any, memory_limit: int | None = None, **kwargs: Any) -> None:
-        """``memory_limit`` (bytes) gives the session a fair memory pool with no spilling to
-        disk, for datafusion-python's queries and the live engine's alike: a query over its
-        share fails with "Resources exhausted" (the others go on). Otherwise the arguments
-        are datafusion's (``config``, ``runtime``)."""
+        """``memory_limit`` (bytes) gives the session a fair memory pool with no spilling to disk.
+
+        The pool serves datafusion-python's queries and the live engine's alike: a query over
+        its share fails with "Resources exhausted" (the others go on). Otherwise the arguments
+        are datafusion's (``config``, ``runtime``).
+        """
         if memory_limit is not None:
             if "runtime" in kwargs or len(args) > 1:
                 raise ValueError("pass memory_limit or a runtime, not both")
@@ -351,7 +355,8 @@ def _lance_provider(table: Any) -> Any:
     """``table`` itself, or Lance's DataFusion provider for a ``lance.LanceDataset``.
 
     datafusion-python would otherwise take a Lance dataset for a pyarrow dataset and fail
-    at query time with a TypeError from inside Lance's scanner."""
+    at query time with a TypeError from inside Lance's scanner.
+    """
     lance = sys.modules.get("lance")  # a LanceDataset means lance is already imported
     if lance is not None and isinstance(table, lance.LanceDataset):
         return lance.FFILanceTableProvider(table)

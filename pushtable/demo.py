@@ -38,12 +38,16 @@ DEFAULT_SQL = (
 
 
 class LiveQueryFailed(RuntimeError):
-    """The demo's live query failed (a bad ``--sql``, say): raised as soon as it does, with
-    Spark's query stopped, instead of after Spark's last epoch."""
+    """The demo's live query failed (a bad ``--sql``, say): raised as soon as it does.
+
+    Spark's query is stopped, rather than the error waiting for Spark's last epoch.
+    """
 
 
 @dataclass(frozen=True)
 class DemoResult:
+    """What one demo run did: its epochs, the rows the live table and Lance took, and more."""
+
     epochs: int
     #: rows the live query counted (its ``events`` column summed), or rows the table took
     live_rows: int
@@ -55,6 +59,7 @@ class DemoResult:
 
     @property
     def matched(self) -> bool:
+        """Whether the live query and Lance have the same number of rows."""
         return self.live_rows == self.lance_rows
 
 
@@ -158,12 +163,14 @@ def run(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity: int) ->
 
 
 def run_connect(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity: int) -> DemoResult:
-    """The demo over the network: Spark Connect (``remote("local[2]")``) runs the stream into
-    ``writeStream.format("pushtable")``: the executors stage each micro-batch on a ``pushtable
-    serve`` server and write its Lance fragments, the driver commits Lance and publishes the
-    batch once; the server stamps it with its epoch and advances the table's watermark as it
-    publishes it, and the live SQL result streams back to this process over Arrow Flight,
-    one epoch at a time."""
+    """The demo over the network: Spark Connect streams into ``writeStream.format("pushtable")``.
+
+    Spark Connect (``remote("local[2]")``) runs the stream; the executors stage each
+    micro-batch on a ``pushtable serve`` server and write its Lance fragments, the driver
+    commits Lance and publishes the batch once; the server stamps it with its epoch and
+    advances the table's watermark as it publishes it, and the live SQL result streams back
+    to this process over Arrow Flight, one epoch at a time.
+    """
     import lance
     from rich.console import Console
     from rich.live import Live
@@ -331,8 +338,10 @@ def _print_live(
 
 
 def _start(spark: Any, out: Path, checkpoint: Path, sink: Callable[[Any], Any]) -> Any:
-    """The demo's streaming query: one generated file per epoch into the writer that
-    ``sink`` makes of Spark's ``DataStreamWriter``."""
+    """The demo's streaming query: one generated file per epoch, into the writer ``sink`` makes.
+
+    ``sink`` makes that writer of Spark's ``DataStreamWriter``.
+    """
     stream = (
         spark.readStream.schema(SPARK_DDL)
         .option("maxFilesPerTrigger", 1)

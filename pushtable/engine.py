@@ -44,8 +44,10 @@ def split_emit_changes(sql: str) -> tuple[str, bool]:
 
 
 def engine_threads() -> int:
-    """The live engine's worker threads: ``PUSHTABLE_ENGINE_THREADS`` if set, else the cores
-    this process may use (``available_parallelism``: its CPU affinity and cgroup quota).
+    """The live engine's worker threads: ``PUSHTABLE_ENGINE_THREADS``, else the usable cores.
+
+    Without that setting, the cores this process may use (``available_parallelism``: its CPU
+    affinity and cgroup quota).
 
     The engine starts its runtime when the first live query is planned, with this many
     threads, for the life of the process; a setting that is not a whole number >= 1 raises
@@ -62,9 +64,11 @@ def engine_threads() -> int:
 
 @dataclass(frozen=True)
 class LiveState:
-    """The state one kind of stateful live operator holds in this process, summed over its
-    running queries: what grows with the keys (or sessions) a query has seen, within each
-    query's ``memory_limit``."""
+    """The state one kind of stateful live operator holds in this process, over its queries.
+
+    Summed over its running queries, it is what grows with the keys (or sessions) a query has
+    seen, within each query's ``memory_limit``.
+    """
 
     #: the operator (``UpdatingAggregateExec``: an updating ``GROUP BY``;
     #: ``SessionWindowExec``: Spark's ``session_window``)
@@ -78,8 +82,9 @@ class LiveState:
 
 
 def live_state() -> list[LiveState]:
-    """The state the live engine's stateful operators hold now, one entry per kind (also
-    served as Prometheus gauges: ``pushtable_live_state_groups``/``_bytes``).
+    """The state the live engine's stateful operators hold now, one entry per kind.
+
+    It is also served as Prometheus gauges: ``pushtable_live_state_groups``/``_bytes``.
 
     Example:
         >>> import pyarrow as pa
@@ -114,6 +119,7 @@ class TableSources:
     memory_limit: int | None = None
 
     def forget(self, name: str) -> None:
+        """Forget how ``name`` was registered, whichever way it was."""
         self.live.pop(name, None)
         self.providers.pop(name, None)
         self.memory.discard(name)
@@ -154,10 +160,11 @@ def _register(
 def plan_live(
     ctx: datafusion.SessionContext, sources: TableSources, sql: str
 ) -> _native.LivePlan | None:
-    """Plan ``sql`` with the engine when it needs it (it uses a live table's order, or holds
-    an updating aggregate, or ends with ``EMIT CHANGES``); None when it reads no live table,
-    when the engine is not needed, or when the engine cannot plan it (datafusion-python then
-    runs it, as before).
+    """Plan ``sql`` with the engine when it needs it, else None.
+
+    It needs it when the query uses a live table's order, or holds an updating aggregate, or
+    ends with ``EMIT CHANGES``. None when it reads no live table, when the engine is not
+    needed, or when the engine cannot plan it (datafusion-python then runs it, as before).
 
     Raises :class:`UnsupportedTableError` when the query reads an ordered live table together
     with a table the engine cannot read, naming that table and what to do instead, and

@@ -61,13 +61,17 @@ class PushTableError(Exception):
 
 
 class SchemaDriftError(PushTableError, ValueError):
-    """A Spark epoch's columns differ from its Lance dataset's (a column added, dropped or
-    retyped); the message names the column."""
+    """A Spark epoch's columns differ from its Lance dataset's; the message names the column.
+
+    The difference is a column added, dropped or retyped.
+    """
 
 
 class EpochCommitError(PushTableError, RuntimeError):
-    """A Spark epoch could not be committed to Lance (a conflict that retrying cannot fix,
-    or retries ran out)."""
+    """A Spark epoch could not be committed to Lance.
+
+    Either a conflict that retrying cannot fix, or retries ran out.
+    """
 
 
 class SinkClosedError(PushTableError):
@@ -79,8 +83,10 @@ class ReaderGoneError(PushTableError):
 
 
 class UnsupportedTableError(PushTableError, ValueError):
-    """A query over an ordered live table reads a table pushtable's live engine cannot read
-    (the message names it and says how to register it instead)."""
+    """A query over an ordered live table reads a table pushtable's live engine cannot read.
+
+    The message names that table and says how to register it instead.
+    """
 
 
 class StreamConsumedError(PushTableError):
@@ -121,24 +127,32 @@ class UnauthenticatedError(PushTableError, PermissionError):
 
 
 class PermissionDeniedError(PushTableError, PermissionError):
-    """The server knows the token, but its role (or table scope) does not allow the call;
-    the message names the role that is missing, or the table that is out of scope."""
+    """The server knows the token, but its role (or table scope) does not allow the call.
+
+    The message names the role that is missing, or the table that is out of scope.
+    """
 
 
 class StatementRefusedError(PushTableError, PermissionError):
-    """Remote SQL runs queries only: DDL, DML, COPY and SET are refused before anything runs;
-    the message names the statement kind."""
+    """Remote SQL runs queries only: DDL, DML, COPY and SET are refused before anything runs.
+
+    The message names the statement kind.
+    """
 
 
 class ResourceLimitError(PushTableError):
-    """A server limit was reached (memory, concurrent queries, streams, staged bytes, table
-    count or size); the message names the limit, its value and the option that sets it."""
+    """A server limit was reached; the message names it, its value and the option that sets it.
+
+    The limits: memory, concurrent queries, streams, staged bytes, table count or size.
+    """
 
 
 class UnboundedQueryError(PushTableError, ValueError):
-    """The query needs all of an unbounded live table's input (a ``GROUP BY`` with no window,
-    a sort, a hash join's build side…), so it would wait forever; the message names the
-    operator and the shapes that do answer while data arrives."""
+    """The query needs all of an unbounded live table's input, so it would wait forever.
+
+    Such a query has a ``GROUP BY`` with no window, a sort, a hash join's build side…; the
+    message names the operator and the shapes that do answer while data arrives.
+    """
 
     #: the DataFusion operator that needs the whole input (``SortExec``, ``AggregateExec``…)
     operator: str = ""
@@ -154,20 +168,26 @@ UNBOUNDED_HINT = (
 
 
 class InvalidQueryError(PushTableError, ValueError):
-    """A query pushtable checks itself is malformed: a bad argument of Spark's ``window`` or
-    ``session_window`` (a zero, negative or unparseable duration, a slide longer than the
-    window…), ``EMIT CHANGES`` over no live table. Raised at planning; the message names the
-    argument."""
+    """A query pushtable checks itself is malformed; raised at planning.
+
+    Either a bad argument of Spark's ``window`` or ``session_window`` (a zero, negative or
+    unparseable duration, a slide longer than the window…), or ``EMIT CHANGES`` over no live
+    table. The message names the argument.
+    """
 
 
 class InvalidRequestError(PushTableError, ValueError):
-    """A call to the server is malformed: an unknown action, or a field of its request that
-    is missing or of the wrong kind; the message names it."""
+    """A call to the server is malformed; the message names what is wrong.
+
+    Either an unknown action, or a field of its request that is missing or of the wrong kind.
+    """
 
 
 class UnsupportedCallError(PushTableError, NotImplementedError):
-    """The server does not implement that call (a Flight SQL command other than a statement
-    query, GetFlightInfo for a path); the message names it."""
+    """The server does not implement that call; the message names it.
+
+    For example a Flight SQL command other than a statement query, or GetFlightInfo for a path.
+    """
 
 
 class ServerUnavailableError(PushTableError, ConnectionError):
@@ -179,26 +199,34 @@ class ServerStoppedError(PushTableError):
 
 
 class CommitFailedError(PushTableError, OSError):
-    """A durable topic could not store batches (a full disk, a read-only data dir, a failed
-    Lance commit): the batches it covers are not acknowledged. The message names the topic,
-    the dataset, the offsets and the cause. Nothing unacknowledged counts as stored; an
-    idempotent producer may send them again."""
+    """A durable topic could not store batches: the batches it covers are not acknowledged.
+
+    The cause is a full disk, a read-only data dir or a failed Lance commit. The message names
+    the topic, the dataset, the offsets and the cause. Nothing unacknowledged counts as stored;
+    an idempotent producer may send them again.
+    """
 
 
 class SequenceError(PushTableError, ValueError):
-    """An idempotent producer's batch skips sequence numbers (the server last stored an
-    earlier one): a batch in between was never sent. The message names both numbers."""
+    """An idempotent producer's batch skips sequence numbers: a batch in between was never sent.
+
+    The server last stored an earlier sequence number. The message names both numbers.
+    """
 
 
 class OffsetOutOfRangeError(PushTableError, ValueError):
-    """A read of a durable topic from an offset retention has deleted (below ``earliest``)
-    or not yet written; the message names the offsets that can be read."""
+    """A read of a durable topic from an offset retention has deleted or not yet written.
+
+    Deleted offsets are below ``earliest``. The message names the offsets that can be read.
+    """
 
 
 class SharesLostError(PushTableError):
-    """A Spark epoch's staged shares are not on the server any more (it restarted after the
-    tasks staged them): nothing of the epoch was published. Spark runs the batch again when
-    its query restarts; the message names the epoch and the partitions."""
+    """A Spark epoch's staged shares are not on the server any more: nothing of it was published.
+
+    The server restarted after the tasks staged them. Spark runs the batch again when its
+    query restarts; the message names the epoch and the partitions.
+    """
 
 
 class StreamingQueryFailedError(PushTableError):
@@ -213,9 +241,10 @@ class IncompatibleSinkError(PushTableError):
 
 
 class UnsupportedSparkTypeError(PushTableError, TypeError):
-    """A micro-batch column has a Spark type pushtable cannot carry as Arrow; the message
-    names the column and the type, and what to cast it to. Raised on the driver, before any
-    task runs.
+    """A micro-batch column has a Spark type pushtable cannot carry as Arrow.
+
+    The message names the column and the type, and what to cast it to. Raised on the driver,
+    before any task runs.
 
     Example:
         >>> from pyspark.sql.types import StructType, StructField, YearMonthIntervalType
@@ -229,13 +258,17 @@ class UnsupportedSparkTypeError(PushTableError, TypeError):
 
 
 class WorkerPythonError(PushTableError, RuntimeError):
-    """Spark's Python workers would run an interpreter that cannot import pushtable; the
-    message names it and says what to set. Raised on the driver, before any task runs."""
+    """Spark's Python workers would run an interpreter that cannot import pushtable.
+
+    The message names it and says what to set. Raised on the driver, before any task runs.
+    """
 
 
 class StreamEndedError(SinkClosedError):
-    """The server ended a producer's stream before acknowledging every batch, without saying
-    why (the connection broke): an idempotent producer reconnects and sends them again."""
+    """The server ended a producer's stream before acknowledging every batch, without saying why.
+
+    That is, the connection broke: an idempotent producer reconnects and sends them again.
+    """
 
 
 #: The name the Spark bridge once gave a live table's reader that fell behind (an epoch not

@@ -1,13 +1,13 @@
-"""Stamped Lance commits: the one mechanism behind a durable topic's group commits and a
-Spark query's epochs.
+"""Stamped Lance commits, used by a durable topic's group commits and a Spark query's epochs.
 
-A writer that must survive a restart without writing twice stamps each commit (Lance
-transaction properties) with what it has stored, then on restart walks the history newest
-first for its last stamp (Iceberg's approach: no fixed window), with a tag on that commit so
-cleanup keeps it. Commits that meet a concurrent writer (compaction, another query) are
-retried with backoff; upkeep compacts and removes old versions. With ``sync`` a commit is on
-disk before it returns: Lance's local store writes without fsync, so the files a commit wrote
-(data files, its transaction, its manifest) and their directories are synced here.
+One mechanism serves both. A writer that must survive a restart without writing twice stamps
+each commit (Lance transaction properties) with what it has stored, then on restart walks the
+history newest first for its last stamp (Iceberg's approach: no fixed window), with a tag on
+that commit so cleanup keeps it. Commits that meet a concurrent writer (compaction, another
+query) are retried with backoff; upkeep compacts and removes old versions. With ``sync`` a
+commit is on disk before it returns: Lance's local store writes without fsync, so the files a
+commit wrote (data files, its transaction, its manifest) and their directories are synced
+here.
 
 Example:
     >>> import tempfile, lance, pyarrow as pa
@@ -62,8 +62,10 @@ Props = dict[str, str]
 
 
 class CommitContentionError(OSError):
-    """A commit still met concurrent writers after its retries, or met a change that no retry
-    can resolve (``retryable`` False)."""
+    """A commit met concurrent writers after all its retries, or a change no retry can resolve.
+
+    In the second case ``retryable`` is False.
+    """
 
     def __init__(self, message: str, retryable: bool) -> None:
         super().__init__(message)
@@ -88,9 +90,12 @@ def not_found(exc: BaseException) -> bool:
 
 
 def _contention(exc: OSError) -> bool:
-    """Whether a failed commit met concurrent writers. Lance retries compatible conflicts
-    itself and then raises ``CommitConflictError``, or a plain OSError when it gives up
-    ("Too many concurrent writers", "Commit conflict for version N ... after 20 retries")."""
+    """Whether a failed commit met concurrent writers.
+
+    Lance retries compatible conflicts itself and then raises ``CommitConflictError``, or a
+    plain OSError when it gives up ("Too many concurrent writers", "Commit conflict for
+    version N ... after 20 retries").
+    """
     if isinstance(exc, CommitConflictError):
         return True
     text = str(exc).lower()
@@ -115,10 +120,12 @@ def open_dataset(
 def newest_stamp(
     ds: lance.LanceDataset, match: Callable[[Props], bool], stop: int = 0
 ) -> tuple[int, Props] | None:
-    """The newest commit above version ``stop`` whose properties ``match``: its version and
-    properties; None when history down to ``stop`` (or down to what cleanup removed) has none.
+    """The newest commit above version ``stop`` whose properties ``match``: (version, props).
 
-    Newest first, in growing pages: a steady writer finds itself in the first page."""
+    None when history down to ``stop`` (or down to what cleanup removed) has none.
+
+    Newest first, in growing pages: a steady writer finds itself in the first page.
+    """
     page, seen = 8, 0
     while ds.version - seen > stop:
         want = min(page, ds.version - stop)
@@ -186,13 +193,16 @@ def commit(
     on_conflict: Callable[[OSError], None] | None = None,
     sync: bool = False,
 ) -> lance.LanceDataset | T:
-    """Commit ``transaction(ds)``; when it meets a concurrent writer, read the dataset again
-    and retry with a growing backoff. ``recheck`` runs on each re-read version first: what it
-    returns (not None) ends the attempt instead (an epoch another process committed). With
-    ``sync`` the commit's files are on disk when this returns (:func:`sync_commit`).
+    """Commit ``transaction(ds)``; when it meets a concurrent writer, read again and retry.
+
+    The dataset is read again and the commit retried with a growing backoff. ``recheck`` runs
+    on each re-read version first: what it returns (not None) ends the attempt instead (an
+    epoch another process committed). With ``sync`` the commit's files are on disk when this
+    returns (:func:`sync_commit`).
 
     Raises :class:`CommitContentionError` when the conflicts outlast ``retries`` or cannot
-    be retried; any other error as Lance raised it."""
+    be retried; any other error as Lance raised it.
+    """
     for attempt in range(retries + 1):
         if attempt:
             ds = open_dataset(ds.uri, storage_options) or ds
@@ -243,8 +253,11 @@ def _fsync(path: Path, directory: bool = False) -> None:
 
 
 def sync_fragments(uri: str, fragments: Iterable[Any]) -> None:
-    """fsync the data files of ``fragments`` (Lance ``FragmentMetadata``) and the data
-    directory: before their commit, so a stored manifest never names data still in memory."""
+    """Sync (fsync) the data files of ``fragments`` and the data directory, before their commit.
+
+    ``fragments`` are Lance ``FragmentMetadata``. Syncing before the commit means a stored
+    manifest never names data still in memory.
+    """
     if not is_local(uri):
         return
     data = _path(uri) / "data"
@@ -258,10 +271,13 @@ def sync_fragments(uri: str, fragments: Iterable[Any]) -> None:
 
 
 def sync_commit(ds: lance.LanceDataset, since_ns: int = 0, prefix: str | None = None) -> None:
-    """fsync what the commit of ``ds.version`` wrote: its manifest, its transaction file
-    (Lance names it ``<read version>-<uuid>.txn``: ``prefix``; without one, or when no file
-    has it, every transaction file written since ``since_ns``), and their directories (a new
-    file is durable only once its directory entry is)."""
+    """Sync (fsync) what the commit of ``ds.version`` wrote, and the directories holding it.
+
+    That is its manifest, its transaction file (Lance names it ``<read version>-<uuid>.txn``:
+    ``prefix``; without one, or when no file has it, every transaction file written since
+    ``since_ns``), and their directories (a new file is durable only once its directory
+    entry is).
+    """
     if not is_local(ds.uri):
         return
     root = _path(ds.uri)
@@ -297,13 +313,16 @@ def upkeep(
     exclude: Callable[[lance.LanceDataset], list[int]] | None = None,
     storage_options: dict[str, str] | None = None,
 ) -> None:
-    """Compact small fragments (if ``compact``), move each tag of ``keep`` to its version,
-    then remove versions older than ``older_than`` (never a tagged one) and the files no
-    version needs. Commits may run meanwhile: Lance rebases them over the compaction; a
-    compaction that meets one it cannot rebase over (a deletion of the same fragments) is
-    dropped, and cleanup still runs. ``exclude`` names fragments compaction must leave alone
-    (those a retention delete may take meanwhile: the files of a compaction that lost to it
-    would stay on disk until Lance's 7-day sweep of unreferenced files)."""
+    """Compact small fragments, move the tags of ``keep``, then remove old versions and files.
+
+    Compaction runs if ``compact``; each tag of ``keep`` moves to its version; then versions
+    older than ``older_than`` (never a tagged one) and the files no version needs are
+    removed. Commits may run meanwhile: Lance rebases them over the compaction; a compaction
+    that meets one it cannot rebase over (a deletion of the same fragments) is dropped, and
+    cleanup still runs. ``exclude`` names fragments compaction must leave alone (those a
+    retention delete may take meanwhile: the files of a compaction that lost to it would stay
+    on disk until Lance's 7-day sweep of unreferenced files).
+    """
     ds = open_dataset(uri, storage_options)
     if ds is None:
         return

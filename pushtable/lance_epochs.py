@@ -73,9 +73,11 @@ def _tag_for(query_id: str) -> str:
 
 
 def _normalise(t: pa.DataType) -> pa.DataType:
-    """Map the types that cast losslessly into each other to one form: the large and view
-    variants to the plain type, and a zoned timestamp to UTC (the same instants; Spark labels
-    them with the session's zone on executors and UTC on the driver), nested types too."""
+    """Map the types that cast losslessly into each other to one form, nested types too.
+
+    The large and view variants become the plain type, and a zoned timestamp UTC (the same
+    instants; Spark labels them with the session's zone on executors and UTC on the driver).
+    """
     if pa.types.is_large_string(t) or pa.types.is_string_view(t):
         return pa.string()
     if pa.types.is_large_binary(t) or pa.types.is_binary_view(t):
@@ -95,8 +97,10 @@ def _normalise(t: pa.DataType) -> pa.DataType:
 
 
 def conform_to(table: pa.Table, target: pa.Schema) -> pa.Table:
-    """Cast ``table`` to ``target``; a new, missing or retyped column, or nulls in a NOT NULL
-    one, raise SchemaDriftError naming the column."""
+    """Cast ``table`` to ``target``, or raise SchemaDriftError naming the column that differs.
+
+    A new, missing or retyped column, or nulls in a NOT NULL one, raise it.
+    """
     if table.schema.equals(target):
         return table  # the common case (every epoch after the first): nothing to check or copy
     have = {f.name: f for f in table.schema}
@@ -179,9 +183,10 @@ def write_fragments(
     schema: pa.Schema,
     storage_options: dict[str, str] | None = None,
 ) -> list[Any]:
-    """Write ``data`` as new Lance fragments of the dataset at ``uri``, uncommitted: each
-    piece conformed to ``schema`` (:func:`conform_to`) and aligned (:func:`aligned`), empty
-    pieces skipped; nothing is written (``[]``) when no piece has a row.
+    """Write ``data`` as new Lance fragments of the dataset at ``uri``, uncommitted.
+
+    Each piece is conformed to ``schema`` (:func:`conform_to`) and aligned (:func:`aligned`),
+    empty pieces skipped; nothing is written (``[]``) when no piece has a row.
 
     The one fragment writer of every path: a driver's epoch, a Spark task's partition, a
     durable topic's group commit. Returns Lance's ``FragmentMetadata`` list.
@@ -217,8 +222,7 @@ def write_fragments(
 def dataset_schema(
     uri: str | Path, incoming: pa.Schema, storage_options: dict[str, str] | None = None
 ) -> pa.Schema:
-    """The schema of the dataset at ``uri``, or the one a first epoch of ``incoming`` would
-    create there."""
+    """The schema of the dataset at ``uri``, or the one a first epoch of ``incoming`` creates."""
     ds = open_dataset(str(uri), storage_options)
     return ds.schema if ds is not None else target_schema(incoming)
 

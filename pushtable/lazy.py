@@ -1,5 +1,8 @@
-"""Names a package loads on first use (PEP 562), so that importing one light module of it
-(``pushtable.flight.client``) does not load the heavy ones (DataFusion, the native core)."""
+"""Names a package loads on first use (PEP 562), so a light module loads without the heavy ones.
+
+Importing one light module of it (``pushtable.flight.client``) does not load the heavy ones
+(DataFusion, the native core).
+"""
 
 from __future__ import annotations
 
@@ -11,9 +14,11 @@ from typing import Any
 def lazy_names(
     package: str, names: dict[str, str], namespace: dict[str, Any]
 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
-    """A package's ``__getattr__`` and ``__dir__`` for ``names`` (name -> the module that
-    defines it): the module is imported when the name is first read, and the name then kept
-    in ``namespace`` (the package's globals)."""
+    """A package's ``__getattr__`` and ``__dir__`` for ``names`` (name -> its defining module).
+
+    The module is imported when the name is first read, and the name then kept in
+    ``namespace`` (the package's globals).
+    """
 
     def getattr_(name: str) -> Any:
         where = names.get(name)

@@ -93,9 +93,11 @@ class QueueStats(Protocol):
 
 @dataclass(frozen=True)
 class QueueReport:
-    """What a table or topic reports: its counters and its queue's bound as (batches,
-    bytes) — ``capacity`` / ``max_bytes``, a topic's ``retain`` / ``retain_bytes`` (None: no
-    bound of that kind) — and a topic's subscribers."""
+    """What a table or topic reports: its counters, its queue's bound and a topic's subscribers.
+
+    The bound is (batches, bytes): ``capacity`` / ``max_bytes``, a topic's ``retain`` /
+    ``retain_bytes`` (None: no bound of that kind).
+    """
 
     name: str
     stats: QueueStats
@@ -133,10 +135,12 @@ class Reporting(Protocol):
 
 
 def track(obj: Reporting, session: str = "") -> None:
-    """Report ``obj`` (a ``TableSink``, ``Topic``, ``Subscription`` or a server) while it
-    lives; the context, topics and servers call this for what they create. ``session`` (a
+    """Report ``obj`` (a ``TableSink``, ``Topic``, ``Subscription`` or a server) while it lives.
+
+    The context, topics and servers call this for what they create. ``session`` (a
     ``SessionContext``'s ``session_id()``) tells apart tables of the same name in two
-    sessions of one process."""
+    sessions of one process.
+    """
     _tracked[obj] = session
 
 
@@ -235,8 +239,10 @@ class _Tracked(Collector):
 
 
 def _live_state() -> Iterator[Any]:
-    """The live engine's stateful operators (updating aggregates, session windows), summed
-    per kind over the process's running queries."""
+    """The live engine's stateful operators (updating aggregates, session windows), per kind.
+
+    Each kind is summed over the process's running queries.
+    """
     from pushtable import _native
 
     op = ["operator"]

@@ -1,5 +1,6 @@
-"""What every producer shares, local or remote: the ``with`` scope, the Arrow data a write
-takes, timeouts, and the counters' snapshots.
+"""What every producer shares, local or remote.
+
+The ``with`` scope, the Arrow data a write takes, timeouts, and the counters' snapshots.
 
 A leaf of the package (pyarrow and :mod:`pushtable.errors` only): the remote producers of
 :mod:`pushtable.flight` use it without loading DataFusion or the native core.
@@ -99,16 +100,21 @@ class SinkStats:
 
 
 class ProducerScope:
-    """``with`` / ``async with`` for a producer: end of stream on success, ``fail(exc)`` on
-    error. Shared by local sinks, topics and remote sinks."""
+    """``with`` / ``async with`` for a producer: end of stream on success, ``fail(exc)`` on error.
+
+    Shared by local sinks, topics and remote sinks.
+    """
 
     def close(self) -> None:
+        """End of stream (each producer implements it)."""
         raise NotImplementedError
 
     async def aclose(self) -> None:
+        """Asyncio counterpart of :meth:`close` (each producer implements it)."""
         raise NotImplementedError
 
     def fail(self, exc: BaseException) -> None:
+        """Make the reading query raise ``exc`` (each producer implements it)."""
         raise NotImplementedError
 
     def __enter__(self) -> Self:
@@ -140,9 +146,12 @@ class ProducerScope:
             self._fail_keeping(exc)
 
     def _fail_keeping(self, exc: BaseException) -> None:
-        """``fail(exc)`` on the way out of a ``with`` block on an error; if that fails too (the
-        server refused it, the connection is gone), the producer's own error still propagates:
-        the failure to fail is logged and noted on it, never raised in its place."""
+        """``fail(exc)`` on the way out of a ``with`` block on an error; ``exc`` always propagates.
+
+        If that fails too (the server refused it, the connection is gone), the producer's own
+        error still propagates: the failure to fail is logged and noted on it, never raised in
+        its place.
+        """
         try:
             self.fail(exc)
         except Exception as refused:  # noqa: BLE001 -- any, or it would replace ``exc``

@@ -116,8 +116,11 @@ class _Producer(ProducerScope):
 
     @property
     def watermark_type(self) -> pa.DataType | None:
-        """The type :meth:`advance` takes (the first ``order_by`` column's), or None where the
-        table has no watermark (no integer, date or timestamp ``order_by`` column)."""
+        """The type :meth:`advance` takes (the first ``order_by`` column's), or None.
+
+        None where the table has no watermark (no integer, date or timestamp ``order_by``
+        column).
+        """
         data_type: pa.DataType | None = self._native.watermark_type()
         return data_type
 

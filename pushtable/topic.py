@@ -211,8 +211,9 @@ class Topic(_Producer):
 
     @classmethod
     def reopen(cls, persist: str | Path, name: str | None = None, **options: Any) -> Topic:
-        """The durable topic stored at ``persist``, with the schema and options it was made
-        with (``options`` override them): its offsets continue where the last commit left.
+        """The durable topic stored at ``persist``, with the schema and options it was made with.
+
+        ``options`` override them. Its offsets continue where the last commit left.
 
         Example:
             >>> import tempfile, pyarrow as pa
@@ -238,10 +239,12 @@ class Topic(_Producer):
         _Producer.write(self, batch, timeout)
 
     def write(self, data: Any, timeout: float | None = None) -> None:
-        """As :meth:`TableSink.write`; on a durable topic each batch also gets the next
-        offset, and is stored by a commit within ``commit_interval`` (:meth:`flush` waits
+        """As :meth:`TableSink.write`; on a durable topic each batch also gets the next offset.
+
+        There each batch is stored by a commit within ``commit_interval`` (:meth:`flush` waits
         for it). A durable topic whose last commit failed refuses writes with
-        :class:`~pushtable.CommitFailedError` until a commit succeeds."""
+        :class:`~pushtable.CommitFailedError` until a commit succeeds.
+        """
         if self.durable is None:
             return super().write(data, timeout)
         timeout = check_timeout(timeout)
@@ -258,21 +261,27 @@ class Topic(_Producer):
         return None
 
     async def awrite(self, data: Any, timeout: float | None = None) -> None:
+        """Asyncio counterpart of :meth:`write` (a durable topic's runs in a worker thread)."""
         if self.durable is None:
             return await super().awrite(data, timeout)
         await asyncio.to_thread(self.write, data, timeout)
         return None
 
     def flush(self, timeout: float | None = None) -> None:
-        """Return once every batch written so far is stored (a durable topic); raises
-        :class:`~pushtable.CommitFailedError` if a commit holding one failed. A topic in
-        memory has nothing to wait for."""
+        """Return once every batch written so far is stored (a durable topic).
+
+        Raises :class:`~pushtable.CommitFailedError` if a commit holding one failed. A topic in
+        memory has nothing to wait for.
+        """
         if self.durable is not None:
             self.durable.flush(check_timeout(timeout))
 
     def close(self) -> None:
-        """End of stream; a durable topic first stores what is pending (and raises
-        :class:`~pushtable.CommitFailedError` if it cannot: the stream still ends)."""
+        """End of stream; a durable topic first stores what is pending.
+
+        Raises :class:`~pushtable.CommitFailedError` if it cannot store it: the stream still
+        ends.
+        """
         try:
             if self.durable is not None:
                 self.durable.close()
@@ -280,6 +289,7 @@ class Topic(_Producer):
             super().close()
 
     async def aclose(self) -> None:
+        """Asyncio counterpart of :meth:`close`, run in a worker thread (it may wait to store)."""
         await asyncio.to_thread(self.close)
 
     def fail(self, exc: BaseException) -> None:
@@ -292,18 +302,24 @@ class Topic(_Producer):
         super().fail(exc)
 
     def offsets(self) -> dict[str, int]:
-        """A durable topic's ``earliest`` offset, ``committed`` (every offset below it is
-        stored) and ``next`` (the next batch's offset)."""
+        """A durable topic's ``earliest`` offset, ``committed`` and ``next``.
+
+        Every offset below ``committed`` is stored; ``next`` is the next batch's offset.
+        """
         return self._log("offsets").offsets()
 
     def read(self, start: int, end: int) -> pa.RecordBatchReader:
-        """The stored batches of offsets ``[start, end)`` of a durable topic: the same rows
-        every time (``end`` at most ``offsets()["committed"]``)."""
+        """The stored batches of offsets ``[start, end)`` of a durable topic.
+
+        They are the same rows every time (``end`` at most ``offsets()["committed"]``).
+        """
         return self._log("read").read(start, end)
 
     def consumed(self, consumer: str, offset: int) -> None:
-        """Record that ``consumer`` (e.g. a Spark query) has read every offset below
-        ``offset`` of a durable topic; :attr:`stats` reports it, a restart recovers it."""
+        """Record that ``consumer`` (e.g. a Spark query) has read every offset below ``offset``.
+
+        For a durable topic: :attr:`stats` reports it, a restart recovers it.
+        """
         self._log("consumed").consumed(consumer, offset)
 
     def _log(self, what: str) -> DurableLog:

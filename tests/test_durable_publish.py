@@ -166,7 +166,7 @@ def test_a_failed_commit_fails_the_publish_not_the_topic(
     published_once: tuple[Server, Client], tmp_path: Path
 ) -> None:
     server, client = published_once
-    topic = server._table("events")
+    topic = server.table("events")
     assert isinstance(topic, Topic)
     assert topic.durable is not None
     path = tmp_path / "data" / "events.lance"

@@ -13,7 +13,6 @@ import sys
 import textwrap
 import threading
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
 import pyarrow.flight as flight
@@ -110,7 +109,7 @@ def test_backpressure_reaches_the_client(server: Server, client: Client) -> None
     # What is in flight is bounded: the table's capacity, the one batch the server is
     # writing, and the client's window.
     assert sent <= 2 + 1 + 1
-    table = server._tables["t"]
+    table = server.table("t")
     assert table.stats.queued_batches == 2
     reader = remote_ks(client, "SELECT k FROM t")
     for i in range(sent, 20):
@@ -179,48 +178,45 @@ def test_remote_results_stream_while_data_arrives(server: Server, client: Client
 
 
 def test_result_batches_that_queued_up_go_out_together_and_an_error_after_them_comes_last() -> None:
-    """The DoGet side of remote SQL: batches the query produced while a message was going out
-    leave in one message (up to GROUP_ROWS rows), and an error raised after them is raised
-    only once they are out. The query is real; a gate holds its batches after the first so
-    that the rest are all queued before the next message is taken."""
+    """The DoGet side of remote SQL, through a real server and client: batches the query
+    produced while a message was going out leave in one message (up to GROUP_ROWS rows), and
+    an error raised after them is raised only once they are out. The first message is too big
+    for gRPC's flow-control window, so its write waits until the client reads it; the client
+    reads only once the query's worker has queued everything behind it."""
+    import json
+
     from pushtable.errors import RemoteError
-    from pushtable.flight.limits import Limits, Slot, Usage
-    from pushtable.flight.query import GROUP_ROWS, Queries
+    from pushtable.flight import protocol
+    from pushtable.flight.query import GROUP_ROWS, HANDOFF
 
-    ctx = SessionContext(SessionConfig().with_target_partitions(1))
-    schema = pa.schema([("k", pa.int64())])
-    sink = ctx.register_streaming_table("t", schema, capacity=8)
-    big = GROUP_ROWS * 5 // 8  # two of them pass the cap, one does not
-    for ks in ([1], [1] * big, [1] * big, [1] * big, [0]):  # 10 / 0 fails the last batch
-        sink.write(pa.record_batch([pa.array(ks, pa.int64())], schema=schema))
-    sink.close()
-    stream = ctx.sql("SELECT k, 10 / k AS q FROM t").execute_stream()
-    first_out = threading.Event()
-
-    def gated() -> Any:
-        for i, b in enumerate(stream):
-            if i == 1:
-                assert first_out.wait(WAIT)
-            yield b
-
-    class Call:
-        def is_cancelled(self) -> bool:
-            return False
-
-    queries = Queries.__new__(Queries)
-    queries.limits = Limits()
-    queries.usage = Usage(queries.limits)
-    messages = queries._forward(Call(), [gated()], Slot(queries.usage))
-    assert next(messages).num_rows == 1
-    first_out.set()
-    wait_until(
-        lambda: not any(t.name == "pushtable-sql" for t in threading.enumerate()),
-        "the query's worker to queue everything",
-    )
-    assert next(messages).num_rows == 2 * big  # two queued batches: at the cap, sent
-    assert next(messages).num_rows == big  # the last one before the error
-    with pytest.raises(RemoteError, match=r"(?i)divide by zero"):
-        next(messages)
+    server = Server(ctx=SessionContext(SessionConfig().with_target_partitions(1)))
+    try:
+        schema = pa.schema([("k", pa.int64())])
+        sink = server.create_table("t", schema, capacity=8)
+        first = 16 << 20  # 128 MiB: more than any window gRPC grows to before it is read
+        big = GROUP_ROWS * 5 // 8  # two of them pass the cap, one does not
+        for ks in (pa.repeat(1, first), [1] * big, [1] * big, [1] * big, [0]):  # 10 / 0 fails
+            sink.write(pa.record_batch([pa.array(ks, pa.int64())], schema=schema))
+        sink.close()
+        assert HANDOFF >= 4  # the worker queues all of it while the first message waits
+        raw = flight.FlightClient(server.location)
+        ticket = flight.Ticket(json.dumps({"sql": "SELECT k, 10 / k AS q FROM t"}).encode())
+        reader = raw.do_get(ticket)
+        wait_until(
+            lambda: not any(t.name == "pushtable-sql" for t in threading.enumerate()),
+            "the query's worker to queue everything",
+        )
+        assert reader.read_chunk().data.num_rows == first
+        assert reader.read_chunk().data.num_rows == 2 * big  # two queued batches: at the cap
+        assert reader.read_chunk().data.num_rows == big  # the last one before the error
+        with pytest.raises(flight.FlightError) as failed:
+            reader.read_chunk()
+        error = protocol.client_error(failed.value)  # what pushtable's client raises
+        assert isinstance(error, RemoteError), error
+        assert "divide by zero" in str(error).lower()
+        raw.close()
+    finally:
+        server.stop()
 
 
 def test_cancelling_a_remote_query_stops_it_and_producers_learn(
@@ -368,9 +364,9 @@ def test_stopping_the_server_releases_blocked_producers_and_readers(server: Serv
         sink.flush()
 
     blocked = Background(write_three)
-    wait_until(lambda: server._tables["full"].stats.blocked_seconds > 0, "a blocked producer")
+    wait_until(lambda: server.table("full").stats.blocked_seconds > 0, "a blocked producer")
     reading = Background(lambda: client.sql("SELECT k FROM read").read_all())
-    wait_until(lambda: server._calls == 2, "the reading query under way")
+    wait_until(lambda: server._calls.count == 2, "the reading query under way")
     server.stop()
     # The handler's write fails (SinkClosedError) or the stop notice arrives first.
     assert isinstance(blocked.join_error(), (SinkClosedError, ServerStoppedError))

@@ -41,7 +41,7 @@ def test_an_adbc_client_reads_a_live_table_while_it_is_written(secured: Server) 
 
         reading = Background(run)
         # The statement is planned and running before any data exists: it answers live.
-        wait_until(lambda: secured._calls == 1, "the Flight SQL query under way")
+        wait_until(lambda: secured._calls.count == 1, "the Flight SQL query under way")
         with client.sink("t") as sink:
             sink.write(batch(3))
             sink.write(batch(2, start=3))

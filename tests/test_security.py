@@ -320,7 +320,7 @@ def test_concurrent_queries_and_streams_per_client_are_capped() -> None:
             sink.close()
             first.cancel()
             wait_until(lambda: server.usage.queries == 1, "the cancelled query to let go")
-            server._tables["b"].close()
+            server.table("b").close()
             assert second.read_all().num_rows == 0
             assert client.sql("SELECT count(*) AS n FROM c").read_all().to_pydict() == {"n": [1]}
         assert server.usage.refusals == {
@@ -369,7 +369,7 @@ def test_remote_tables_are_capped_in_count_and_size() -> None:
             with pytest.raises(ResourceLimitError, match=r"tables on the server .* 3.*max_tables"):
                 client.create_table("u", SCHEMA, capacity=8)
         # A remote table without max_bytes got the server's bound.
-        assert server._tables["t"].max_bytes == 1 << 20  # type: ignore[union-attr]
+        assert server.table("t").max_bytes == 1 << 20  # type: ignore[union-attr]
     finally:
         server.stop()
 
@@ -471,7 +471,7 @@ def test_an_idle_producer_stream_is_ended_and_the_next_write_reopens_one() -> No
             sink = client.sink("t")
             sink.write(batch(2))
             sink.flush(timeout=WAIT)
-            wait_until(lambda: len(server._acks) == 0, "the idle DoPut stream to end")
+            wait_until(lambda: server._ingest.open_streams == 0, "the idle DoPut stream to end")
             assert server.usage.refusals == {"idle_timeout": 1}
             sink.write(batch(3))  # a new stream
             sink.close()

@@ -19,7 +19,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from pushtable.flight import actions, connect, sql
+from pushtable.flight import actions, catalog, connect, sql
 from tests.conftest import WAIT, Background, serve_process
 from tests.flight_raw import do_put, flight_data, ipc_messages, lie_about_length, path_descriptor
 
@@ -136,7 +136,7 @@ def test_random_actions_end_with_a_result_or_a_clear_error(
     command=blobs
     | texts.map(sql.encode_statement_query)
     | st.tuples(
-        st.sampled_from([*sql.CATALOG, sql.PREPARED_QUERY, "CommandStatementUpdate"]), blobs
+        st.sampled_from([*catalog.COMMANDS, sql.PREPARED_QUERY, "CommandStatementUpdate"]), blobs
     ).map(lambda kind_and_body: sql.encode_command(*kind_and_body)),
     path=st.lists(texts, max_size=7),
 )

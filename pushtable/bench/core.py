@@ -46,6 +46,7 @@ class Workload:
 
     @property
     def queries(self) -> dict[str, str]:
+        """The two queries over the workload's value column, ``agg`` and ``filter``, by name."""
         v = self.value
         return {
             "agg": f"SELECT count(*) AS n, sum({v}) AS s FROM t",
@@ -53,6 +54,7 @@ class Workload:
         }
 
     def batches(self, batch_rows: int) -> list[pa.RecordBatch]:
+        """``DISTINCT`` distinct batches of ``batch_rows`` rows, from a fixed seed."""
         rng = np.random.default_rng(42)
         return [
             pa.record_batch(self.make(i * batch_rows, batch_rows, rng), schema=self.schema)
@@ -158,6 +160,8 @@ SCHEMA = WORKLOADS["numbers"].schema
 
 @dataclass(frozen=True)
 class Result:
+    """One engine's rows per second on one configuration: median, min and max of its runs."""
+
     engine: str
     workload: str
     query: str
@@ -220,6 +224,7 @@ def _queue_source(
 def run_pushtable(
     work: Workload, batches: list[pa.RecordBatch], producers: int, capacity: int, query: str
 ) -> tuple[float, int]:
+    """The query over a pushtable streaming table fed by ``producers`` threads: (seconds, rows)."""
     ctx = SessionContext()
     sink = ctx.register_streaming_table("t", work.schema, capacity=capacity)
     remaining = [producers]
@@ -242,6 +247,7 @@ def run_pushtable(
 def run_duckdb(
     work: Workload, batches: list[pa.RecordBatch], producers: int, capacity: int, query: str
 ) -> tuple[float, int]:
+    """The query in DuckDB over a reader of the producers' bounded queue: (seconds, rows)."""
     con = duckdb.connect()
     threads, drained = _queue_source(batches, producers, capacity)
     t = pa.RecordBatchReader.from_batches(work.schema, drained)  # noqa: F841 - found by name
@@ -256,6 +262,7 @@ def run_duckdb(
 def run_python(
     work: Workload, batches: list[pa.RecordBatch], producers: int, capacity: int, query: str
 ) -> tuple[float, int]:
+    """The query in Python (pyarrow compute) over the producers' queue: (seconds, rows)."""
     threads, drained = _queue_source(batches, producers, capacity)
     start = time.perf_counter()
     for t in threads:
@@ -288,8 +295,10 @@ def measure(
     producer_counts: tuple[int, ...] = PRODUCERS,
     capacities: tuple[int, ...] = CAPACITIES,
 ) -> list[Result]:
-    """Every engine on every configuration; each figure the median of ``reps`` runs, the
-    engines' runs alternating (one of each per round) so that drift hits them alike."""
+    """Every engine on every configuration; each figure the median of ``reps`` runs.
+
+    The engines' runs alternate (one of each per round) so that drift hits them alike.
+    """
     results: list[Result] = []
     for name in workloads:
         work = WORKLOADS[name]
@@ -337,7 +346,7 @@ def _key(r: Result | dict[str, Any]) -> tuple[Any, ...]:
 
 
 def ratios(results: list[Result]) -> list[dict[str, Any]]:
-    """pushtable / other engine, per configuration, from the same run."""
+    """The ratio pushtable / other engine, per configuration, from the same run."""
     by_key = {(r.engine,) + _key(r): r for r in results}
     out = []
     for r in results:

@@ -39,6 +39,7 @@ SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.float64()), ("s", pa.string())])
 
 
 def batches(rows: int, distinct: int = 16) -> list[pa.RecordBatch]:
+    """``distinct`` batches of ``rows`` rows: row numbers ``k``, random ``v``, 64 strings ``s``."""
     rng = np.random.default_rng(0)
     out = []
     for i in range(distinct):
@@ -74,9 +75,11 @@ def _local(durable: bool, data: list[pa.RecordBatch], count: int, where: Path) -
 
 
 def _remote(durable: bool, data: list[pa.RecordBatch], count: int, where: Path) -> float:
-    """One producer over Flight into ``pushtable serve`` in a process of its own (as a
-    deployment runs it: client and server do not share an interpreter), timed to the last
-    acknowledgement."""
+    """One producer over Flight into ``pushtable serve``, timed to the last acknowledgement.
+
+    The server runs in a process of its own, as a deployment runs it: client and server do
+    not share an interpreter.
+    """
     from pushtable.bench.flight import server_process
     from pushtable.flight import connect
 
@@ -95,8 +98,11 @@ def _remote(durable: bool, data: list[pa.RecordBatch], count: int, where: Path) 
 
 
 def _lance(data: list[pa.RecordBatch], count: int, where: Path) -> float:
-    """Lance's own write of the same batches in one process: ``write_fragments`` of all of
-    them, then one commit, each fsync'd as a durable topic's commit is."""
+    """Lance's own write of the same batches in one process.
+
+    ``write_fragments`` of all of them, then one commit, each fsync'd as a durable topic's
+    commit is.
+    """
     uri = str(where / f"l{time.monotonic_ns()}.lance")
     ds = lance.write_dataset(SCHEMA.empty_table(), uri)
     started = time.perf_counter()
@@ -111,6 +117,7 @@ def _lance(data: list[pa.RecordBatch], count: int, where: Path) -> float:
 
 
 def ingest(quick: bool, where: Path) -> list[dict[str, Any]]:
+    """Ingest rates of memory and durable topics, in process and over Flight, and Lance's."""
     rounds = 2 if quick else 3
     out: list[dict[str, Any]] = []
     for rows in (8_192, 65_536):
@@ -217,9 +224,12 @@ def _remote_flushes(count: int, where: Path, fsync: bool) -> list[float]:
 
 
 def memwal(quick: bool, where: Path) -> dict[str, Any]:
-    """Lance's MemWAL as an acknowledgement path (one unsharded writer, ``durable_write``:
-    a ``put`` returns once its WAL flush is fsync'd): put latency at 200 batches/s of 8,192
-    rows with a 1 ms and a 10 ms flush interval, and the ingest rate of 65,536-row batches."""
+    """Lance's MemWAL as an acknowledgement path: put latency and ingest rate.
+
+    One unsharded writer, ``durable_write``: a ``put`` returns once its WAL flush is fsync'd.
+    Put latency at 200 batches/s of 8,192 rows with a 1 ms and a 10 ms flush interval, and
+    the ingest rate of 65,536-row batches.
+    """
     import uuid
 
     def writer(flush_ms: int) -> Any:
@@ -294,10 +304,12 @@ def restart(quick: bool, where: Path) -> dict[str, Any]:
 
 
 def retention(quick: bool, where: Path) -> dict[str, Any]:
-    """Steady ingest into a topic with ``retention_bytes``: 10 minutes (60 s with --quick),
-    8,192-row batches at 100/s, upkeep every 60 s (10 s), versions kept 60 s (10 s). Disk
-    use is sampled every second; flat means the last half's samples stay within the first
-    half's range, up to one upkeep's worth of new fragments."""
+    """Steady ingest into a topic with ``retention_bytes``: does its disk use stay flat?
+
+    10 minutes (60 s with --quick), 8,192-row batches at 100/s, upkeep every 60 s (10 s),
+    versions kept 60 s (10 s). Disk use is sampled every second; flat means the last half's
+    samples stay within the first half's range, up to one upkeep's worth of new fragments.
+    """
     seconds, every = (60.0, 10.0) if quick else (600.0, 60.0)
     keep = 256 * 2**20
     data = batches(8_192)
@@ -359,6 +371,7 @@ def retention(quick: bool, where: Path) -> dict[str, Any]:
 
 
 def run(quick: bool) -> dict[str, Any]:
+    """Every part of the durable suite, in a temporary directory."""
     with tempfile.TemporaryDirectory(prefix="pushtable-durable-") as tmp:
         where = Path(tmp)
         return {
@@ -372,6 +385,7 @@ def run(quick: bool) -> dict[str, Any]:
 
 
 def table(result: dict[str, Any]) -> str:
+    """The durable suite's results as text."""
     lines = ["durable topics (fsync on) vs memory topics and Lance's own write (M rows/s)"]
     lines.append(
         f"{'path':<11} {'rows/batch':>10} {'memory':>8} {'durable':>8} {'ratio':>6} "

@@ -111,6 +111,7 @@ def run(quick: bool) -> dict[str, Any]:
 
 
 def table(results: dict[str, Any]) -> str:
+    """The fan-out results as text."""
     lines = [
         "subscribers  M rows/s each  M rows/s total  x vs 1  producer blocked s  "
         "RSS growth MB  bound MB"

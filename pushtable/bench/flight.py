@@ -46,8 +46,10 @@ BYTES_PER_ROW = 16
 
 @contextlib.contextmanager
 def server_process(module: str = "pushtable", *args: str) -> Iterator[str]:
-    """``pushtable serve`` (or ``module``) in a child process on a free loopback port;
-    yields its URI."""
+    """``pushtable serve`` (or ``module``) in a child process on a free loopback port.
+
+    Yields its URI.
+    """
     if not args and module == "pushtable":
         args = ("serve", "--port", "0")
     proc = subprocess.Popen(
@@ -143,8 +145,11 @@ def write_raw(uri: str, rows: int, batches: int, producers: int) -> float:
 
 
 def get_raw(uri: str, rows: int, batches: int) -> float:
-    """The wire alone: a bare DoGet of as many distinct batches, held in the bare server's
-    memory before the clock starts (as the table holds them for remote SQL)."""
+    """The wire alone: a bare DoGet of as many distinct batches.
+
+    They are held in the bare server's memory before the clock starts (as the table holds
+    them for remote SQL).
+    """
     client = flight.FlightClient(uri)
     ask = json.dumps({"rows": rows, "batches": batches}).encode()
     list(client.do_action(flight.Action("hold", ask)))
@@ -181,8 +186,11 @@ def sql_stream(client: Client, name: str, rows: int, batches: int) -> float:
 
 
 def sql_filled(client: Client, name: str, rows: int, batches: int) -> float:
-    """Seconds for a remote ``SELECT k, v`` to stream back a table written (and closed) before
-    the query starts: the way out alone, to compare with a bare DoGet."""
+    """Seconds for a remote ``SELECT k, v`` to stream back a table filled before the query.
+
+    The table is written (and closed) before the query starts: the way out alone, to compare
+    with a bare DoGet.
+    """
     data = _batches(rows, batches, 1)
     client.create_table(name, SCHEMA, capacity=batches)
     with client.sink(name) as sink:
@@ -197,8 +205,10 @@ def sql_filled(client: Client, name: str, rows: int, batches: int) -> float:
 
 
 def latency(client: Client, name: str, samples: int, rate: float) -> dict[str, float]:
-    """Remote write -> remote result time: one-row batches at ``rate``/s from a remote
-    producer; a remote ``SELECT k`` stamps each row as it arrives (k = the write's clock)."""
+    """Remote write -> remote result time: one-row batches at ``rate``/s from a remote producer.
+
+    A remote ``SELECT k`` stamps each row as it arrives (k = the write's clock).
+    """
     client.create_table(name, SCHEMA, capacity=16)
     result = client.sql(f"SELECT k FROM {name}")
     delays: list[float] = []
@@ -235,9 +245,12 @@ def _count_rows(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
 
 
 def spark_epochs(uri: str, epochs: int, rows: int) -> dict[str, Any]:
-    """RemoteBridge, executors vs driver, live table only and with Lance: rows/s per epoch
-    of ``rows`` rows (median), and Spark's own floors: ``toArrow`` and a no-op ``mapInArrow``
-    over the same cached epoch (what each path pays before doing anything)."""
+    """RemoteBridge, executors vs driver, live table only and with Lance: rows/s per epoch.
+
+    Each epoch has ``rows`` rows (the median is kept). Beside them, Spark's own floors:
+    ``toArrow`` and a no-op ``mapInArrow`` over the same cached epoch (what each path pays
+    before doing anything).
+    """
     from pushtable.spark import RemoteBridge, local_spark
     from pushtable.spark.remote import Push
 
@@ -301,8 +314,11 @@ def spark_epochs(uri: str, epochs: int, rows: int) -> dict[str, Any]:
 
 
 def _serve_config(folder: str) -> str:
-    """The bench server's config file, written in ``folder``: SQL out of a filled table holds
-    all 2,048 of the 8,192-row batches, above the default capacity cap."""
+    """The bench server's config file, written in ``folder``.
+
+    SQL out of a filled table holds all 2,048 of the 8,192-row batches, above the default
+    capacity cap.
+    """
     config = Path(folder) / "serve.json"
     config.write_text(json.dumps({"limits": {"max_capacity": 4096}}))
     return str(config)
@@ -373,6 +389,7 @@ def run(quick: bool) -> dict[str, Any]:
 
 
 def table(results: dict[str, Any]) -> str:
+    """The Flight suite's results as text."""
     lines = [
         "batch rows  producers  local M rows/s  remote M rows/s  remote GB/s  remote/local"
         "  raw DoPut M rows/s  remote/raw"

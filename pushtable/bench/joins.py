@@ -97,9 +97,11 @@ PATHWAY_ROWS = 98_304
 
 
 def run(quick: bool, peers: bool = False) -> dict[str, Any]:
-    """2,000,000 rows a side for throughput (median of 3), then 10,000,000 a side for memory
-    (fewer with ``quick``); with ``peers``, the same join on LaminarDB and Pathway from the
-    peers venv, after pushtable's (Pathway on fewer rows)."""
+    """2,000,000 rows a side for throughput (median of 3), then 10,000,000 a side for memory.
+
+    Fewer rows with ``quick``. With ``peers``, the same join on LaminarDB and Pathway from the
+    peers venv, after pushtable's (Pathway on fewer rows).
+    """
     rows, long = (200_000, 400_000) if quick else (2_000_000, 10_000_000)
     runs = [interval_join(rows) for _ in range(1 if quick else 3)]
     out: dict[str, Any] = {
@@ -116,6 +118,7 @@ def run(quick: bool, peers: bool = False) -> dict[str, Any]:
 
 
 def table(suite: dict[str, Any]) -> str:
+    """The join suite's results as text."""
     t, long = suite["throughput"], suite["long"]
     return "\n".join(
         [

@@ -85,6 +85,7 @@ def run(quick: bool) -> dict[str, Any]:
 
 
 def table(suite: dict[str, Any]) -> str:
+    """The latency cases as text."""
     lines = [f"{'query':11s} {'rows':>5s} {'rate/s':>7s} {'n':>4s} {'p50 ms':>8s} {'p99 ms':>8s}"]
     for c in suite["cases"]:
         lines.append(

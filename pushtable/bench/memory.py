@@ -26,6 +26,7 @@ SCHEMA = pa.schema([("v", pa.float64())])
 def measure(
     seconds: float, batch_rows: int, capacity: int, max_bytes: int | None
 ) -> dict[str, Any]:
+    """RSS while a producer keeps the queue full and a slow query reads it for ``seconds``."""
     proc = psutil.Process()
     ctx = SessionContext()
     sink = ctx.register_streaming_table("t", SCHEMA, capacity=capacity, max_bytes=max_bytes)

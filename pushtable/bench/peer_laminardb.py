@@ -1,5 +1,7 @@
-"""The ``peers`` workload on LaminarDB, run by the peers venv's interpreter (it pins an older
-pyarrow than pushtable, so this file imports nothing of pushtable): prints one JSON object.
+"""The ``peers`` workload on LaminarDB, run by the peers venv's interpreter.
+
+That venv pins an older pyarrow than pushtable, so this file imports nothing of pushtable. It
+prints one JSON object.
 
 Same data and the same closing rule as pushtable's ordered table: the source's watermark is
 the newest event time minus 100 ms, and every batch spans at most 100 ms of event time and
@@ -52,8 +54,10 @@ SQL = (
 
 
 def _open(stream_sql: str = SQL, stream: str = "win") -> tuple[Any, Any, Any, pa.Schema]:
-    """A database with the ``events`` source and ``stream_sql``: it, a subscription to
-    ``stream``, the source's writer and schema."""
+    """A database with the ``events`` source and ``stream_sql``.
+
+    Returns it, a subscription to ``stream``, the source's writer and schema.
+    """
     db = laminardb.open(":memory:")
     db.execute(
         "CREATE SOURCE events (ts BIGINT, k BIGINT, v BIGINT, "
@@ -91,8 +95,11 @@ def _until_quiet(
     enough: Any = lambda: False,
     give_up: float = 120.0,
 ) -> None:
-    """Wait until ``enough()``, or until no result came for ``quiet`` seconds (``first`` for
-    the first one), at most ``give_up`` seconds: LaminarDB has then given all it will."""
+    """Wait until ``enough()``, or until no result came for ``quiet`` seconds, at most ``give_up``.
+
+    For the first result the quiet time is ``first`` seconds. LaminarDB has then given all it
+    will.
+    """
     now = time.monotonic()
     quiet_until, deadline, seen = now + first, now + give_up, 0
     while not enough() and time.monotonic() < min(quiet_until, deadline):
@@ -109,6 +116,7 @@ def _write_flushed(writer: Any, batches: list[pa.RecordBatch]) -> None:
 
 
 def throughput(rows: int, batch_rows: int) -> dict[str, Any]:
+    """Rows per second through a 1-second tumbling window, flat out; results verified."""
     db, sub, writer, schema = _open()
     batches = throughput_batches(rows, batch_rows, schema)
     windows = -(-rows // PER_WINDOW)
@@ -136,6 +144,7 @@ def throughput(rows: int, batch_rows: int) -> dict[str, Any]:
 
 
 def close_latency(batch_rows: int, samples: int, interval: float = 0.02) -> dict[str, Any]:
+    """Write -> window row: each batch opens a new second, closing the one before."""
     db, sub, writer, schema = _open()
     got, stop, reader = _reading(sub)
     written: list[float] = []
@@ -175,8 +184,10 @@ def _updating(keys: int, rows: int, i: int, schema: pa.Schema) -> pa.RecordBatch
 
 
 def updating_throughput(keys: int, rows: int, batch_rows: int) -> dict[str, Any]:
-    """``GROUP BY k EMIT CHANGES`` flat out; the reader applies each change as an upsert
-    (vectorised, as pushtable's reader does); timed to the change that completes every key."""
+    """``GROUP BY k EMIT CHANGES`` flat out; timed to the change that completes every key.
+
+    The reader applies each change as an upsert (vectorised, as pushtable's reader does).
+    """
     import numpy as np
 
     db, sub, writer, schema = _open(UPDATING, "agg")
@@ -256,9 +267,11 @@ SHAPE_SQL = {
 
 
 def shape_throughput(shape: str, rows: int, batch_rows: int) -> dict[str, Any]:
-    """A Spark window shape in LaminarDB's SQL (``EMIT ON WINDOW CLOSE``), flat out; timed to
-    the last window row (waiting up to 30 s after the last write); verified when the windows
-    count every row as often as Spark's do."""
+    """A Spark window shape in LaminarDB's SQL (``EMIT ON WINDOW CLOSE``), flat out.
+
+    Timed to the last window row (waiting up to 30 s after the last write); verified when the
+    windows count every row as often as Spark's do.
+    """
     make, copies = SHAPES[shape]
     sql = (
         "CREATE STREAM win AS SELECT min(ts) AS lo, count(*) AS n, sum(v) AS s FROM events "
@@ -288,9 +301,11 @@ def shape_throughput(shape: str, rows: int, batch_rows: int) -> dict[str, Any]:
 
 
 def join_throughput(rows_per_side: int, batch_rows: int) -> dict[str, Any]:
-    """The interval join (``b.ts BETWEEN a.ts AND a.ts + 1000``, watermarks 100 ms behind),
-    both sides written in turn flat out, one row far ahead on each at the end; timed to the
-    last match, waiting until no match came for 10 s (at most 120 s)."""
+    """The interval join (``b.ts BETWEEN a.ts AND a.ts + 1000``), both sides written flat out.
+
+    Watermarks trail by 100 ms; the sides are written in turn, one row far ahead on each at
+    the end. Timed to the last match, waiting until no match came for 10 s (at most 120 s).
+    """
     db = laminardb.open(":memory:")
     for side in ("a", "b"):
         db.execute(
@@ -332,6 +347,7 @@ def join_throughput(rows_per_side: int, batch_rows: int) -> dict[str, Any]:
 
 
 def main() -> None:
+    """Run what the JSON parameters in ``sys.argv[1]`` ask for; print one JSON object."""
     params = json.loads(sys.argv[1])
     if params.get("shape") == "join":
         result = join_throughput(params["rows"], params["batch_rows"])

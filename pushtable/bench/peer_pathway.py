@@ -1,6 +1,7 @@
-"""The ``peers`` workload on Pathway, run by the peers venv's interpreter (it pins an older
-pyarrow than pushtable, so this file imports nothing of pushtable that needs it): prints one
-JSON object.
+"""The ``peers`` workload on Pathway, run by the peers venv's interpreter.
+
+That venv pins an older pyarrow than pushtable, so this file imports nothing of pushtable
+that needs it. It prints one JSON object.
 
 Pathway's Python connector takes rows one at a time (``ConnectorSubject.next``); the window
 is ``windowby(ts, tumbling(1000 ms), exactly_once_behavior())``, which emits each window once,
@@ -72,8 +73,11 @@ class _Feed(pw.io.python.ConnectorSubject):  # type: ignore[misc]
 
 
 def _run(batches: list[pa.RecordBatch], interval: float = 0.0) -> tuple[_Feed, list[Any], float]:
-    """Run one Pathway graph over ``batches``; returns the feed, the window rows (with their
-    arrival times) and the seconds from start to the end of the run."""
+    """Run one Pathway graph over ``batches``.
+
+    Returns the feed, the window rows (with their arrival times) and the seconds from start
+    to the end of the run.
+    """
     got: list[tuple[float, dict[str, Any]]] = []
     lock = threading.Lock()
 
@@ -99,6 +103,7 @@ _now = time.perf_counter
 
 
 def throughput(rows: int, batch_rows: int) -> dict[str, Any]:
+    """Rows per second through a 1-second tumbling window, flat out; results verified."""
     batches = throughput_batches(rows, batch_rows)
     feed, got, seconds = _run(batches)
     last = max((at for at, _ in got), default=_now())
@@ -117,6 +122,7 @@ def throughput(rows: int, batch_rows: int) -> dict[str, Any]:
 
 
 def close_latency(batch_rows: int, samples: int, interval: float = 0.02) -> dict[str, Any]:
+    """Write -> window row: each batch opens a new second, closing the one before."""
     feed, got, _ = _run([latency_batch(i, batch_rows) for i in range(samples + 1)], interval)
     arrived: dict[int, float] = {}
     for at, row in got:
@@ -130,8 +136,11 @@ def close_latency(batch_rows: int, samples: int, interval: float = 0.02) -> dict
 
 
 def _shape(table: Any, shape: str) -> Any:
-    """Pathway's form of a Spark window shape: ``sliding(hop=1 s, duration=10 s)`` emitted
-    once per window, ``session(max_gap=300 ms)`` (its final rows are the sessions)."""
+    """Pathway's form of a Spark window shape.
+
+    ``sliding(hop=1 s, duration=10 s)`` emitted once per window, ``session(max_gap=300 ms)``
+    (its final rows are the sessions).
+    """
     if shape == "sliding":
         window = pw.temporal.sliding(hop=1000, duration=10_000)
         behavior = pw.temporal.exactly_once_behavior()
@@ -143,8 +152,10 @@ def _shape(table: Any, shape: str) -> Any:
 
 
 def shape_throughput(shape: str, rows: int, batch_rows: int) -> dict[str, Any]:
-    """A Spark window shape over ``rows`` rows, flat out, timed from the first write to the
-    last change; verified when the final windows count every row as often as Spark does."""
+    """A Spark window shape over ``rows`` rows, flat out, timed from first write to last change.
+
+    Verified when the final windows count every row as often as Spark does.
+    """
     make, copies = SHAPES[shape]
     batches = make(rows, batch_rows)
     final: dict[Any, tuple[float, dict[str, Any]]] = {}
@@ -176,8 +187,10 @@ def shape_throughput(shape: str, rows: int, batch_rows: int) -> dict[str, Any]:
 
 
 def join_throughput(rows_per_side: int, batch_rows: int) -> dict[str, Any]:
-    """The interval join (``interval_join`` with ``interval(0, 1000)`` on ``a.k == b.k``),
-    both sides fed at once; timed from the first write to the last match."""
+    """The interval join, both sides fed at once; timed from the first write to the last match.
+
+    It is ``interval_join`` with ``interval(0, 1000)`` on ``a.k == b.k``.
+    """
     matches: list[float] = []
     lock = threading.Lock()
 
@@ -209,8 +222,11 @@ def join_throughput(rows_per_side: int, batch_rows: int) -> dict[str, Any]:
 
 
 def updating_throughput(keys: int, rows: int, batch_rows: int) -> dict[str, Any]:
-    """``groupby(k).reduce(count, sum, max)`` over ``rows`` rows flat out, its changes applied
-    as upserts; timed from the first write to the change that completes every key."""
+    """``groupby(k).reduce(count, sum, max)`` over ``rows`` rows flat out.
+
+    Its changes are applied as upserts; timed from the first write to the change that
+    completes every key.
+    """
     import numpy as np
 
     batches = [keyed_batch(i, batch_rows, keys) for i in range(rows // batch_rows)]
@@ -252,6 +268,7 @@ def updating_throughput(keys: int, rows: int, batch_rows: int) -> dict[str, Any]
 
 
 def main() -> None:
+    """Run what the JSON parameters in ``sys.argv[1]`` ask for; print one JSON object."""
     params = json.loads(sys.argv[1])
     rows = min(params["rows"], params.get("pathway_max_rows", params["rows"]))
     shape = params.get("shape")

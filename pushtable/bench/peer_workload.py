@@ -1,5 +1,6 @@
-"""The ``peers`` workload, shared by pushtable and the peer engines' child processes (this file
-imports only numpy and pyarrow, so it runs under the peers venv's older pyarrow too).
+"""The ``peers`` workload, shared by pushtable and the peer engines' child processes.
+
+This file imports only numpy and pyarrow, so it runs under the peers venv's older pyarrow too.
 
 Rows ``(ts, k, v)`` with ``ts`` in milliseconds (int64), ``v = 1``, a 1-second tumbling
 ``count(*)``/``sum(v)``. Batches never span more than ``DELAY_MS`` of event time, so an engine
@@ -28,9 +29,11 @@ def batch(first_ms: int, rows: int, span_ms: int, schema: pa.Schema = SCHEMA) ->
 
 
 def keyed_batch(i: int, rows: int, keys: int, schema: pa.Schema = SCHEMA) -> pa.RecordBatch:
-    """Batch ``i`` of the updating ``GROUP BY`` workload: rows ``i * rows ..`` of the stream
-    with key ``r % keys``, ``v`` = 1 and ``ts`` = ``i`` (the batch's number: the last column
-    of pushtable's schema, or ``ts`` in the peers' int64 schema)."""
+    """Batch ``i`` of the updating ``GROUP BY`` workload: rows ``i * rows ..`` of the stream.
+
+    Row ``r`` has key ``r % keys``, ``v`` = 1 and ``ts`` = ``i`` (the batch's number: the last
+    column of pushtable's schema, or ``ts`` in the peers' int64 schema).
+    """
     r = np.arange(i * rows, (i + 1) * rows, dtype=np.int64)
     ordered = {"k": pa.array(r % keys), "v": pa.array(np.ones(rows, np.int64))}
     ordered[schema.names[-1] if schema.names[0] == "k" else "ts"] = pa.array(np.full(rows, i))
@@ -49,8 +52,10 @@ def throughput_batches(
 
 
 def burst_batches(rows: int, batch_rows: int, schema: pa.Schema = SCHEMA) -> list[pa.RecordBatch]:
-    """The session workload: batch ``i`` is a burst of ``batch_rows`` rows over the first
-    500 ms of second ``i``: with a 300 ms gap, one session per batch."""
+    """The session workload: batch ``i`` is a burst of ``batch_rows`` rows in second ``i``.
+
+    The burst spans the first 500 ms of that second: with a 300 ms gap, one session per batch.
+    """
     return [batch(i * 1000, batch_rows, 500, schema) for i in range(rows // batch_rows)]
 
 
@@ -79,8 +84,10 @@ def join_side(i: int, rows: int, offset_ms: int, schema: pa.Schema = JOIN_SCHEMA
 
 
 def latency_batch(i: int, rows: int, schema: pa.Schema = SCHEMA) -> pa.RecordBatch:
-    """Batch ``i`` of the latency run: second ``i``, from 100 ms in, spanning 100 ms; writing
-    it closes window ``i - 1`` in both engines."""
+    """Batch ``i`` of the latency run: second ``i``, from 100 ms in, spanning 100 ms.
+
+    Writing it closes window ``i - 1`` in both engines.
+    """
     return batch(i * 1000 + DELAY_MS, rows, DELAY_MS, schema)
 
 

@@ -1,7 +1,8 @@
-"""The ``windows`` suite's side-by-side part: pushtable's live engine beside LaminarDB and
-Pathway, in one run: the same rows, the same
-1-second tumbling ``count(*)``/``sum(v)``, the same closing rule (a window closes with the
-first batch of a later second), throughput and write→window-row latency.
+"""The ``windows`` suite's side-by-side part: pushtable's live engine beside LaminarDB and Pathway.
+
+All in one run: the same rows, the same 1-second tumbling ``count(*)``/``sum(v)``, the same
+closing rule (a window closes with the first batch of a later second), throughput and
+write→window-row latency.
 
 The peers pin an older pyarrow than pushtable, so they run from a venv of their own
 (``PUSHTABLE_PEERS_PYTHON``, or one made on first use under ``~/.cache/pushtable``) in child
@@ -114,10 +115,12 @@ PATHWAY_SHAPE_ROWS = 49_152
 
 
 def shape_side_by_side(shape: str, quick: bool) -> dict[str, Any]:
-    """One Spark window shape on pushtable (``window`` / ``session_window``), LaminarDB
-    (``HOPPING`` / ``SESSION``) and Pathway (``sliding`` / ``session``): throughput of the
-    same rows, each engine's windows checked against Spark's (every row counted in each of
-    its windows)."""
+    """One Spark window shape on pushtable, LaminarDB and Pathway: throughput of the same rows.
+
+    The shape is ``window`` / ``session_window`` on pushtable, ``HOPPING`` / ``SESSION`` on
+    LaminarDB and ``sliding`` / ``session`` on Pathway. Each engine's windows are checked
+    against Spark's (every row counted in each of its windows).
+    """
     rows = SHAPE_ROWS[shape] // (10 if quick else 1)
     params = {
         "shape": shape,
@@ -141,6 +144,7 @@ def _median_throughput(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def table(suite: dict[str, Any]) -> str:
+    """The side-by-side tables as text."""
     p = suite["params"]
     lines = [
         f"windows side by side: {p['rows']:,} rows in {p['batch_rows']:,}-row batches, "

@@ -14,8 +14,9 @@ import matplotlib.pyplot as plt
 def core_throughput(
     suite: dict[str, Any], cores: int, path: Path, limit_mrows: float | None = None
 ) -> Path:
-    """Throughput vs batch size per engine: a row per workload (schema), a panel per
-    (query, producers), at the suite's largest capacity.
+    """Throughput vs batch size per engine, at the suite's largest capacity.
+
+    A row per workload (schema), a panel per (query, producers).
 
     ``limit_mrows`` draws the machine's copy rate (float64 values per second) as the
     physical limit of a one-column scan.
@@ -148,8 +149,10 @@ def fanout(suite: dict[str, Any], path: Path) -> Path:
 
 
 def flight(suite: dict[str, Any], path: Path) -> Path:
-    """Local, remote and bare-wire write rows/s per (batch rows, producers); Spark driver vs
-    executors."""
+    """Local, remote and bare-wire write rows/s per (batch rows, producers), and Spark's paths.
+
+    Spark's driver path vs its executor path.
+    """
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.6), width_ratios=[2, 1])
     rows = suite["write"]
     xs = range(len(rows))

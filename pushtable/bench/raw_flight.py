@@ -35,6 +35,7 @@ class RawServer(flight.FlightServerBase):  # type: ignore[misc]
         self._held: tuple[Any, list[pa.RecordBatch]] = (None, [])
 
     def do_put(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
+        """Read every batch of the stream and drop it."""
         while True:
             try:
                 reader.read_chunk()
@@ -42,6 +43,7 @@ class RawServer(flight.FlightServerBase):  # type: ignore[misc]
                 return
 
     def do_action(self, context: Any, action: Any) -> Any:
+        """The ``hold`` action: make the batches that DoGet then serves (``rows``, ``batches``)."""
         if action.type != "hold":
             raise flight.FlightServerError(f"unknown action {action.type!r}: only 'hold'")
         ask = json.loads(action.body.to_pybytes())
@@ -51,6 +53,7 @@ class RawServer(flight.FlightServerBase):  # type: ignore[misc]
         return []
 
     def do_get(self, context: Any, ticket: Any) -> Any:
+        """The held batches, when the ticket asks for those the last ``hold`` made."""
         ask = json.loads(ticket.ticket)
         key, held = self._held
         if key != (int(ask["rows"]), int(ask["batches"])):
@@ -59,6 +62,7 @@ class RawServer(flight.FlightServerBase):  # type: ignore[misc]
 
 
 def main() -> None:
+    """Serve a bare Flight server on a free loopback port until stopped; print its address."""
     server = RawServer("grpc://127.0.0.1:0")
     print(f"raw flight: listening on grpc://127.0.0.1:{server.port}", flush=True)
     server.serve()

@@ -30,12 +30,14 @@ from pushtable.spark import ForeachBatchBridge, local_spark
 
 
 def spark_session() -> SparkSession:
+    """The bench's local Spark session (Arrow batches of up to 100,000 records)."""
     return local_spark(
         "pushtable-bench", **{"spark.sql.execution.arrow.maxRecordsPerBatch": "100000"}
     )
 
 
 def epoch_frame(spark: SparkSession, rows: int) -> DataFrame:
+    """A cached epoch of ``rows`` rows in two partitions: ``id``, ``level`` and ``value``."""
     df = spark.range(rows).selectExpr(
         "id", "CAST(id % 7 AS STRING) AS level", "CAST(id AS DOUBLE) / 3 AS value"
     )
@@ -45,6 +47,7 @@ def epoch_frame(spark: SparkSession, rows: int) -> DataFrame:
 
 
 def median_ms(samples: list[float]) -> dict[str, float]:
+    """Median, min and max of ``samples`` (seconds), in milliseconds."""
     return {
         "median_ms": statistics.median(samples) * 1e3,
         "min_ms": min(samples) * 1e3,
@@ -53,6 +56,7 @@ def median_ms(samples: list[float]) -> dict[str, float]:
 
 
 def timed(fn: Callable[[], Any], reps: int) -> list[float]:
+    """The seconds each of ``reps`` calls of ``fn`` took."""
     out = []
     for _ in range(reps):
         start = time.perf_counter()
@@ -62,6 +66,7 @@ def timed(fn: Callable[[], Any], reps: int) -> list[float]:
 
 
 def measure(rows: int, reps: int) -> dict[str, Any]:
+    """Every figure of the run, for epochs of ``rows`` rows; each a median of ``reps``."""
     spark = spark_session()
     df = epoch_frame(spark, rows)
     work = Path(tempfile.mkdtemp(prefix="pushtable-bench-"))
@@ -171,6 +176,7 @@ def dedupe_walk(uri: Path, reps: int) -> dict[str, Any]:
 
 
 def report(r: dict[str, Any]) -> str:
+    """The run's figures as text."""
     d = r["driver_path"]
     lines = [
         f"epoch of {r['rows_per_epoch']:,} rows, median of {r['reps']} (ms)",

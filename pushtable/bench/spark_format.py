@@ -1,5 +1,6 @@
-"""``format("pushtable")`` in a running streaming query, side by side with what a user could
-write instead, on the same local[2] Spark and the same stream.
+"""``format("pushtable")`` in a running streaming query, beside what a user could write instead.
+
+All run on the same local[2] Spark and the same stream.
 
 - **sink**: one file per micro-batch (``rows`` rows each, parquet, ``maxFilesPerTrigger=1``)
   into (a) ``writeStream.format("pushtable")`` with Lance, (b) ``foreachBatch`` with
@@ -63,6 +64,10 @@ def _run(query: Any) -> list[float]:
 
 
 def measure(rows: int, batches: int) -> dict[str, Any]:
+    """Every figure of the run: the sinks, then the sources.
+
+    The sinks run on ``batches`` micro-batches of ``rows`` rows, after a warm-up one.
+    """
     spark = local_spark("pushtable-bench-format")
     register(spark)
     work = Path(tempfile.mkdtemp(prefix="pushtable-bench-format-"))
@@ -174,6 +179,7 @@ def _source(spark: SparkSession, client: Any, work: Path, total: int) -> dict[st
 
 
 def report(r: dict[str, Any]) -> str:
+    """The run's figures as text."""
     lines = [
         f"streaming sink, micro-batches of {r['rows_per_batch']:,} rows, median of "
         f"{r['batches']} (addBatch)",

@@ -39,8 +39,10 @@ def _batch(i: int, rows: int, keys: int) -> pa.RecordBatch:
 def throughput(
     keys: int, rows: int = 10_000_000, batch_rows: int = 8192, reps: int = 5
 ) -> dict[str, Any]:
-    """Rows per second through the updating ``GROUP BY`` (median of ``reps`` runs), each
-    run's applied state checked."""
+    """Rows per second through the updating ``GROUP BY`` (median of ``reps`` runs).
+
+    Each run's applied state is checked.
+    """
     batches = [_batch(i, batch_rows, keys) for i in range(rows // batch_rows)]
     runs = [_run(batches, keys) for _ in range(reps)]
     rates = [r["rows_per_s"] for r in runs]
@@ -123,9 +125,11 @@ def latency(keys: int, batches: int = 500, rows: int = 8192, rate: float = 100.0
 
 
 def run(quick: bool, peers: bool = False) -> dict[str, Any]:
-    """Both measurements at each key count (fewer rows and batches with ``quick``); with
-    ``peers``, the same workload on LaminarDB (``GROUP BY k EMIT CHANGES``) from the peers
-    venv, after pushtable's."""
+    """Both measurements at each key count (fewer rows and batches with ``quick``).
+
+    With ``peers``, the same workload on LaminarDB (``GROUP BY k EMIT CHANGES``) from the
+    peers venv, after pushtable's.
+    """
     rows, batches, reps = (200_000, 60, 3) if quick else (10_000_000, 500, 5)
     out: dict[str, Any] = {
         "throughput": [throughput(k, rows, reps=reps) for k in KEYS],
@@ -146,6 +150,7 @@ PATHWAY_ROWS = 204_800
 
 
 def table(suite: dict[str, Any]) -> str:
+    """The updating suite's results as text."""
     lines = [
         "updating GROUP BY (unbounded table, 8,192-row batches)",
         f"{'keys':>9} {'M rows/s':>9} {'out batches':>12} {'p50 ms':>8} {'p99 ms':>8}",

@@ -326,6 +326,7 @@ def run(quick: bool) -> dict[str, Any]:
 
 
 def table(suite: dict[str, Any]) -> str:
+    """The windows suite's results as text."""
     t = suite["throughput"]
     lines = [
         f"windows throughput: {t['rows']:,} rows in {t['batch_rows']:,}-row batches, "

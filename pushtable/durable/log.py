@@ -1,5 +1,4 @@
-"""A durable topic's log: offsets, group commits to Lance, idempotent producers, and reads
-from any offset with no gap and no duplicate.
+"""A durable topic's log: offsets, group commits to Lance, idempotent producers, and reads.
 
 A batch appended here gets the next offset and goes to the topic's live subscribers at
 once (their queries see it in milliseconds); it is *acknowledged* only once a Lance commit
@@ -10,10 +9,10 @@ failed commit keeps its batches pending (they are retried at the next interval; 
 acknowledged and new appends are refused until a commit succeeds), so a producer that sends
 them again after the error is deduplicated, not appended twice.
 
-Reads start at any offset: what is committed and no longer in memory comes from Lance, the
-committed tail kept in memory (``retain``/``retain_bytes``) and the pending batches follow,
-then the live stream. All of it is taken between two appends, so nothing is missed or seen
-twice.
+Reads start at any offset, with no gap and no duplicate: what is committed and no longer in
+memory comes from Lance, the committed tail kept in memory (``retain``/``retain_bytes``) and
+the pending batches follow, then the live stream. All of it is taken between two appends, so
+nothing is missed or seen twice.
 """
 
 from __future__ import annotations
@@ -57,10 +56,12 @@ EPOCH_BATCHES = 1 << 24
 
 
 def epoch_sequence(epoch: int, index: int, last: bool) -> int:
-    """The sequence number of batch ``index`` of a Spark query's ``epoch`` in a durable log:
-    epoch-major, so a replayed epoch's batches stored before a crash are skipped one by one;
+    """The sequence number of batch ``index`` of a Spark query's ``epoch`` in a durable log.
+
+    Epoch-major, so a replayed epoch's batches stored before a crash are skipped one by one;
     the epoch's last batch takes the highest number of the epoch, so a stored last batch
-    means the whole epoch is stored (:func:`epoch_of`)."""
+    means the whole epoch is stored (:func:`epoch_of`).
+    """
     if not 0 <= index < EPOCH_BATCHES - 1:
         raise ValueError(f"an epoch holds at most {EPOCH_BATCHES - 1:,} batches, got {index + 1}")
     return epoch * EPOCH_BATCHES + (EPOCH_BATCHES - 1 if last else index)
@@ -199,11 +200,14 @@ class DurableLog:
         sequence: int | None = None,
         gaps: bool = False,
     ) -> int:
-        """Give ``batch`` the next offset and send it live; returns the offset whose commit
-        acknowledges it (-1: already stored). A ``(producer, sequence)`` seen before is not
-        appended again: its acknowledgement is that of everything appended so far. A
-        producer's sequences follow each other, unless ``gaps``: then any higher one is
-        taken (a Spark query's batches are numbered by epoch, see :func:`epoch_sequence`)."""
+        """Give ``batch`` the next offset and send it live.
+
+        Returns the offset whose commit acknowledges it (-1: already stored). A ``(producer,
+        sequence)`` seen before is not appended again: its acknowledgement is that of
+        everything appended so far. A producer's sequences follow each other, unless ``gaps``:
+        then any higher one is taken (a Spark query's batches are numbered by epoch, see
+        :func:`epoch_sequence`).
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self._order.acquire(timeout=-1 if timeout is None else timeout):
             raise WriteTimeoutError(f"write to durable topic '{self.name}' timed out")
@@ -261,8 +265,10 @@ class DurableLog:
             return self._accepted.get(producer, -1)
 
     def last_stored_sequence(self, producer: str) -> int:
-        """The last sequence number of ``producer`` that a commit holds (-1: none): it
-        survives a restart, stamped in the same commit as the rows."""
+        """The last sequence number of ``producer`` that a commit holds (-1: none).
+
+        It survives a restart, stamped in the same commit as the rows.
+        """
         with self._cond:
             return self._stored.get(producer, -1)
 
@@ -282,8 +288,10 @@ class DurableLog:
                 self._cond.notify_all()
 
     def wait_committed(self, offset: int, timeout: float | None = None) -> bool:
-        """Wait until ``offset`` is stored (False: ``timeout`` passed first). Raises the
-        :class:`CommitFailedError` of a failed commit that held it."""
+        """Wait until ``offset`` is stored (False: ``timeout`` passed first).
+
+        Raises the :class:`CommitFailedError` of a failed commit that held it.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             if offset >= self._committed and self._pending:
@@ -310,12 +318,15 @@ class DurableLog:
             )
 
     def listen(self, listener: Listener) -> None:
-        """Call ``listener(committed, failure)`` after each commit attempt (on the committer's
-        thread: it must not block)."""
+        """Call ``listener(committed, failure)`` after each commit attempt.
+
+        It is called on the committer's thread: it must not block.
+        """
         with self._cond:
             self._listeners.append(listener)
 
     def unlisten(self, listener: Listener) -> None:
+        """Stop calling ``listener`` (nothing happens if it was not listening)."""
         with self._cond:
             if listener in self._listeners:
                 self._listeners.remove(listener)
@@ -366,8 +377,10 @@ class DurableLog:
 
     @property
     def _retention_check(self) -> float:
-        """Seconds between two retention checks: a tenth of the age kept, 0.1 s to 5 s; at
-        most 0.5 s with a bound in bytes (a fast producer fills it quickly)."""
+        """Seconds between two retention checks: a tenth of the age kept, 0.1 s to 5 s.
+
+        At most 0.5 s with a bound in bytes (a fast producer fills it quickly).
+        """
         every = 5.0 if self.retention_bytes is None else 0.5
         if self.retention is None:
             return every
@@ -383,9 +396,11 @@ class DurableLog:
         return Stamp(self._committed, dict(self._stored), dict(self._consumers), self._earliest)
 
     def _expire(self, stamp: Stamp) -> None:
-        """Delete the history retention no longer keeps (on the committer's thread: it is
-        the one writer of stamped commits). A failure is logged and retried at the next
-        check: it never fails the topic."""
+        """Delete the history retention no longer keeps; a failure never fails the topic.
+
+        Runs on the committer's thread: it is the one writer of stamped commits. A failure is
+        logged and retried at the next check.
+        """
         self._expired_at = time.monotonic()
         if self.retention is None and self.retention_bytes is None:
             return
@@ -410,7 +425,8 @@ class DurableLog:
         """Wait for the commit's moment, then take what it stores (holding ``_cond``).
 
         The oldest waiting batch is to be stored one interval after it arrived: the commit
-        starts early by what recent commits took (their slowest of 8)."""
+        starts early by what recent commits took (their slowest of 8).
+        """
         lead = min(max(self._took, default=0.0), self.commit_interval)
         waited = time.time() - self._pending[0].time_us / 1e6
         due = time.monotonic() + max(0.0, self.commit_interval - lead - waited)
@@ -484,9 +500,11 @@ class DurableLog:
     # -- reading ------------------------------------------------------------------------
 
     def consumed(self, consumer: str, offset: int) -> None:
-        """Record that ``consumer`` has read every offset below ``offset`` (Spark's source
-        calls it from ``commit(end)``). Positions are kept in memory, reported by
-        :attr:`stats`, and stored with the topic's next commit, so a restart recovers them."""
+        """Record that ``consumer`` has read every offset below ``offset``.
+
+        Spark's source calls it from ``commit(end)``. Positions are kept in memory, reported by
+        :attr:`stats`, and stored with the topic's next commit, so a restart recovers them.
+        """
         if not consumer:
             raise ValueError("a consumer needs a name")
         with self._cond:
@@ -498,8 +516,11 @@ class DurableLog:
             self._consumers[consumer] = int(offset)
 
     def offsets(self) -> dict[str, int]:
-        """``earliest`` (the first stored offset), ``committed`` (every offset below it is
-        stored) and ``next`` (the offset the next batch gets)."""
+        """The log's ``earliest``, ``committed`` and ``next`` offsets.
+
+        ``earliest`` is the first stored offset; every offset below ``committed`` is stored;
+        ``next`` is the offset the next batch gets.
+        """
         with self._cond:
             return {"earliest": self._earliest, "committed": self._committed, "next": self._next}
 
@@ -531,9 +552,11 @@ class DurableLog:
         )
 
     def subscribe(self, start: Start, then: Callable[[pa.RecordBatchReader | None], Any]) -> Any:
-        """Call ``then(history)`` between two appends: ``history`` holds every batch from
-        ``start`` up to the newest appended (None when that is nothing), and ``then`` starts
-        the live reader for what comes after."""
+        """Call ``then(history)`` between two appends, to start a reader at ``start``.
+
+        ``history`` holds every batch from ``start`` up to the newest appended (None when that
+        is nothing), and ``then`` starts the live reader for what comes after.
+        """
         # A start time may need a scan of Lance to resolve: done before the append lock is
         # taken, so producers are not held up by it. A start at or before now is settled
         # then: what is appended afterwards arrives later and belongs to the read.
@@ -594,9 +617,10 @@ class DurableLog:
     # -- ending -------------------------------------------------------------------------
 
     def close(self, timeout: float | None = None) -> None:
-        """Store what is pending, then stop the committer and upkeep threads and join them
-        (raises if the last commit fails: what it held is not stored, and was never
-        acknowledged; the committer stops all the same, after at most the attempt under way).
+        """Store what is pending, then stop the committer and upkeep threads and join them.
+
+        Raises if the last commit fails: what it held is not stored, and was never
+        acknowledged; the committer stops all the same, after at most the attempt under way.
         """
         with self._cond:
             self._closing = True
@@ -611,8 +635,11 @@ class DurableLog:
             self._join(timeout)
 
     def _join(self, timeout: float | None) -> None:
-        """Join the threads this log owns (bounded: a commit or an upkeep round under way
-        finishes first; ``timeout`` None waits for it)."""
+        """Join the threads this log owns.
+
+        Bounded: a commit or an upkeep round under way finishes first; ``timeout`` None waits
+        for it.
+        """
         for thread in (self._committer, self._upkeep):
             if thread is not None and thread is not threading.current_thread():
                 thread.join(timeout)
@@ -627,6 +654,7 @@ class DurableLog:
 
     @property
     def stats(self) -> dict[str, Any]:
+        """The log's counters: offsets, pending and retained data, commits, consumer positions."""
         with self._cond:
             return {
                 "durable": True,

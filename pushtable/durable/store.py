@@ -84,6 +84,7 @@ class Stamp:
     earliest: int
 
     def props(self) -> dict[str, str]:
+        """The stamp as transaction properties (the consumers' key only when there are some)."""
         props = {
             NEXT_KEY: str(self.next_offset),
             PRODUCERS_KEY: json.dumps(self.producers, separators=(",", ":")),
@@ -168,9 +169,11 @@ class LogStore:
     # -- restart ------------------------------------------------------------------------
 
     def recover(self) -> Recovered:
-        """The newest stamped commit's offsets and producer sequences (a compaction's commit
-        carries no stamp: the walk passes it; if cleanup removed the stamped version, the tag
-        that upkeep moved to it is read instead)."""
+        """The newest stamped commit's offsets and producer sequences.
+
+        A compaction's commit carries no stamp: the walk passes it; if cleanup removed the
+        stamped version, the tag that upkeep moved to it is read instead.
+        """
         ds = self._open()  # its own handle: upkeep calls this beside the committer
         if ds is None:
             return Recovered(0, {}, 0)
@@ -186,9 +189,11 @@ class LogStore:
     # -- writing ------------------------------------------------------------------------
 
     def append(self, batches: Sequence[StoredBatch], stamp: Stamp) -> int:
-        """Store ``batches`` (consecutive offsets) in one transaction stamped with ``stamp``
-        (which counts them); returns the new version. Lance's commit is atomic: on any error
-        nothing of it is visible. With :attr:`sync`, it is on disk when this returns."""
+        """Store ``batches`` (consecutive offsets) in one transaction stamped with ``stamp``.
+
+        ``stamp`` counts them. Returns the new version. Lance's commit is atomic: on any error
+        nothing of it is visible. With :attr:`sync`, it is on disk when this returns.
+        """
         table = self._stamped(batches)
         fragments = write_fragments(table, self.uri, self._ds.schema, self.storage_options)
         if self.sync:
@@ -227,11 +232,14 @@ class LogStore:
     def expire(
         self, stamp: Stamp, older_than_us: int | None, keep_bytes: int | None
     ) -> tuple[int, int] | None:
-        """Delete the oldest whole fragments whose rows all arrived before ``older_than_us``,
-        and the oldest while the history holds more than ``keep_bytes``: one Lance
-        transaction, stamped with ``stamp`` and the new earliest offset. Returns (earliest,
-        version), or None when nothing is due. Readers of older versions keep their rows
-        until cleanup removes those versions."""
+        """Delete the oldest whole fragments retention no longer keeps, in one Lance transaction.
+
+        Those are the fragments whose rows all arrived before ``older_than_us``, and the oldest
+        while the history holds more than ``keep_bytes``. The transaction is stamped with
+        ``stamp`` and the new earliest offset. Returns (earliest, version), or None when
+        nothing is due. Readers of older versions keep their rows until cleanup removes those
+        versions.
+        """
         plan: dict[str, Any] = {}
 
         def transaction(ds: lance.LanceDataset) -> lance.Transaction:
@@ -256,8 +264,10 @@ class LogStore:
         older_than_us: int | None,
         keep_bytes: int | None,
     ) -> tuple[list[int], int]:
-        """The ids of the oldest fragments retention deletes (a prefix in offset order: no
-        gap is ever left) and the first offset after them."""
+        """The ids of the oldest fragments retention deletes, and the first offset after them.
+
+        They are a prefix in offset order: no gap is ever left.
+        """
         fragments = [(f.fragment_id, self._bounds_of(f)) for f in ds.get_fragments()]
         total = sum(b.nbytes for _, b in fragments)
         ids: list[int] = []
@@ -292,8 +302,10 @@ class LogStore:
         return known
 
     def _stamped(self, batches: Sequence[StoredBatch]) -> pa.Table:
-        """The batches as one table with each row's ``_offset`` and ``_timestamp`` (the
-        fragment writer aligns what the network left unaligned, copying only those chunks)."""
+        """The batches as one table with each row's ``_offset`` and ``_timestamp``.
+
+        The fragment writer aligns what the network left unaligned, copying only those chunks.
+        """
         columns = [
             pa.chunked_array([b.batch.column(i) for b in batches], type=f.type)
             for i, f in enumerate(self.schema)
@@ -309,8 +321,10 @@ class LogStore:
     # -- reading ------------------------------------------------------------------------
 
     def read(self, start: int, end: int, version: int | None = None) -> pa.RecordBatchReader:
-        """The rows of offsets ``[start, end)`` as of ``version``, in offset order, with the
-        topic's columns only."""
+        """The rows of offsets ``[start, end)`` as of ``version``, in offset order.
+
+        Only the topic's columns are returned.
+        """
         ds = self._at(version)
         scanner = ds.scanner(
             columns=self.schema.names,
@@ -340,15 +354,17 @@ class LogStore:
     def upkeep(
         self, keep_versions: timedelta, room: int | None = None, spare_oldest: bool = False
     ) -> None:
-        """Compact small fragments into larger ones and remove versions older than
-        ``keep_versions`` (the newest stamped commit is tagged first, so cleanup keeps what
-        a restart reads). Compaction writes its new files before cleanup removes the old: it
-        is skipped when the small fragments' bytes do not fit in ``room``. No commit lands
-        while it runs: commits wait for it (they write their fragments meanwhile), as a
-        compaction rebased over an append put rows out of offset order. It uses handles of
-        its own: the committer's must not be touched from this thread. With ``spare_oldest``
-        (a topic with retention) the oldest half of the fragments is left alone: retention
-        deletes from there."""
+        """Compact small fragments into larger ones and remove old versions.
+
+        Versions older than ``keep_versions`` are removed (the newest stamped commit is tagged
+        first, so cleanup keeps what a restart reads). Compaction writes its new files before
+        cleanup removes the old: it is skipped when the small fragments' bytes do not fit in
+        ``room``. No commit lands while it runs: commits wait for it (they write their
+        fragments meanwhile), as a compaction rebased over an append put rows out of offset
+        order. It uses handles of its own: the committer's must not be touched from this
+        thread. With ``spare_oldest`` (a topic with retention) the oldest half of the fragments
+        is left alone: retention deletes from there.
+        """
         ds = self._open()
         if ds is None:
             return

@@ -1,4 +1,6 @@
-"""The server's actions: one table of ``{name: (role, what it does, request type)}``, and
+"""The server's actions: each one's role, words and typed request, checked at the edge.
+
+One table of ``{name: (role, what it does, request type)}``, and
 each action's request, typed and checked at the edge.
 
 A request names the fields its action needs; :func:`request` takes a JSON body apart into
@@ -29,8 +31,11 @@ __all__ = ["ACTIONS", "Action", "request"]
 
 @dataclass(frozen=True)
 class Request:
-    """An action's body, checked. ``scope`` names the field that holds the table the action
-    touches (a token's table scope is checked against it)."""
+    """An action's body, checked.
+
+    ``scope`` names the field that holds the table the action
+    touches (a token's table scope is checked against it).
+    """
 
     scope: ClassVar[str | None] = None
     options: dict[str, Any] = field(default_factory=dict, kw_only=True)
@@ -110,16 +115,21 @@ class Epoch(Epochs):
 
 @dataclass(frozen=True)
 class Publish(Epoch):
-    """``publish``: the ``(partition, attempt[, rows])`` parts of an epoch; ``advance`` in
-    ``options``."""
+    """``publish``: the ``(partition, attempt[, rows])`` parts of an epoch.
+
+    ``advance`` is in
+    ``options``.
+    """
 
     parts: list[Any]
 
 
 @dataclass(frozen=True)
 class Action:
-    """What an action needs: a role (one of them, for a tuple), the words a refusal uses for
-    it, and its request type."""
+    """What an action needs: a role, the words a refusal uses, and its request type.
+
+    A tuple of roles means any one of them.
+    """
 
     role: str | tuple[str, ...]
     does: str
@@ -150,8 +160,11 @@ _KINDS: dict[str, tuple[type, str]] = {
 
 
 def request(kind: str, body: dict[str, Any]) -> Request:
-    """``body`` as the request of action ``kind``; :class:`InvalidRequestError` naming an
-    unknown action, or a field that is missing or of the wrong kind."""
+    """``body`` as the request of action ``kind``.
+
+    :class:`InvalidRequestError` names an
+    unknown action, or a field that is missing or of the wrong kind.
+    """
     action = ACTIONS.get(kind)
     if action is None:
         raise InvalidRequestError(f"unknown action {kind!r}; expected one of {', '.join(ACTIONS)}")

@@ -70,8 +70,10 @@ class Grant:
         return any(fnmatchcase(table, pattern) for pattern in self.tables)
 
     def require(self, role: str | tuple[str, ...], action: str, tables: Iterable[str] = ()) -> None:
-        """Raise :class:`PermissionDeniedError` unless the token has ``role`` (one of them,
-        for a tuple) on ``tables``."""
+        """Raise :class:`PermissionDeniedError` unless the token has ``role`` on ``tables``.
+
+        For a tuple of roles, one of them is enough.
+        """
         targets = list(tables)
         what = f"{action} {', '.join(map(repr, targets))}" if targets else action
         wanted = (role,) if isinstance(role, str) else role
@@ -150,8 +152,11 @@ class Tokens:
         return cls(grants)
 
     def match(self, header: bytes) -> Grant | None:
-        """The grant whose ``Bearer <secret>`` equals ``header``. Every secret is compared,
-        so the time taken does not depend on which one (if any) matched."""
+        """The grant whose ``Bearer <secret>`` equals ``header``.
+
+        Every secret is compared, so the time taken does not depend on which one (if any)
+        matched.
+        """
         found = None
         for expected, grant in self._entries:
             if hmac.compare_digest(header, expected):
@@ -166,8 +171,10 @@ class _Caller(flight.ServerMiddleware):  # type: ignore[misc]
 
 
 class BearerAuth(flight.ServerMiddlewareFactory):  # type: ignore[misc]
-    """Refuses every call without a known ``authorization: Bearer <token>``; hands each
-    accepted call its token's :class:`Grant` (see :func:`caller`)."""
+    """Refuses every call without a known ``authorization: Bearer <token>``.
+
+    It hands each accepted call its token's :class:`Grant` (see :func:`caller`).
+    """
 
     def __init__(self, tokens: Tokens) -> None:
         super().__init__()

@@ -1,11 +1,15 @@
-"""What every call of ``pushtable serve`` shares: who the client is, the audit line, and how
+"""What every call of ``pushtable serve`` shares.
+
+Who the client is, the audit line, how
 errors are worded for the wire (a pushtable class the client raises again; never a server
-traceback)."""
+traceback), and the count of calls under way that a stopping server waits for.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,11 +21,56 @@ from pushtable.errors import PermissionDeniedError, PushTableError, StatementRef
 from pushtable.flight import protocol
 from pushtable.flight.audit import AuditRecord, audited
 from pushtable.flight.auth import caller
+from pushtable.flight.limits import Usage
 
 log = logging.getLogger("pushtable.flight.server")
 
 #: How often a blocked handler looks whether its client went away or the server is stopping.
 POLL_S = 0.25
+
+
+class Calls:
+    """The streaming calls under way (DoPut, DoGet) and whether the server is stopping.
+
+    Each part of the server holds its calls here, so that ``stop()`` can let them deliver
+    their errors before gRPC cancels them, and asks it whether to give up waiting for room.
+    """
+
+    def __init__(self, usage: Usage) -> None:
+        self._usage = usage
+        #: set once ``stop()`` begins: blocked handlers give up within ``POLL_S``
+        self.stopping = threading.Event()
+        self._count = 0
+        self._changed = threading.Condition()
+
+    @contextlib.contextmanager
+    def held(self, context: Any) -> Iterator[None]:
+        """Count a streaming call for as long as it runs, in one of its client's stream slots."""
+        with self._usage.stream(client_of(context)):
+            with self._changed:
+                self._count += 1
+            try:
+                yield
+            finally:
+                with self._changed:
+                    self._count -= 1
+                    self._changed.notify_all()
+
+    @property
+    def count(self) -> int:
+        """The streaming calls under way."""
+        with self._changed:
+            return self._count
+
+    def wait_ended(self, timeout: float) -> int:
+        """Wait up to ``timeout`` seconds for every call to end; returns how many are left."""
+        with self._changed:
+            self._changed.wait_for(lambda: self._count == 0, timeout=timeout)
+            return self._count
+
+    def give_up(self, context: Any) -> bool:
+        """Whether a handler waiting for room should stop: its client left or the server stops."""
+        return bool(context.is_cancelled()) or self.stopping.is_set()
 
 
 def client_of(context: Any) -> str:

@@ -1,4 +1,6 @@
-"""Flight SQL's catalog commands answered for ``pushtable serve``: what the server is, and which
+"""Flight SQL's catalog commands answered for ``pushtable serve``.
+
+What the server is, and which
 tables a token can see, with the result schemas of the Flight SQL spec.
 
 The catalog is the caller's view: only the tables its token covers appear, in every command
@@ -10,13 +12,13 @@ type ``TABLE``. There are no keys: the key commands answer empty, correctly type
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pyarrow as pa
 
 from pushtable.flight.sql import Command
 
-__all__ = ["CATALOG", "DB_SCHEMA", "answer", "result_schema"]
+__all__ = ["CATALOG", "COMMANDS", "DB_SCHEMA", "answer", "result_schema"]
 
 CATALOG = "datafusion"
 DB_SCHEMA = "public"
@@ -111,8 +113,11 @@ _TABLE_SCHEMA = pa.field("table_schema", pa.binary(), False)
 
 
 def result_schema(cmd: Command) -> pa.Schema:
-    """The Arrow schema of a catalog command's result (``GetTables`` with ``include_schema``
-    gains the ``table_schema`` column)."""
+    """The Arrow schema of a catalog command's result.
+
+    ``GetTables`` with ``include_schema``
+    gains the ``table_schema`` column.
+    """
     schema = _SCHEMAS[cmd.kind]
     if cmd.kind == "CommandGetTables" and cmd.flag(5):
         schema = schema.append(_TABLE_SCHEMA)
@@ -120,8 +125,11 @@ def result_schema(cmd: Command) -> pa.Schema:
 
 
 def sql_info(server_version: str) -> dict[int, object]:
-    """``SqlInfo`` ids and their values: what this server is and what its SQL does (ids and
-    enums of FlightSql.proto; the SQL facts are DataFusion's)."""
+    """``SqlInfo`` ids and their values: what this server is and what its SQL does.
+
+    Ids and
+    enums of FlightSql.proto; the SQL facts are DataFusion's.
+    """
     return {
         0: "pushtable",  # FLIGHT_SQL_SERVER_NAME
         1: server_version,  # FLIGHT_SQL_SERVER_VERSION
@@ -195,7 +203,7 @@ def _info_table(info: dict[int, object], wanted: Sequence[int]) -> pa.Table:
 
 
 def _like(pattern: str | None) -> re.Pattern[str] | None:
-    """A Flight SQL filter pattern (``%`` any run, ``_`` one character, ``\\`` escapes)."""
+    r"""A Flight SQL filter pattern (``%`` any run, ``_`` one character, ``\`` escapes)."""
     if pattern is None:
         return None
     out, escaped = [], False
@@ -274,43 +282,75 @@ def _xdbc(wanted: int | None) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=_SCHEMAS["CommandGetXdbcTypeInfo"])
 
 
+def _db_schemas(cmd: Command, tables: Sequence[tuple[str, pa.Schema]], version: str) -> pa.Table:
+    rows: list[dict[str, object]] = []
+    if _in_catalog(cmd) and _matches(_like(cmd.text(2)), DB_SCHEMA):
+        rows.append({"catalog_name": CATALOG, "db_schema_name": DB_SCHEMA})
+    return pa.Table.from_pylist(rows, schema=result_schema(cmd))
+
+
+def _tables(cmd: Command, tables: Sequence[tuple[str, pa.Schema]], version: str) -> pa.Table:
+    names = _like(cmd.text(3))
+    types = cmd.texts(4)
+    rows = []
+    if (
+        _in_catalog(cmd)
+        and _matches(_like(cmd.text(2)), DB_SCHEMA)
+        and (not types or TABLE_TYPE in types)
+    ):
+        for name, table_schema in sorted(tables, key=lambda t: t[0]):
+            if not _matches(names, name):
+                continue
+            row: dict[str, object] = {
+                "catalog_name": CATALOG,
+                "db_schema_name": DB_SCHEMA,
+                "table_name": name,
+                "table_type": TABLE_TYPE,
+            }
+            if cmd.flag(5):
+                row["table_schema"] = table_schema.serialize().to_pybytes()
+            rows.append(row)
+    return pa.Table.from_pylist(rows, schema=result_schema(cmd))
+
+
+def _no_keys(cmd: Command, tables: Sequence[tuple[str, pa.Schema]], version: str) -> pa.Table:
+    return result_schema(cmd).empty_table()  # keys: tables here have none
+
+
+_Answer = Callable[[Command, Sequence[tuple[str, pa.Schema]], str], pa.Table]
+
+#: Each catalog command's answer, by command: (command, the caller's tables, server version).
+_ANSWERS: dict[str, _Answer] = {
+    "CommandGetSqlInfo": lambda cmd, tables, version: _info_table(
+        sql_info(version), cmd.numbers(1)
+    ),
+    "CommandGetTableTypes": lambda cmd, tables, version: pa.Table.from_pylist(
+        [{"table_type": TABLE_TYPE}], schema=result_schema(cmd)
+    ),
+    "CommandGetCatalogs": lambda cmd, tables, version: pa.Table.from_pylist(
+        [{"catalog_name": CATALOG}], schema=result_schema(cmd)
+    ),
+    "CommandGetDbSchemas": _db_schemas,
+    "CommandGetTables": _tables,
+    "CommandGetPrimaryKeys": _no_keys,
+    "CommandGetExportedKeys": _no_keys,
+    "CommandGetImportedKeys": _no_keys,
+    "CommandGetCrossReference": _no_keys,
+    "CommandGetXdbcTypeInfo": lambda cmd, tables, version: _xdbc(cmd.signed(1)),
+}
+
+
 def answer(cmd: Command, tables: Sequence[tuple[str, pa.Schema]], server_version: str) -> pa.Table:
-    """The result of catalog command ``cmd`` over ``tables`` (name, schema: those the
-    caller's token covers)."""
-    schema = result_schema(cmd)
-    if cmd.kind == "CommandGetSqlInfo":
-        return _info_table(sql_info(server_version), cmd.numbers(1))
-    if cmd.kind == "CommandGetTableTypes":
-        return pa.Table.from_pylist([{"table_type": TABLE_TYPE}], schema=schema)
-    if cmd.kind == "CommandGetCatalogs":
-        return pa.Table.from_pylist([{"catalog_name": CATALOG}], schema=schema)
-    if cmd.kind == "CommandGetDbSchemas":
-        rows: list[dict[str, object]] = []
-        if _in_catalog(cmd) and _matches(_like(cmd.text(2)), DB_SCHEMA):
-            rows.append({"catalog_name": CATALOG, "db_schema_name": DB_SCHEMA})
-        return pa.Table.from_pylist(rows, schema=schema)
-    if cmd.kind == "CommandGetTables":
-        names = _like(cmd.text(3))
-        types = cmd.texts(4)
-        rows = []
-        if (
-            _in_catalog(cmd)
-            and _matches(_like(cmd.text(2)), DB_SCHEMA)
-            and (not types or TABLE_TYPE in types)
-        ):
-            for name, table_schema in sorted(tables, key=lambda t: t[0]):
-                if not _matches(names, name):
-                    continue
-                row: dict[str, object] = {
-                    "catalog_name": CATALOG,
-                    "db_schema_name": DB_SCHEMA,
-                    "table_name": name,
-                    "table_type": TABLE_TYPE,
-                }
-                if cmd.flag(5):
-                    row["table_schema"] = table_schema.serialize().to_pybytes()
-                rows.append(row)
-        return pa.Table.from_pylist(rows, schema=schema)
-    if cmd.kind == "CommandGetXdbcTypeInfo":
-        return _xdbc(cmd.signed(1))
-    return schema.empty_table()  # keys: tables here have none
+    """The result of catalog command ``cmd`` over ``tables``.
+
+    ``tables`` are (name, schema) pairs: those the
+    caller's token covers.
+    """
+    found = _ANSWERS.get(cmd.kind)
+    if found is None:
+        raise ValueError(f"{cmd.kind} is not a catalog command")
+    return found(cmd, tables, server_version)
+
+
+#: The catalog commands answered (GetFlightInfo describes them, DoGet runs them).
+COMMANDS = tuple(_ANSWERS)

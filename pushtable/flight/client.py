@@ -1,5 +1,8 @@
-"""Talking to ``pushtable serve``: :func:`connect`, declaring tables, remote SQL, and the
-Spark bridge's staged epochs. Producers are in :mod:`pushtable.flight.remote_sink`."""
+"""Talking to ``pushtable serve``: connecting, declaring tables, remote SQL, staged epochs.
+
+:func:`connect` opens the client; the staged epochs are the Spark bridge's. Producers are in
+:mod:`pushtable.flight.remote_sink`.
+"""
 
 from __future__ import annotations
 
@@ -87,8 +90,10 @@ class Client:
         max_delay: timedelta | int | None = None,
         if_not_exists: bool = False,
     ) -> None:
-        """Declare a single-scan streaming table on the server (as ``register_streaming_table``;
-        ``max_delay`` as a ``timedelta`` crosses in microseconds)."""
+        """Declare a single-scan streaming table on the server (as ``register_streaming_table``).
+
+        ``max_delay`` as a ``timedelta`` crosses in microseconds.
+        """
         self._action(
             "create_table",
             {
@@ -157,9 +162,11 @@ class Client:
         on_slow: OnSlow = "block",
         slow_timeout: float = 5.0,
     ) -> None:
-        """Register a subscription of ``topic`` as table ``name`` on the server; on a
-        durable topic ``start`` may be ``"earliest"``, ``"latest"``, an offset or a
-        ``datetime`` (history from the dataset, then the live batches)."""
+        """Register a subscription of ``topic`` as table ``name`` on the server.
+
+        On a durable topic ``start`` may be ``"earliest"``, ``"latest"``, an offset or a
+        ``datetime`` (history from the dataset, then the live batches).
+        """
         self._action(
             "subscribe",
             {
@@ -173,8 +180,11 @@ class Client:
         )
 
     def tables(self) -> list[dict[str, Any]]:
-        """The server's tables and topics: ``name``, ``topic``, ``schema`` and the queue's bound
-        (``bound_batches``, ``bound_bytes``: capacity and max_bytes, a topic's retain) each."""
+        """The server's tables and topics: ``name``, ``topic``, ``schema`` and bound of each.
+
+        The bound is the queue's: ``bound_batches`` and ``bound_bytes`` (capacity and
+        max_bytes, a topic's retain).
+        """
         out = self._action("tables")
         for t in out:
             t["schema"] = protocol.schema_from(t["schema"])
@@ -185,22 +195,29 @@ class Client:
         return dict(self._action("stats", {"name": name}))
 
     def offsets(self, topic: str) -> dict[str, int]:
-        """A durable topic's ``earliest`` offset, ``committed`` (every offset below it is
-        stored) and ``next``."""
+        """A durable topic's ``earliest`` offset, ``committed`` and ``next``.
+
+        Every offset below ``committed`` is stored.
+        """
         return {k: int(v) for k, v in self._action("offsets", {"name": topic}).items()}
 
     def consumed(self, topic: str, consumer: str, offset: int) -> None:
-        """Tell the server that ``consumer`` has read every offset below ``offset`` of a
-        durable topic (its stats report it; a restart keeps it)."""
+        """Tell the server ``consumer`` read every offset below ``offset`` of a durable topic.
+
+        The topic's stats report it; a restart keeps it.
+        """
         self._action("consumed", {"name": topic, "consumer": consumer, "offset": int(offset)})
 
     def read(self, topic: str, start: int, end: int) -> RemoteResult:
-        """The committed batches of offsets ``[start, end)`` of a durable topic, from its
-        dataset: the same rows each time (``end`` at most ``offsets(topic)["committed"]``)."""
+        """The committed batches of offsets ``[start, end)`` of a durable topic, from its dataset.
+
+        They are the same rows each time (``end`` at most ``offsets(topic)["committed"]``).
+        """
         ticket = {"topic": topic, "start": int(start), "end": int(end)}
         return RemoteResult(self._transport.do_get(ticket))
 
     def schema(self, name: str) -> pa.Schema:
+        """The schema of table or topic ``name`` on the server; raises UnknownTableError if none."""
         for t in self.tables():
             if t["name"] == name:
                 return t["schema"]
@@ -217,8 +234,9 @@ class Client:
         retry: float = 60.0,
         window_bytes: int | None = None,
     ) -> RemoteSink:
-        """A producer for table (or topic) ``name``; ``window`` bounds unacknowledged batches
-        (default 8; a table acknowledges a batch once queued).
+        """A producer for table (or topic) ``name``; ``window`` bounds unacknowledged batches.
+
+        ``window`` defaults to 8; a table acknowledges a batch once queued.
 
         With ``producer_id`` (a durable topic), an :class:`IdempotentSink`: its batches are
         numbered, kept until stored, and sent again after an outage of up to ``retry``
@@ -256,8 +274,11 @@ class Client:
     def stager(
         self, table: str, query: str, epoch: int, partition: int, attempt: int, schema: pa.Schema
     ) -> Stager:
-        """A stream for one Spark task attempt's share of an epoch: held by the server until
-        :meth:`publish` names the attempt (see :mod:`pushtable.spark.remote`)."""
+        """A stream for one Spark task attempt's share of an epoch.
+
+        The server holds the share until :meth:`publish` names the attempt (see
+        :mod:`pushtable.spark.remote`).
+        """
         path = [table, protocol.STAGE, query, str(epoch), str(partition), str(attempt)]
         return Stager(self._transport, path, schema)
 
@@ -287,15 +308,17 @@ class Client:
         timeout: float | None = None,
         advance: int | None = None,
     ) -> bool:
-        """Write the staged ``(partition, attempt)`` shares of ``epoch`` into ``table``, once:
-        False if the server published this epoch (or a later one) of ``query`` before.
+        """Write the staged ``(partition, attempt)`` shares of ``epoch`` into ``table``, once.
+
+        Returns False if the server published this epoch (or a later one) of ``query`` before.
         A part may carry its row count, ``(partition, attempt, rows)``: a part with rows the
         server does not hold (it restarted since it was staged) raises
         :class:`~pushtable.SharesLostError` and nothing of the epoch is written. Into a
         durable topic the answer comes once a commit holds the epoch.
         ``timeout`` bounds the wait for the table's reader to make room (None: no bound).
         ``advance``: then move an ordered table's watermark there (an unordered table has
-        none: nothing to move)."""
+        none: nothing to move).
+        """
         options = self._transport.options(timeout)
         body: dict[str, Any] = {
             "table": table,
@@ -309,8 +332,10 @@ class Client:
         return bool(result["published"])
 
     def discard(self, table: str, query: str, epoch: int) -> int:
-        """Drop every share staged for ``epoch`` of ``query`` (Spark aborted the epoch);
-        returns how many there were."""
+        """Drop every share staged for ``epoch`` of ``query``; returns how many there were.
+
+        Used when Spark aborts the epoch.
+        """
         body = {"table": table, "query": query, "epoch": int(epoch)}
         return int(self._action("discard", body)["discarded"])
 
@@ -349,15 +374,18 @@ class RemoteResult:
 
     @property
     def schema(self) -> pa.Schema:
+        """The result's Arrow schema."""
         return self._reader.schema
 
     def __iter__(self) -> Iterator[pa.RecordBatch]:
         return protocol.batches(lambda: protocol.call(self._reader.read_chunk))
 
     def read_all(self) -> pa.Table:
+        """The rest of the result as one table: waits until the query ends."""
         return pa.Table.from_batches(list(self), schema=self.schema)
 
     def cancel(self) -> None:
+        """Stop the query on the server (its tables' producers then get ``ReaderGoneError``)."""
         self._reader.cancel()
 
     def __enter__(self) -> RemoteResult:

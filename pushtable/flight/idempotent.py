@@ -118,8 +118,11 @@ class IdempotentSink(RemoteSink):
                 self._unacked.popleft()
 
     def _pump(self, most_unacked: int | None, deadline: float | None) -> None:
-        """Send what the open stream has not carried yet (reconnecting when the server is
-        unreachable), then wait until at most ``most_unacked`` are unacknowledged."""
+        """Send what the open stream has not carried yet, then wait for acknowledgements.
+
+        It reconnects when the server is unreachable, then waits until at most
+        ``most_unacked`` are unacknowledged.
+        """
         give_up: float | None = None
         pause = 0.05
         while True:
@@ -162,8 +165,10 @@ class IdempotentSink(RemoteSink):
                 pause = min(1.0, pause * 2)
 
     def _bytes_fit(self, put: _Put, batch: pa.RecordBatch, deadline: float | None) -> bool:
-        """Wait until ``batch`` and the batches in flight on ``put`` fit ``window_bytes`` (one
-        batch alone always goes); False: timed out."""
+        """Wait until ``batch`` and the batches in flight on ``put`` fit ``window_bytes``.
+
+        One batch alone always goes. False: timed out.
+        """
         size = batch.get_total_buffer_size()
         while put.sent > put.acked:
             self._trim()
@@ -190,6 +195,7 @@ class IdempotentSink(RemoteSink):
         )
 
     def write(self, data: Any, timeout: float | None = None) -> None:
+        """Number each batch and send it; it is kept, and sent again if need be, until stored."""
         timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
@@ -220,6 +226,7 @@ class IdempotentSink(RemoteSink):
         super().close()
 
     def advance(self, ts: Any, timeout: float | None = None) -> None:
+        """Not supported: an idempotent producer does not send ``advance()``."""
         raise NotImplementedError("advance() is not sent by an idempotent producer")
 
     def _refuse_closed(self) -> None:

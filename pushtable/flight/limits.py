@@ -78,8 +78,10 @@ class Limits:
         return cls(**spec)
 
     def check_table_options(self, count: int, options: dict[str, Any]) -> dict[str, Any]:
-        """The options of a remote ``create_table`` (a topic's with ``topic=True``), checked;
-        the byte bound defaults to ``max_table_bytes``: a remote table is never unbounded."""
+        """The options of a remote ``create_table`` (a topic's with ``topic=True``), checked.
+
+        The byte bound defaults to ``max_table_bytes``: a remote table is never unbounded.
+        """
         if count >= self.max_tables:
             raise _refused("tables on the server", count + 1, self.max_tables, "max_tables")
         batches, nbytes = (
@@ -95,8 +97,11 @@ class Limits:
     def check_queue_options(
         self, options: dict[str, Any], batches: str = "capacity", nbytes: str = "max_bytes"
     ) -> dict[str, Any]:
-        """A queue's bounds asked for remotely (a table's, a topic's retention, a
-        subscription's), checked against ``max_capacity`` and ``max_table_bytes``."""
+        """A queue's bounds asked for remotely, checked against the server's limits.
+
+        The queue is a table's, a topic's retention or a subscription's; the limits are
+        ``max_capacity`` and ``max_table_bytes``.
+        """
         count = options.get(batches)
         if isinstance(count, int) and count > self.max_capacity:
             raise _refused(f"{batches} asked for", count, self.max_capacity, "max_capacity")
@@ -169,8 +174,10 @@ class Usage:
                     del self.streams[client]
 
     def query(self) -> Slot:
-        """Take one of the server's query slots; :meth:`Slot.release` gives it back (once,
-        from whichever side lets go of the query first)."""
+        """Take one of the server's query slots; :meth:`Slot.release` gives it back.
+
+        It is released once, from whichever side lets go of the query first.
+        """
         with self._lock:
             if self.queries >= self.limits.max_queries:
                 raise self._refuse(
@@ -238,9 +245,11 @@ class Usage:
 
 
 class DataBudget:
-    """The data dir's disk use against ``max_data_bytes``: each durable write reserves its
-    bytes (the Arrow size, a bound on what Lance stores for it); near the limit the directory
-    is measured again, since upkeep removes old versions."""
+    """The data dir's disk use against ``max_data_bytes``: each durable write reserves its bytes.
+
+    It reserves the Arrow size, a bound on what Lance stores for it. Near the limit the
+    directory is measured again, since upkeep removes old versions.
+    """
 
     def __init__(self, path: Path, limit: int, usage: Usage) -> None:
         self.path = path
@@ -266,8 +275,11 @@ class DataBudget:
             self.used += nbytes
 
     def room(self) -> int:
-        """Bytes the data dir may still grow by, measured now (upkeep asks before it
-        compacts: compaction writes new files before cleanup removes the old)."""
+        """Bytes the data dir may still grow by, measured now.
+
+        Upkeep asks before it compacts: compaction writes new files before cleanup removes the
+        old.
+        """
         with self._lock:
             self.used = directory_bytes(self.path)
             return max(0, self.limit - self.used)

@@ -1,5 +1,7 @@
-"""Query parameters of Flight SQL prepared statements: positional ``?`` placeholders made
-DataFusion's ``$1, $2, ...``, their types as DataFusion's planner infers them, and bound values.
+"""Query parameters of Flight SQL prepared statements: placeholders, their types, bound values.
+
+Positional ``?`` placeholders are made DataFusion's ``$1, $2, ...``; their types are as
+DataFusion's planner infers them.
 
 DataFusion plans ``$n`` placeholders and infers each one's type from where it stands
 (``k > $1`` gives ``$1`` the type of ``k``); a ``?`` it parses but cannot bind, so each ``?``
@@ -21,8 +23,10 @@ MAX_BYTES = 1 << 20
 
 
 def numbered(query: str) -> str:
-    """``query`` with each positional ``?`` replaced by ``$1``, ``$2``, ... (string literals,
-    quoted identifiers and comments are left as they are)."""
+    """``query`` with each positional ``?`` replaced by ``$1``, ``$2`` and so on.
+
+    String literals, quoted identifiers and comments are left as they are.
+    """
     out: list[str] = []
     i, n, count = 0, len(query), 0
     while i < n:
@@ -91,8 +95,10 @@ _LEAVES = frozenset(
 
 
 def parameter_schema(df: datafusion.DataFrame) -> pa.Schema:
-    """The placeholders of a planned query, ``$1`` first, each with the type DataFusion
-    inferred (``null`` where nothing decides it, e.g. ``SELECT $1``)."""
+    """The placeholders of a planned query, ``$1`` first, each with the type DataFusion inferred.
+
+    The type is ``null`` where nothing decides it, e.g. ``SELECT $1``.
+    """
     found: dict[str, pa.DataType] = {}
     _plan_params(df.logical_plan(), found, 0)
     names = sorted(found, key=lambda p: int(p[1:]) if p[1:].isdigit() else 1 << 30)
@@ -130,8 +136,10 @@ def _node_params(node: Any, found: dict[str, pa.DataType], depth: int) -> None:
 
 
 def bind(params: pa.RecordBatch | None) -> dict[str, Any] | None:
-    """DataFusion's ``param_values`` for a one-row batch of bound parameters (column ``i``
-    binds ``$i+1``, whatever the client named it)."""
+    """DataFusion's ``param_values`` for a one-row batch of bound parameters.
+
+    Column ``i`` binds ``$i+1``, whatever the client named it.
+    """
     if params is None:
         return None
     if params.num_rows != 1:

@@ -53,10 +53,12 @@ def error_text(exc: BaseException) -> str:
 
 
 def checked(table: str, number: int, batch: pa.RecordBatch) -> pa.RecordBatch:
-    """A batch from the wire, validated in full: a message may lie about its lengths (longer
-    than its buffers), offsets, UTF-8 or dictionary keys, and nothing unchecked may reach a
-    query. Data from the network is untrusted: a table's own write trusts what it is given
-    (``validate="basic"``), so this is the check. pyarrow runs it without the GIL."""
+    """A batch from the wire, validated in full, so nothing unchecked may reach a query.
+
+    A message may lie about its lengths (longer than its buffers), offsets, UTF-8 or
+    dictionary keys. Data from the network is untrusted: a table's own write trusts what it
+    is given (``validate="basic"``), so this is the check. pyarrow runs it without the GIL.
+    """
     try:
         batch.validate(full=True)
     except pa.ArrowInvalid as exc:
@@ -91,8 +93,11 @@ def client_error(exc: BaseException) -> BaseException:
 
 
 def _tls_hint(exc: BaseException) -> str:
-    """What a TLS/plain mismatch looks like from the client, said in words: gRPC reports a
-    plain connection to a TLS server as "Socket closed" and the reverse as a failed handshake."""
+    """What a TLS/plain mismatch looks like from the client, said in words.
+
+    gRPC reports a plain connection to a TLS server as "Socket closed" and the reverse as a
+    failed handshake.
+    """
     text = str(exc).lower()
     if "ssl" in text or "handshake" in text or "wrong_version_number" in text:
         return (
@@ -131,10 +136,12 @@ def producer_path(path: list[str]) -> tuple[str, int] | None:
 
 
 def retriable(exc: BaseException) -> bool:
-    """Whether an idempotent producer should reconnect and resend after ``exc``, by its
-    class: the server is unreachable (gRPC's UNAVAILABLE: refused, reset, closed), stopped,
-    or ended the stream without a word (:class:`~pushtable.StreamEndedError`); never a
-    refusal of the data itself."""
+    """Whether an idempotent producer should reconnect and resend after ``exc``, by its class.
+
+    It should when the server is unreachable (gRPC's UNAVAILABLE: refused, reset, closed),
+    stopped, or ended the stream without a word (:class:`~pushtable.StreamEndedError`); never
+    after a refusal of the data itself.
+    """
     return isinstance(
         exc, (errors.ServerUnavailableError, errors.ServerStoppedError, errors.StreamEndedError)
     )
@@ -165,10 +172,12 @@ def call(fn: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def ack(count: int) -> pa.Buffer:
+    """The app_metadata that acknowledges ``count`` batches (8 bytes, little-endian)."""
     return pa.py_buffer(count.to_bytes(8, "little"))
 
 
 def acked(buf: pa.Buffer) -> int:
+    """The batch count an acknowledgement's app_metadata carries (see :func:`ack`)."""
     return int.from_bytes(buf.to_pybytes(), "little")
 
 
@@ -178,16 +187,20 @@ def schema_bytes(schema: pa.Schema) -> str:
 
 
 def schema_from(text: str) -> pa.Schema:
+    """A schema from its :func:`schema_bytes` text."""
     return pa.ipc.read_schema(pa.py_buffer(bytes.fromhex(text)))
 
 
 def action(name: str, body: dict[str, Any] | None = None) -> flight.Action:
+    """The Flight action ``name`` with ``body`` as JSON (an empty object when None)."""
     return flight.Action(name, json.dumps(body or {}).encode())
 
 
 def wire_schema(schema: pa.Schema) -> pa.Schema:
-    """The schema a table's batches cross the wire with: every field nullable (NOT NULL is
-    the server's sink's to check, on the data, with its own message)."""
+    """The schema a table's batches cross the wire with: every field nullable.
+
+    NOT NULL is the server's sink's to check, on the data, with its own message.
+    """
     return pa.schema([f.with_nullable(True) for f in schema])
 
 
@@ -207,8 +220,10 @@ def batches(read_chunk: Callable[[], Any]) -> Iterator[pa.RecordBatch]:
 
 
 def chunks(read_chunk: Callable[[], Any]) -> Iterator[tuple[pa.RecordBatch | None, Any]]:
-    """The (batch, app_metadata) chunks of a Flight stream, until it ends; ``batch`` is None
-    for a metadata-only message."""
+    """The (batch, app_metadata) chunks of a Flight stream, until it ends.
+
+    ``batch`` is None for a metadata-only message.
+    """
     while True:
         try:
             chunk = read_chunk()
@@ -227,8 +242,10 @@ def delay_option(max_delay: Any) -> dict[str, Any]:
 
 
 def start_option(start: Any) -> Any:
-    """A subscription's ``start`` for an action body: a name, ``{"offset": n}`` or
-    ``{"time": iso}``."""
+    """A subscription's ``start`` for an action body.
+
+    A name, ``{"offset": n}`` or ``{"time": iso}``.
+    """
     if isinstance(start, datetime):
         return {"time": start.isoformat()}
     if isinstance(start, int) and not isinstance(start, bool):
@@ -275,8 +292,10 @@ def advance_value(metadata: Any) -> Any:
 
 
 def check_batch_schema(table: str, expected: pa.Schema, got: pa.Schema) -> None:
-    """Refuse a batch whose columns differ from the table's, before it is sent (the server's
-    sink checks NOT NULL on the data)."""
+    """Refuse a batch whose columns differ from the table's, before it is sent.
+
+    The server's sink checks NOT NULL on the data.
+    """
     if got.names != expected.names:
         raise errors.SchemaMismatchError(
             f"table '{table}': the batch has columns {got.names}, expected {expected.names}"

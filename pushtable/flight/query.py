@@ -1,6 +1,9 @@
-"""Remote SQL on ``pushtable serve``: DoGet tickets, Flight SQL statement queries and prepared
+"""Remote SQL on ``pushtable serve``, streamed as the query produces them.
+
+DoGet tickets, Flight SQL statement queries and prepared
 statements. Queries only (DataFusion's ``SQLOptions`` refuse DDL, DML, COPY and SET while
-planning), over the tables the caller's token covers, streamed as the query produces them."""
+planning), over the tables the caller's token covers, streamed as the query produces them.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import datafusion
 import pyarrow as pa
@@ -25,32 +29,45 @@ from pushtable.context import SessionContext
 from pushtable.errors import ResourceLimitError, StatementRefusedError, UnsupportedCallError
 from pushtable.flight import catalog, parameters, sql
 from pushtable.flight.auth import READ, caller
-from pushtable.flight.calls import POLL_S, audit, query_error, wire_errors
+from pushtable.flight.calls import POLL_S, Calls, audit, query_error, wire_errors
 from pushtable.flight.limits import Limits, Slot, Usage
+from pushtable.flight.tables import Tables
 
-if TYPE_CHECKING:
-    from pushtable.topic import Topic
+
+@dataclass
+class _Get:
+    """A DoGet call under way: its audit line, what it holds until its last batch, its start."""
+
+    record: Any
+    held: contextlib.ExitStack
+    started: float
 
 
 class Queries:
-    """The server's remote-SQL side (a part of :class:`pushtable.flight.Server`)."""
+    """The server's remote-SQL side (a server part).
 
-    ctx: SessionContext
-    limits: Limits
-    usage: Usage
+    DoGet, Flight SQL's GetFlightInfo, DoPut of parameters
+    and prepared-statement actions (a server part).
+    """
 
-    if TYPE_CHECKING:
-
-        def _call(self, context: Any) -> contextlib.AbstractContextManager[None]: ...
-
-        def _durable(self, name: str) -> Topic: ...
+    def __init__(
+        self, ctx: SessionContext, limits: Limits, usage: Usage, tables: Tables, calls: Calls
+    ) -> None:
+        self._ctx = ctx
+        self._limits = limits
+        self._usage = usage
+        self._tables = tables
+        self._calls = calls
 
     def _plan(
         self, context: Any, query: str, params: pa.RecordBatch | None = None
     ) -> datafusion.DataFrame:
-        """Plan a remote query: queries only (no DDL, DML, COPY or SET: refused before
+        """Plan a remote query, reading only tables the caller's token covers.
+
+        Queries only (no DDL, DML, COPY or SET: refused before
         anything runs), reading only tables the caller's token covers; ``params`` binds its
-        placeholders (``?`` or ``$n``)."""
+        placeholders (``?`` or ``$n``).
+        """
         grant = caller(context)
         grant.require(READ, "run SQL")
         tables = _native.table_references(query)
@@ -59,18 +76,21 @@ class Queries:
         try:
             query = parameters.numbered(query)
             if values is None:  # so that the live engine may plan it (it takes no values)
-                return self.ctx.sql_with_options(query, _READ_ONLY)
-            return self.ctx.sql_with_options(query, _READ_ONLY, param_values=values)
+                return self._ctx.sql_with_options(query, _READ_ONLY)
+            return self._ctx.sql_with_options(query, _READ_ONLY, param_values=values)
         except Exception as exc:
             refused = _refusal(exc)
             if refused is not None:
-                self.usage.refused("statement")
+                self._usage.refused("statement")
                 raise refused from None
             raise query_error(exc) from exc
 
     def get_flight_info(self, context: Any, descriptor: Any) -> Any:
-        """Flight SQL commands (:mod:`pushtable.flight.sql`): a statement is planned (its
-        schema, nothing runs), a catalog command described; then one ticket to run it."""
+        """Describe a Flight SQL command (its schema) and give the ticket that runs it.
+
+        A statement (:mod:`pushtable.flight.sql`) is planned (its
+        schema, nothing runs), a catalog command described; then one ticket to run it.
+        """
         with wire_errors(), audit(context, "flight_sql_info"):
             if descriptor.descriptor_type != flight.DescriptorType.CMD:
                 raise UnsupportedCallError(
@@ -84,7 +104,7 @@ class Queries:
                 body = {"sql": query}
                 if params is not None:
                     body["prepared"] = base64.b64encode(sql.encode_handle(query, params)).decode()
-            elif cmd.kind in sql.CATALOG:
+            elif cmd.kind in catalog.COMMANDS:
                 caller(context).require(READ, "browse the catalog")
                 schema = catalog.result_schema(cmd)
                 body = {"flight_sql": base64.b64encode(descriptor.command).decode()}
@@ -98,56 +118,72 @@ class Queries:
         return flight.FlightInfo(schema, descriptor, [flight.FlightEndpoint(ticket, [])], -1, -1)
 
     def do_get(self, context: Any, ticket: Any) -> Any:
-        started = time.perf_counter()
-        call = audit(context, "do_get")
-        held = contextlib.ExitStack()  # audit, query slot, stream slot: until the last batch
-        with wire_errors(), held:
-            record = held.enter_context(call)
+        """A ticket's result, streamed.
+
+        Its kind is the first of :data:`_TICKETS`' keys that
+        the ticket's JSON object holds.
+        """
+        call = _Get(None, contextlib.ExitStack(), time.perf_counter())
+        with wire_errors(), call.held:  # audit, query slot, stream slot: until the last batch
+            call.record = call.held.enter_context(audit(context, "do_get"))
             try:
                 body = json.loads(ticket.ticket)
-                query = body.get("sql")
-            except (ValueError, AttributeError):
-                body, query = {}, None
-            if isinstance(body, dict) and "topic" in body:
-                return self._range(context, body, record)
-            if isinstance(body, dict) and "flight_sql" in body:
-                return self._catalog(context, base64.b64decode(str(body["flight_sql"])))
-            params = None
-            if isinstance(body, dict) and "prepared" in body:
-                query, params = sql.decode_handle(base64.b64decode(str(body["prepared"])))
-            if not isinstance(query, str):
+            except ValueError:
+                body = None
+            kind = (
+                next((k for k in _TICKETS if k in body), None) if isinstance(body, dict) else None
+            )
+            if kind is None:
                 raise ValueError(
                     'a DoGet ticket is JSON: {"sql": "<query>"} or '
                     '{"topic": "<durable topic>", "start": <offset>, "end": <offset>}'
                 )
-            df = self._plan(context, query, params)
-            schema = _described(df)
-            slot = held.enter_context(self.usage.query())
-            held.enter_context(self._call(context))
-            # Only the worker thread keeps the query: when it lets go, the query ends.
-            query_box = [df.execute_stream()]
-            del df
-            results = self._results(context, query_box, slot, held.pop_all(), record, started)
+            assert isinstance(body, dict)
+            return _TICKETS[kind](self, context, body, call)
+
+    def _query(self, context: Any, body: dict[str, Any], call: _Get) -> Any:
+        """A query's results (``sql``, or a prepared statement with its parameters bound)."""
+        params = None
+        if "prepared" in body:
+            query, params = sql.decode_handle(base64.b64decode(str(body["prepared"])))
+        else:
+            query = body["sql"]
+            if not isinstance(query, str):
+                raise ValueError(f'a DoGet ticket\'s "sql" is the query text, not {query!r}')
+        df = self._plan(context, query, params)
+        schema = _described(df)
+        slot = call.held.enter_context(self._usage.query())
+        call.held.enter_context(self._calls.held(context))
+        # Only the worker thread keeps the query: when it lets go, the query ends.
+        query_box = [df.execute_stream()]
+        del df
+        held = call.held.pop_all()
+        results = self._results(context, query_box, slot, held, call.record, call.started)
         # A generator that never starts never runs its finally: let go when it is collected.
         weakref.finalize(results, held.close)
         return flight.GeneratorStream(schema, results)
 
-    def _catalog(self, context: Any, command: bytes) -> Any:
+    def _catalog(self, context: Any, body: dict[str, Any], call: _Get) -> Any:
         """A catalog command's result: the tables the caller's token covers."""
         grant = caller(context)
         grant.require(READ, "browse the catalog")
-        cmd = sql.command(command)
-        if cmd.kind not in sql.CATALOG:
-            raise ValueError(f"{cmd.kind} is not a catalog command")
-        schema = self.ctx.catalog(catalog.CATALOG).schema(catalog.DB_SCHEMA)
+        cmd = sql.command(base64.b64decode(str(body["flight_sql"])))
+        schema = self._ctx.catalog(catalog.CATALOG).schema(catalog.DB_SCHEMA)
         tables = [
             (name, schema.table(name).schema) for name in schema.names() if grant.covers(name)
         ]
         return flight.RecordBatchStream(catalog.answer(cmd, tables, _version()))
 
     def sql_put(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
-        """Flight SQL's DoPut: parameters bound to a prepared statement. The reply is the
-        updated handle carrying them (the server keeps nothing)."""
+        """Flight SQL's DoPut (a command descriptor): parameters bound to a prepared statement.
+
+        Parameters are bound to a prepared
+        statement. The reply is the updated handle carrying them (the server keeps nothing).
+        """
+        with wire_errors(), audit(context, "flight_sql_put"), self._calls.held(context):
+            self._bind(context, descriptor, reader, writer)
+
+    def _bind(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
         caller(context).require(READ, "run SQL")
         cmd = sql.command(descriptor.command)
         if cmd.kind != sql.PREPARED_QUERY:
@@ -167,12 +203,12 @@ class Queries:
         handle = sql.encode_handle(query, batch)
         writer.write(pa.py_buffer(sql.put_prepared_result(handle)))
 
-    def _range(self, context: Any, body: dict[str, Any], record: Any) -> Any:
+    def _range(self, context: Any, body: dict[str, Any], call: _Get) -> Any:
         """A durable topic's committed offsets ``[start, end)``, read from its dataset."""
         name = str(body["topic"])
-        record.table = name
+        call.record.table = name
         caller(context).require(READ, "read", [name])
-        reader = self._durable(name).read(int(body["start"]), int(body["end"]))
+        reader = self._tables.durable(name).read(int(body["start"]), int(body["end"]))
         return flight.RecordBatchStream(reader)
 
     def _results(
@@ -195,14 +231,17 @@ class Queries:
                 yield batch
 
     def _forward(self, context: Any, query_box: list[Any], slot: Slot) -> Iterator[pa.RecordBatch]:
-        """A worker thread pulls from the query; this generator forwards the batches and
+        """Forward the batches a worker thread pulls from the query.
+
+        This generator forwards the batches and
         notices a client that left, or one that reads nothing for ``idle_timeout`` (then the
-        query is dropped and its slot given back at once)."""
+        query is dropped and its slot given back at once).
+        """
         handoff: queue.Queue[Any] = queue.Queue(maxsize=HANDOFF)
         gone = threading.Event()
         idle = threading.Event()
         done = object()
-        idle_timeout = self.limits.idle_timeout
+        idle_timeout = self._limits.idle_timeout
 
         stream: Any = query_box.pop()
 
@@ -219,7 +258,7 @@ class Queries:
                         except queue.Full:
                             waited += POLL_S
                             if waited >= idle_timeout:  # the client reads nothing: let go
-                                self.usage.refused("idle_timeout")
+                                self._usage.refused("idle_timeout")
                                 idle.set()
                                 return
                     if gone.is_set():
@@ -268,7 +307,7 @@ class Queries:
         finally:
             gone.set()
 
-    def _sql_action(self, context: Any, action: Any) -> bytes | None:
+    def sql_action(self, context: Any, action: Any) -> bytes | None:
         """Flight SQL prepared statements (stateless: the handle is the query text)."""
         caller(context).require(READ, "run SQL")
         if action.type == "ClosePreparedStatement":
@@ -279,6 +318,15 @@ class Queries:
             return df.schema(), parameters.parameter_schema(df)
 
         return sql.prepared(action.body.to_pybytes(), describe)
+
+
+#: What a DoGet ticket holds, by the key that says so (the first one present wins).
+_TICKETS = {
+    "topic": Queries._range,
+    "flight_sql": Queries._catalog,
+    "prepared": Queries._query,
+    "sql": Queries._query,
+}
 
 
 @functools.cache
@@ -324,8 +372,11 @@ UPSERT_KEY = b"pushtable.upsert_key"
 
 
 def _described(df: datafusion.DataFrame) -> pa.Schema:
-    """``df``'s schema, saying in its metadata which columns key an updating aggregate's
-    changes (:attr:`pushtable.DataFrame.upsert_key`), so a remote reader can apply them."""
+    """``df``'s schema, with the key columns of an updating aggregate's changes.
+
+    Its metadata says which columns key an updating aggregate's
+    changes (:attr:`pushtable.DataFrame.upsert_key`), so a remote reader can apply them.
+    """
     schema: pa.Schema = df.schema()
     key = getattr(df, "upsert_key", None)
     if key is None:

@@ -1,5 +1,6 @@
-"""Producers for tables on ``pushtable serve``: :class:`RemoteSink`, and the Spark bridge's
-:class:`Stager` (one task attempt's share of an epoch).
+"""Producers for tables on ``pushtable serve``: :class:`RemoteSink` and :class:`Stager`.
+
+:class:`Stager` is the Spark bridge's: it sends one task attempt's share of an epoch.
 
 A :class:`RemoteSink` has the methods and exceptions of a local :class:`~pushtable.TableSink`.
 ``write`` returns once the batch is on its way with at most ``window`` batches not yet
@@ -67,7 +68,8 @@ class _Put:
         """Write one batch (already in the stream's wire schema), with ``metadata`` if any.
 
         The server acknowledges it at once only when ``ack_every`` batches went unasked:
-        ``wait`` asks (``SYNC``) for what it needs beyond that."""
+        ``wait`` asks (``SYNC``) for what it needs beyond that.
+        """
         later = metadata is None and self.sent + 1 - self.requested < ack_every
         with self.io:
             if later:
@@ -81,8 +83,10 @@ class _Put:
             self.requested = self.sent
 
     def _sync(self) -> None:
-        """Ask the server to acknowledge every batch sent so far (if the stream has ended,
-        the acknowledgement reader has the verdict)."""
+        """Ask the server to acknowledge every batch sent so far.
+
+        If the stream has ended, the acknowledgement reader has the verdict.
+        """
         with self.io, contextlib.suppress(flight.FlightError, pa.ArrowException):
             self.writer.write_metadata(_SYNC)
         self.requested = self.sent
@@ -149,8 +153,11 @@ class _Put:
         return StreamEndedError("the server ended the stream before acknowledging every batch")
 
     def abandon(self, timeout: float = 5.0) -> None:
-        """Let go of a stream whose error was raised. The writer is closed only once the
-        acknowledgement reader is done: closing it under a pending read would crash."""
+        """Let go of a stream whose error was raised.
+
+        The writer is closed only once the acknowledgement reader is done: closing it under a
+        pending read would crash.
+        """
         with self.io, contextlib.suppress(flight.FlightError, pa.ArrowException, OSError):
             self.writer.done_writing()
         with self.changed:
@@ -191,6 +198,7 @@ class Stager:
         self._put = _Put(transport, flight.FlightDescriptor.for_path(*path), self._wire_schema)
 
     def write(self, batch: pa.RecordBatch) -> None:
+        """Send ``batch`` to the stage area, checked against the share's schema first."""
         batch = protocol.to_wire(self._table, self._schema, self._wire_schema, batch)
         try:
             self._put.send(batch)
@@ -270,8 +278,10 @@ class RemoteSink(ProducerScope):
             self._acked += put.acked
 
     def write(self, data: Any, timeout: float | None = None) -> None:
-        """Send a batch (or every batch of a table / stream), waiting while ``window`` batches
-        are unacknowledged; ``timeout`` bounds that wait (the batch is then not sent).
+        """Send a batch (or every batch of a table / stream), at most ``window`` unacknowledged.
+
+        It waits while ``window`` batches are unacknowledged; ``timeout`` bounds that wait (the
+        batch is then not sent).
 
         Raises the same errors as ``TableSink.write``: ``SchemaMismatchError`` (checked before
         sending; NOT NULL violations come from the server), ``SinkClosedError``,
@@ -306,9 +316,12 @@ class RemoteSink(ProducerScope):
         await asyncio.to_thread(self.write, data, timeout)
 
     def advance(self, ts: Any, timeout: float | None = None) -> None:
-        """``TableSink.advance`` on the server's table, in order with the batches written
-        before and after it on this sink (an ``int``, or a ``datetime`` for a timestamp
-        column). Errors (no ``order_by``, a closed table) come back like a write's."""
+        """``TableSink.advance`` on the server's table, in order with this sink's batches.
+
+        It keeps its place among the batches written before and after it on this sink. ``ts``
+        is an ``int``, or a ``datetime`` for a timestamp column. Errors (no ``order_by``, a
+        closed table) come back like a write's.
+        """
         metadata = protocol.advance_metadata(ts)
         timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -350,6 +363,7 @@ class RemoteSink(ProducerScope):
         self._transport.action("close", {"name": self.name})
 
     async def aclose(self) -> None:
+        """Asyncio counterpart of :meth:`close`, run in a worker thread."""
         await asyncio.to_thread(self.close)
 
     def fail(self, exc: BaseException) -> None:
@@ -368,6 +382,7 @@ class RemoteSink(ProducerScope):
 
     @property
     def stats(self) -> RemoteSinkStats:
+        """The batches this producer sent and had acknowledged, and the server table's counters."""
         table = self._transport.action("stats", {"name": self.name})
         cls = TopicStats if "subscribers" in table else SinkStats
         put = self._put
@@ -377,4 +392,5 @@ class RemoteSink(ProducerScope):
 
     @property
     def closed(self) -> bool:
+        """Whether :meth:`close` or :meth:`fail` was called."""
         return self._closed

@@ -1,5 +1,6 @@
-"""Flight SQL on the wire: the commands ``pushtable serve`` answers, decoded from their protobuf
-bytes, and the few messages it sends back.
+"""Flight SQL on the wire: the commands ``pushtable serve`` answers and the messages it sends.
+
+The commands are decoded from their protobuf bytes; the messages sent back are few.
 
 Served (what runs them: :mod:`pushtable.flight.query` and :mod:`pushtable.flight.catalog`):
 ``CommandStatementQuery``; prepared statements (``CreatePreparedStatement``,
@@ -32,19 +33,6 @@ import pyarrow as pa
 _PREFIX = "type.googleapis.com/arrow.flight.protocol.sql."
 STATEMENT_QUERY = "CommandStatementQuery"
 PREPARED_QUERY = "CommandPreparedStatementQuery"
-#: the catalog commands :mod:`pushtable.flight.catalog` answers
-CATALOG = (
-    "CommandGetSqlInfo",
-    "CommandGetTableTypes",
-    "CommandGetCatalogs",
-    "CommandGetDbSchemas",
-    "CommandGetTables",
-    "CommandGetPrimaryKeys",
-    "CommandGetExportedKeys",
-    "CommandGetImportedKeys",
-    "CommandGetCrossReference",
-    "CommandGetXdbcTypeInfo",
-)
 #: The DoAction types of prepared statements (the only actions of Flight SQL served).
 ACTIONS = ("CreatePreparedStatement", "ClosePreparedStatement")
 
@@ -53,8 +41,10 @@ Field = bytes | int
 
 @dataclass(frozen=True)
 class Command:
-    """A Flight SQL command: its short name (``CommandGetTables``) and its fields by number
-    (every occurrence, in order: repeated fields keep them all)."""
+    """A Flight SQL command: its short name (``CommandGetTables``) and its fields by number.
+
+    Every occurrence of a field is kept, in order: repeated fields keep them all.
+    """
 
     kind: str
     fields: dict[int, list[Field]]
@@ -73,6 +63,7 @@ class Command:
             raise ValueError(f"{self.kind}: field {number} is not valid UTF-8") from None
 
     def raw(self, number: int) -> bytes:
+        """An optional bytes field (empty: absent)."""
         values = self.fields.get(number) or [b""]
         value = values[-1]
         if not isinstance(value, bytes):
@@ -89,6 +80,7 @@ class Command:
         return out
 
     def flag(self, number: int) -> bool:
+        """An optional bool field (False: absent)."""
         values = self.fields.get(number) or [0]
         return bool(values[-1])
 
@@ -130,8 +122,10 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
 
 
 def message(data: bytes) -> dict[int, list[Field]]:
-    """A protobuf message's fields by number: varints as ints, length-delimited fields as
-    bytes; fixed-width fields (none in the commands served) are skipped."""
+    """A protobuf message's fields by number: varints as ints, length-delimited fields as bytes.
+
+    Fixed-width fields (none in the commands served) are skipped.
+    """
     out: dict[int, list[Field]] = {}
     pos = 0
     while pos < len(data):
@@ -174,8 +168,10 @@ def command(data: bytes) -> Command:
 
 
 def statement(cmd: Command) -> tuple[str, pa.RecordBatch | None] | None:
-    """The SQL text and bound parameters of a statement or prepared-statement query, None
-    for another command."""
+    """The SQL text and bound parameters of a statement or prepared-statement query.
+
+    None for another command.
+    """
     if cmd.kind == STATEMENT_QUERY:
         return cmd.text(1) or "", None
     if cmd.kind == PREPARED_QUERY:
@@ -184,8 +180,10 @@ def statement(cmd: Command) -> tuple[str, pa.RecordBatch | None] | None:
 
 
 def statement_query(data: bytes) -> str | None:
-    """The SQL text of a statement (or prepared statement) query descriptor, None for another
-    command; ``ValueError`` for bytes that are not a Flight SQL command."""
+    """The SQL text of a statement (or prepared statement) query descriptor.
+
+    None for another command; ``ValueError`` for bytes that are not a Flight SQL command.
+    """
     found = statement(command(data))
     return None if found is None else found[0]
 
@@ -208,7 +206,9 @@ def encode_handle(query: str, params: pa.RecordBatch | None = None) -> bytes:
 
 def decode_handle(handle: bytes) -> tuple[str, pa.RecordBatch | None]:
     """The query and the bound parameters (None: none bound) of a handle a client sent back.
-    A handle travels through the client: it is decoded and validated as untrusted input."""
+
+    A handle travels through the client: it is decoded and validated as untrusted input.
+    """
     if not handle.startswith(_HANDLE):
         try:
             return handle.decode(), None
@@ -235,8 +235,11 @@ def parameter_batch(table: pa.Table) -> pa.RecordBatch:
 
 
 def prepared(body: bytes, describe: Callable[[str], tuple[pa.Schema, pa.Schema]]) -> bytes:
-    """Answer ``CreatePreparedStatement``: the handle (the query text), the result's schema
-    and the parameters' schema, from ``describe(query)`` (planning, nothing runs)."""
+    """Answer ``CreatePreparedStatement`` from ``describe(query)`` (planning, nothing runs).
+
+    The answer holds the handle (the query text), the result's schema and the parameters'
+    schema.
+    """
     request = fields(body)
     inner = (
         fields(request.get(2, b""))
@@ -280,12 +283,15 @@ def encode_prepared_request(query: str) -> bytes:
 
 
 def string_field(number: int, text: str) -> bytes:
+    """A length-delimited field (wire type 2) holding ``text`` as UTF-8."""
     return _field(number, text.encode())
 
 
 def bool_field(number: int, value: bool) -> bytes:
-    """A varint field (wire type 0) holding ``value``: the tag is a varint too (one byte only
-    for field numbers below 16)."""
+    """A varint field (wire type 0) holding ``value``.
+
+    The tag is a varint too (one byte only for field numbers below 16).
+    """
     return _varint_bytes(number << 3 | 0) + bytes([1 if value else 0])
 
 

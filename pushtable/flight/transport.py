@@ -1,5 +1,6 @@
-"""One connection's Flight calls: what a :class:`~pushtable.flight.Client` owns and its
-producers use.
+"""One connection's Flight calls: what a :class:`~pushtable.flight.Client` owns.
+
+Its producers use them too.
 
 The client declares tables and runs queries; its producers (:mod:`pushtable.flight.remote_sink`,
 :mod:`pushtable.flight.idempotent`) open streams and send control actions. Both go through a

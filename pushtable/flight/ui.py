@@ -80,8 +80,10 @@ def _line(obj: dict[str, Any]) -> bytes:
 
 
 class UiApp:
-    """The WSGI app: the page, its assets, ``/api/*`` (Flight calls with the caller's token)
-    and ``/metrics``."""
+    """The WSGI app: the page, its assets, ``/api/*`` and ``/metrics``.
+
+    ``/api/*`` makes Flight calls with the caller's token.
+    """
 
     def __init__(self, location: str, tls_root_certs: str | Path | bytes | None = None) -> None:
         self.location = location
@@ -101,6 +103,7 @@ class UiApp:
         return connect(self.location, token=token or None, tls_root_certs=self.tls_root_certs)
 
     def __call__(self, environ: dict[str, Any], start: Start) -> Iterable[bytes]:
+        """Answer one request: ``/metrics``, an asset, ``/api/tables`` or ``/api/query``."""
         path = environ.get("PATH_INFO", "/")
         method = environ.get("REQUEST_METHOD", "GET")
         if path == "/metrics":
@@ -144,8 +147,11 @@ class UiApp:
         return [json.dumps(out, default=_json_value).encode()]
 
     def _query(self, environ: dict[str, Any], start: Start, sql: str) -> Iterator[bytes]:
-        """Newline-delimited JSON: the columns, then rows as they arrive, then the end (or
-        the error). The browser reads it as a stream; closing it cancels the query."""
+        """The query's result as newline-delimited JSON, read by the browser as a stream.
+
+        First the columns, then rows as they arrive, then the end (or the error). Closing the
+        stream cancels the query.
+        """
         start(
             "200 OK",
             [("Content-Type", "application/x-ndjson"), ("Cache-Control", "no-store")],
@@ -172,10 +178,13 @@ class UiApp:
 
 
 def _stream(result: RemoteResult) -> Iterator[bytes]:
-    """The result's rows as lines, then the end (or the error); while no row comes, a line
-    every ``HEARTBEAT_S`` seconds. A page that went away is noticed only when a write to it
-    fails: without the heartbeat a query waiting for rows would outlive its page for good.
-    The result is read on a thread of this call's own, stopped and joined when it ends."""
+    """The result's rows as lines, then the end (or the error); a heartbeat while no row comes.
+
+    While no row comes, a line goes out every ``HEARTBEAT_S`` seconds. A page that went away
+    is noticed only when a write to it fails: without the heartbeat a query waiting for rows
+    would outlive its page for good. The result is read on a thread of this call's own,
+    stopped and joined when it ends.
+    """
     items: queue.Queue[tuple[str, Any]] = queue.Queue(maxsize=4)
     stopped = threading.Event()
 
@@ -237,5 +246,6 @@ class UiServer:
         self._thread.start()
 
     def stop(self) -> None:
+        """Stop serving and close the server's socket."""
         self._http.shutdown()
         self._http.server_close()

@@ -1,5 +1,6 @@
-"""Spark: ``format("pushtable")`` (sink and source) and ``foreachBatch`` bridges from a
-Structured Streaming query to live tables and Lance.
+"""Spark: ``format("pushtable")`` (sink and source) and ``foreachBatch`` bridges.
+
+The bridges go from a Structured Streaming query to live tables and Lance.
 
 - :func:`register` (:mod:`pushtable.spark.datasource`): ``writeStream.format("pushtable")``
   into a server's live table (and Lance) exactly once, ``readStream.format("pushtable")``

@@ -1,5 +1,6 @@
-"""Spark's rows as Arrow: the one schema every Spark path gives a micro-batch, and the
-Spark types that have no Arrow form pushtable can store.
+"""Spark's rows as Arrow: the one schema every Spark path gives a micro-batch.
+
+It also names the Spark types that have no Arrow form pushtable can store.
 
 Every Spark path (``ForeachBatchBridge``, ``RemoteBridge``, ``format("pushtable")``) asks
 :func:`arrow_schema` for a micro-batch's Arrow schema, on the driver, before any task runs:

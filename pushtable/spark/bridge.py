@@ -225,6 +225,7 @@ class ForeachBatchBridge:
     # -- the foreachBatch callable ------------------------------------------------------
 
     def __call__(self, batch_df: DataFrame, epoch_id: int) -> None:
+        """The foreachBatch callback: commit the epoch to Lance (if set), then push it to sinks."""
         spark = batch_df.sparkSession
         spark_query_id = spark.sparkContext.getLocalProperty("sql.streaming.queryId")
         query_id = self.query_id or spark_query_id
@@ -587,8 +588,10 @@ class ForeachBatchBridge:
         self._watch(running.sparkSession() if running is not None else jspark, spark_query_id)
 
     def _watch(self, jsession: Any, spark_query_id: str) -> None:
-        """Listen for ``spark_query_id``'s end on the manager of ``jsession`` (one listener per
-        manager, removed when its last watched query ended)."""
+        """Listen for ``spark_query_id``'s end on the manager of ``jsession``.
+
+        One listener per manager, removed when its last watched query ended.
+        """
         from pyspark.sql.streaming.query import StreamingQueryManager
 
         with self._watch_lock:
@@ -628,8 +631,10 @@ class ForeachBatchBridge:
 
 
 def stamped_schema(schema: pa.Schema, epoch_column: str | None) -> pa.Schema:
-    """An epoch's schema as live tables see it: with ``epoch_column`` (``int64``) appended,
-    unless there is none or the epoch has that column already."""
+    """An epoch's schema as live tables see it: with ``epoch_column`` (``int64``) appended.
+
+    Nothing is appended when there is no ``epoch_column`` or the epoch has that column already.
+    """
     if epoch_column is None or epoch_column in schema.names:
         return schema
     return schema.append(pa.field(epoch_column, pa.int64(), nullable=False))

@@ -61,11 +61,15 @@ def register(spark: SparkSession) -> None:
 
 
 class PushTableDataSource(DataSource):
-    """The ``"pushtable"`` data source: a streaming sink into a server's live table and a
-    streaming source over a server's durable topic (see the module's docs for options)."""
+    """The ``"pushtable"`` data source: a streaming sink and a streaming source.
+
+    The sink writes into a server's live table, the source reads a server's durable topic
+    (see the module's docs for options).
+    """
 
     @classmethod
     def name(cls) -> str:
+        """The format's name, ``"pushtable"``."""
         return NAME
 
     def schema(self) -> StructType:
@@ -77,11 +81,13 @@ class PushTableDataSource(DataSource):
         return from_arrow_schema(topic_schema(Options(self.options, "source")))
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
+        """The streaming sink, from the sink's options."""
         from pushtable.spark.stream_sink import PushTableStreamWriter
 
         return PushTableStreamWriter(Options(self.options, "sink"), schema, overwrite)
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        """The streaming source, from the source's options."""
         from pushtable.spark.stream_source import PushTableStreamReader
 
         return PushTableStreamReader(Options(self.options, "source"), schema)

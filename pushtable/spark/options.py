@@ -1,5 +1,7 @@
-"""The options of a ``format("pushtable")`` sink or source, read by name: what is missing or
-malformed is refused with an error that names the option."""
+"""The options of a ``format("pushtable")`` sink or source, read by name.
+
+What is missing or malformed is refused with an error that names the option.
+"""
 
 from __future__ import annotations
 
@@ -12,17 +14,21 @@ __all__ = ["Options"]
 
 
 class Options:
-    """The options of one ``format("pushtable")`` sink or source, read by name with a clear
-    error for whatever is missing or malformed. Spark passes option names lower-cased."""
+    """The options of one ``format("pushtable")`` sink or source, read by name.
+
+    Whatever is missing or malformed gets a clear error. Spark passes option names lower-cased.
+    """
 
     def __init__(self, options: Mapping[str, str], role: str) -> None:
         self._options = {str(k).lower(): str(v) for k, v in options.items()}
         self.role = role
 
     def text(self, name: str, default: str | None = None) -> str | None:
+        """Option ``name`` as given, or ``default`` when it is absent."""
         return self._options.get(name.lower(), default)
 
     def required(self, name: str, example: str) -> str:
+        """Option ``name``; when absent or empty, a ValueError showing it set to ``example``."""
         value = self._options.get(name.lower())
         if not value:
             raise ValueError(
@@ -32,6 +38,7 @@ class Options:
         return value
 
     def number(self, name: str, kind: type[int] | type[float] = int) -> Any:
+        """Option ``name`` as a ``kind`` of at least 0 (None: absent or empty)."""
         value = self._options.get(name.lower())
         if value is None or value == "":
             return None

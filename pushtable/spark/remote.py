@@ -74,8 +74,9 @@ def query_id_from_checkpoint(checkpoint: str | Path) -> str:
 
 
 class RemoteBridge:
-    """Send each epoch of a streaming query to a table on a ``pushtable serve`` server, and
-    persist it to Lance exactly once.
+    """Send each epoch of a streaming query to a ``pushtable serve`` table, persist it to Lance.
+
+    Each epoch reaches both exactly once.
 
     Args:
         uri: the server, e.g. ``"grpc://127.0.0.1:8815"`` (``grpc+tls://`` for TLS).
@@ -172,6 +173,7 @@ class RemoteBridge:
     # -- the foreachBatch callable ------------------------------------------------------
 
     def __call__(self, batch_df: DataFrame, epoch_id: int) -> None:
+        """The foreachBatch callback: commit the epoch to Lance (if set), publish it; once each."""
         epoch = int(epoch_id)
         query_id = self._query_id(batch_df)
         client = self.client()
@@ -226,8 +228,11 @@ class RemoteBridge:
     def commit_shares(
         self, plan: EpochPlan, shares: list[Share], lance_schema: pa.Schema | None
     ) -> CommitResult | None:
-        """The driver's half of an epoch the tasks staged: commit their Lance fragments once,
-        then publish exactly the attempts in ``shares`` (Spark's successful ones) once."""
+        """The driver's half of an epoch the tasks staged: commit its fragments, then publish.
+
+        The tasks' Lance fragments are committed once, then exactly the attempts in ``shares``
+        (Spark's successful ones) are published once.
+        """
         from lance.fragment import FragmentMetadata
 
         result = None
@@ -277,14 +282,17 @@ class RemoteBridge:
         self.client().sink(self.table).close()
 
     def settings(self) -> dict[str, Any]:
+        """The arguments of :func:`connect` for the server: ``uri``, ``token``, TLS roots."""
         return {"uri": self.uri, "token": self.token, "tls_root_certs": self.tls_root_certs}
 
     def client(self) -> Client:
+        """This process's connection to the server, opened on first use."""
         if self._client is None:
             self._client = connect(**self.settings())
         return self._client
 
     def epoch_writer(self, query_id: str) -> LanceEpochWriter | None:
+        """The Lance writer of ``query_id``'s epochs, one per query (None: no ``lance_uri``)."""
         if self.lance_uri is None:
             return None
         writer = self._writers.get(query_id)
@@ -335,8 +343,11 @@ class RemoteBridge:
 
 @dataclass(frozen=True)
 class Share:
-    """What one Spark task attempt staged: its partition's rows on the server (under
-    ``(partition, attempt)``) and the Lance fragments it wrote (JSON)."""
+    """What one Spark task attempt staged: its partition's rows and its Lance fragments.
+
+    The rows are on the server (under ``(partition, attempt)``); the fragments it wrote are
+    JSON.
+    """
 
     partition: int
     attempt: int
@@ -346,8 +357,11 @@ class Share:
 
 @dataclass(frozen=True)
 class EpochPlan:
-    """What one epoch still needs: a Lance commit (unless ``lance_done``), a publish (unless
-    ``live_done``, i.e. the server published it before)."""
+    """What one epoch still needs: a Lance commit, a publish, or both.
+
+    A Lance commit unless ``lance_done``; a publish unless ``live_done``, i.e. the server
+    published it before.
+    """
 
     query_id: str
     epoch: int
@@ -359,8 +373,11 @@ class EpochPlan:
 
 @dataclass(frozen=True)
 class PartitionTask:
-    """What one Spark task runs (pickled to the executors): stage its partition on the
-    server and write its Lance fragments, in one pass over the partition's batches."""
+    """What one Spark task runs (pickled to the executors).
+
+    It stages its partition on the server and writes its Lance fragments, in one pass over
+    the partition's batches.
+    """
 
     settings: dict[str, Any]
     table: str
@@ -386,7 +403,9 @@ class PartitionTask:
 
     def run(self, batches: Iterator[pa.RecordBatch], client: Client | None = None) -> Share:
         """Stage this task's partition and write its fragments; what it did, as a share.
-        ``client``: a connection the task already holds (else one of its own)."""
+
+        ``client``: a connection the task already holds (else one of its own).
+        """
         from pyspark import TaskContext
 
         context = TaskContext.get()

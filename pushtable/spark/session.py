@@ -77,8 +77,10 @@ def ensure_worker_python(spark: SparkSession) -> None:
 
 
 def check_connect_workers(spark: SparkSession) -> None:
-    """Ask a Spark Connect server's Python workers, with one small job, whether they import
-    pushtable; raise :class:`WorkerPythonError` saying what to set if not."""
+    """Check, with one small job, that a Spark Connect server's Python workers import pushtable.
+
+    If they do not, raise :class:`WorkerPythonError` saying what to set.
+    """
     import pyarrow as pa
 
     def probe(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -125,8 +127,10 @@ def _import_problem(exe: str) -> str | None:
 
 
 def quiet_spark_start() -> None:
-    """Bind a local Spark to loopback before its JVM starts, so Spark does not warn that the
-    machine's hostname resolves to a loopback address (unless the caller chose an address)."""
+    """Bind a local Spark to loopback before its JVM starts, unless the caller chose an address.
+
+    Then Spark does not warn that the machine's hostname resolves to a loopback address.
+    """
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
 
 
@@ -196,8 +200,9 @@ def local_spark(app: str, **conf: str) -> SparkSession:
 
 
 def local_spark_connect(app: str, **conf: str) -> SparkSession:
-    """A Spark Connect session on a local Spark Connect server (``remote("local[2]")``), as
-    quiet as :func:`local_spark`: the server's JVM, and the Python workers it starts (the
+    """A Spark Connect session on a local Spark Connect server, as quiet as :func:`local_spark`.
+
+    The server is ``remote("local[2]")``; its JVM, and the Python workers it starts (the
     server-side ``foreachBatch`` among them), write to :func:`spark_log_path`.
 
     pyspark starts the local server through ``SparkContext.getOrCreate``, which takes a JVM
@@ -234,8 +239,10 @@ _QUIET = {
 
 
 def _launch_jvm(settings: dict[str, str], *, context: bool) -> None:
-    """Launch this process's Spark JVM with its output in :func:`spark_log_path`, unless one
-    runs; with ``context``, also create the SparkContext on it (a classic session)."""
+    """Launch this process's Spark JVM with its output in :func:`spark_log_path`, unless one runs.
+
+    With ``context``, also create the SparkContext on it (a classic session).
+    """
     from pyspark import SparkConf, SparkContext
     from pyspark.java_gateway import launch_gateway
 

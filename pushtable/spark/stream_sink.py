@@ -1,5 +1,6 @@
-"""The ``format("pushtable")`` streaming sink: :class:`~pushtable.spark.RemoteBridge`'s
-exactly-once path, driven by Spark's own writer protocol.
+"""The ``format("pushtable")`` streaming sink, driven by Spark's own writer protocol.
+
+It is :class:`~pushtable.spark.RemoteBridge`'s exactly-once path.
 
 What runs where:
 
@@ -95,6 +96,7 @@ class PushTableStreamWriter(DataSourceStreamArrowWriter):
     # -- executors ------------------------------------------------------------------------
 
     def write(self, iterator: Iterator[pa.RecordBatch]) -> StagedShare:
+        """One task: stage its partition on the server and write its Lance fragments."""
         from pyspark import TaskContext
 
         context = TaskContext.get()
@@ -125,6 +127,7 @@ class PushTableStreamWriter(DataSourceStreamArrowWriter):
     # -- driver ---------------------------------------------------------------------------
 
     def commit(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        """Commit the batch's fragments to Lance and publish the attempts Spark kept, once."""
         shares = [m for m in messages if isinstance(m, StagedShare)]
         query_id = self._query_id(shares, batchId)
         if query_id is None:
@@ -142,6 +145,7 @@ class PushTableStreamWriter(DataSourceStreamArrowWriter):
         self.bridge.commit_shares(plan, [s.share for s in shares], self.lance_schema)
 
     def abort(self, messages: list[WriterCommitMessage | None], batchId: int) -> None:
+        """Drop the batch's staged shares on the server."""
         shares = [m for m in messages if isinstance(m, StagedShare)]
         query_id = self._query_id(shares, batchId)
         if query_id is not None:

@@ -45,8 +45,10 @@ __all__ = ["OffsetRange", "PushTableStreamReader", "topic_schema"]
 
 
 def topic_schema(options: Options) -> pa.Schema:
-    """The durable topic's schema, as the server has it; a topic that is not durable, or
-    absent, is refused with the reason."""
+    """The durable topic's schema, as the server has it.
+
+    A topic that is not durable, or absent, is refused with the reason.
+    """
     topic = options.required("topic", "ticks")
     with connect(**options.connection()) as client:
         _check_durable(client, topic)
@@ -100,6 +102,7 @@ class PushTableStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         _check_durable(self.client(), self.topic)
 
     def client(self) -> Client:
+        """This process's connection to the server, opened on first use."""
         if self._client is None:
             self._client = connect(**self.settings)
         return self._client
@@ -110,6 +113,7 @@ class PushTableStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
     # -- driver -----------------------------------------------------------------------------
 
     def initialOffset(self) -> dict[str, Any]:
+        """Where a new query starts: ``startingOffsets`` (earliest, latest or an offset)."""
         offsets = self._offsets()
         if self.starting == "earliest":
             return {"offset": offsets["earliest"]}
@@ -124,14 +128,17 @@ class PushTableStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         return {"offset": start}
 
     def getDefaultReadLimit(self) -> ReadLimit:
+        """``maxBatchesPerTrigger`` as Spark's limit per micro-batch, else all available."""
         # Spark has no batch-count limit: like Kafka's maxOffsetsPerTrigger, offsets travel as
         # its max-rows limit (here an offset is one batch).
         return ReadAllAvailable() if self.max_batches is None else ReadMaxRows(self.max_batches)
 
     def prepareForTriggerAvailableNow(self) -> None:
+        """Fix the end of a ``Trigger.AvailableNow`` run: the offset committed now."""
         self._until = self._offsets()["committed"]
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
+        """The next micro-batch's end: the committed offset (or the fixed end), within ``limit``."""
         end = self._offsets()["committed"] if self._until is None else self._until
         first = int(start["offset"])
         if isinstance(limit, ReadMaxRows):
@@ -139,9 +146,11 @@ class PushTableStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         return {"offset": max(first, end)}
 
     def reportLatestOffset(self) -> dict[str, Any]:
+        """The topic's committed offset, for Spark's progress report."""
         return {"offset": self._offsets()["committed"]}
 
     def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[OffsetRange]:
+        """Split ``[start, end)`` into at most ``partitions`` ranges, their sizes within one."""
         first, last = int(start["offset"]), int(end["offset"])
         count = min(self.partition_count, last - first)
         if count <= 0:
@@ -155,9 +164,11 @@ class PushTableStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         return pieces
 
     def commit(self, end: dict[str, Any]) -> None:
+        """Tell the server the consumer has read every offset below ``end``."""
         self.client().consumed(self.topic, self.consumer, int(end["offset"]))
 
     def stop(self) -> None:
+        """Close this process's connection to the server, if open."""
         if self._client is not None:
             self._client.close()
             self._client = None
@@ -165,6 +176,7 @@ class PushTableStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
     # -- executors --------------------------------------------------------------------------
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        """The committed batches of one offset range (on an executor, its own connection)."""
         assert isinstance(partition, OffsetRange)
         with connect(**self.settings) as client:
             yield from client.read(self.topic, partition.start, partition.end)

@@ -1,0 +1,248 @@
+"""The tables and topics of ``pushtable serve``, by name.
+
+They are declared by the operator, a config file or a
+remote admin, and looked up by every other part of the server by name.
+
+Durable topics live under the server's data dir (``DIR/<name>.lance``) and are reopened when
+the server starts on it again, each held to the data dir's ``max_data_bytes``. The action
+handlers here (``create_table``, ``subscribe``, ``close``, ``fail``, ``stats``, ``tables``,
+``offsets``, ``producer``, ``consumed``) take a checked request (:mod:`pushtable.flight.actions`)
+and the caller's grant, whose role the server has already required.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import asdict
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from pushtable import errors
+from pushtable.context import SessionContext
+from pushtable.errors import PermissionDeniedError, ResourceLimitError, UnknownTableError
+from pushtable.flight import actions, protocol
+from pushtable.flight.auth import Grant
+from pushtable.flight.limits import DataBudget, Limits, Usage
+from pushtable.sink import TableSink
+from pushtable.topic import Topic
+
+#: a durable topic's name, which is also its dataset's file name under the data dir
+_FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+class Tables:
+    """The server's catalog of live tables and topics, by name (a part of the server)."""
+
+    def __init__(
+        self,
+        ctx: SessionContext,
+        limits: Limits,
+        usage: Usage,
+        data_dir: Path | None,
+        fsync: bool,
+    ) -> None:
+        self._ctx = ctx
+        self._limits = limits
+        self._usage = usage
+        self._fsync = fsync
+        self._data_dir = data_dir
+        self._lock = threading.Lock()
+        self._tables: dict[str, TableSink | Topic] = {}
+        self._budget: DataBudget | None = None
+        if data_dir is not None:  # every durable topic is back before calls arrive
+            data_dir.mkdir(parents=True, exist_ok=True)
+            self._budget = DataBudget(data_dir, limits.max_data_bytes, usage)
+            for path in sorted(data_dir.glob("*.lance")):
+                self._tables[path.stem] = self._budgeted(Topic.reopen(path, fsync=fsync))
+
+    # -- lookups ------------------------------------------------------------------------
+
+    def get(self, name: str) -> TableSink | Topic:
+        """The table or topic ``name``; :class:`UnknownTableError` when there is none."""
+        producer = self.find(name)
+        if producer is None:
+            raise UnknownTableError(f"no table named {name!r} on this server")
+        return producer
+
+    def find(self, name: str) -> TableSink | Topic | None:
+        """The table or topic ``name``, or None."""
+        with self._lock:
+            return self._tables.get(name)
+
+    def durable(self, name: str) -> Topic:
+        """The durable topic ``name``; ``ValueError`` when ``name`` is another kind of table."""
+        topic = self.get(name)
+        if not isinstance(topic, Topic) or topic.durable is None:
+            raise ValueError(f"'{name}' is not a durable topic (create_topic(..., durable=True))")
+        return topic
+
+    def all(self) -> list[tuple[str, TableSink | Topic]]:
+        """Every table and topic, by name (a snapshot)."""
+        with self._lock:
+            return list(self._tables.items())
+
+    # -- declaring ----------------------------------------------------------------------
+
+    def create(
+        self,
+        name: str,
+        schema: pa.Schema,
+        *,
+        topic: bool = False,
+        durable: bool = False,
+        if_not_exists: bool = False,
+        **options: Any,
+    ) -> TableSink | Topic:
+        """Declare a streaming table, a topic or a durable topic named ``name``.
+
+        ``topic=True`` makes a topic; ``durable=True`` a durable topic, stored in
+        ``data_dir/<name>.lance``.
+        """
+        with self._lock:
+            existing = self._tables.get(name)
+            if existing is not None:
+                if if_not_exists and existing.schema.equals(schema):
+                    return existing
+                raise ValueError(f"a table named {name!r} already exists on this server")
+            if durable:
+                producer: TableSink | Topic = self._durable_topic(name, schema, options)
+            elif topic:
+                producer = Topic(name, schema, **options)
+            else:
+                producer = self._ctx.register_streaming_table(name, schema, **options)
+            self._tables[name] = producer
+            return producer
+
+    def declare(self, config: dict[str, Any]) -> None:
+        """Declare the ``tables`` and ``topics`` of a server config (see docs/network.md)."""
+        for kind, is_topic in (("tables", False), ("topics", True)):
+            for spec in config.get(kind, []):
+                spec = dict(spec)
+                if "schema" not in spec or "name" not in spec:
+                    raise ValueError(f"each of {kind!r} needs a 'name' and a 'schema': {spec}")
+                schema = pa.schema(
+                    [(n, pa.type_for_alias(t)) for n, t in spec.pop("schema").items()]
+                )
+                if spec.get("durable"):  # a restart found it in the data dir already
+                    spec.setdefault("if_not_exists", True)
+                if (seconds := spec.pop("retention_seconds", None)) is not None:
+                    spec["retention"] = timedelta(seconds=seconds)
+                self.create(spec.pop("name"), schema, topic=is_topic, **spec)
+
+    def _durable_topic(self, name: str, schema: pa.Schema, options: dict[str, Any]) -> Topic:
+        if self._data_dir is None:
+            raise ValueError(
+                "durable topics need a data dir: start the server with --data-dir DIR "
+                "(Server(..., data_dir=DIR))"
+            )
+        if not _FILE_NAME.fullmatch(name):
+            raise ValueError(
+                f"a durable topic's name is its dataset's file name: letters, digits, '_', "
+                f"'-' and '.', not starting with '.' or '-'; got {name!r}"
+            )
+        if (us := options.pop("retention_us", None)) is not None:
+            options["retention"] = timedelta(microseconds=int(us))
+        path = self._data_dir / f"{name}.lance"
+        return self._budgeted(Topic(name, schema, persist=path, fsync=self._fsync, **options))
+
+    def _budgeted(self, topic: Topic) -> Topic:
+        """``topic``'s writes and upkeep held to the data dir's ``max_data_bytes``."""
+        assert topic.durable is not None
+        assert self._budget is not None
+        topic.durable.reserve = self._budget.reserve
+        topic.durable.room = self._budget.room
+        return topic
+
+    def fail_all(self, exc: BaseException) -> None:
+        """Fail every table and topic with ``exc`` (the server is stopping)."""
+        for _, producer in self.all():
+            producer.fail(exc)
+
+    # -- action handlers ----------------------------------------------------------------
+
+    def create_remote(self, req: actions.NewTable, grant: Grant) -> Any:
+        """``create_table`` from a remote admin: within the server's limits, never a path."""
+        body = dict(req.options)
+        for key in ("persist", "upkeep_interval", "fsync"):
+            if key in body:
+                raise PermissionDeniedError(
+                    f"a remote client cannot set {key!r}: the server places durable topics "
+                    "under its data dir (create_topic(..., durable=True))"
+                )
+        schema = protocol.schema_from(req.schema)
+        if (us := body.pop("max_delay_us", None)) is not None:
+            body["max_delay"] = timedelta(microseconds=int(us))
+        with self._lock:
+            count = len(self._tables)
+        try:
+            options = self._limits.check_table_options(count, body)
+        except ResourceLimitError:
+            self._usage.refused("table_options")
+            raise
+        self.create(req.name, schema, **options)
+        return {}
+
+    def subscribe(self, req: actions.Subscribe, grant: Grant) -> Any:
+        """``subscribe``: a subscription of a topic, registered in the server's session."""
+        topic = self.get(req.topic)
+        if not isinstance(topic, Topic):
+            raise ValueError(f"{topic.name!r} is a streaming table, not a topic")
+        try:
+            options = self._limits.check_queue_options(dict(req.options))
+        except ResourceLimitError:
+            self._usage.refused("table_options")
+            raise
+        options["start"] = protocol.start_value(options.get("start", "now"))
+        topic.subscribe(self._ctx, options.pop("name"), **options)
+        return {}
+
+    def offsets(self, req: actions.Named, grant: Grant) -> Any:
+        """``offsets``: a durable topic's first, committed and next offsets."""
+        return self.durable(req.name).offsets()
+
+    def consumed(self, req: actions.Consumed, grant: Grant) -> Any:
+        """``consumed``: a consumer read every offset below ``req.offset``."""
+        self.durable(req.name).consumed(req.consumer, req.offset)
+        return {}
+
+    def producer(self, req: actions.Producer, grant: Grant) -> Any:
+        """``producer``: an idempotent producer's last stored sequence."""
+        log = self.durable(req.name).durable
+        assert log is not None
+        return {"sequence": log.last_sequence(req.producer_id)}
+
+    def close(self, req: actions.Named, grant: Grant) -> Any:
+        """``close``: end a table's stream."""
+        self.get(req.name).close()
+        return {}
+
+    def fail(self, req: actions.Fail, grant: Grant) -> Any:
+        """``fail``: a remote producer's error, raised by the table's reader."""
+        self.get(req.name).fail(errors.RemoteError(req.message, remote_type=req.type))
+        return {}
+
+    def stats(self, req: actions.Named, grant: Grant) -> Any:
+        """``stats``: a table's or topic's counters."""
+        return asdict(self.get(req.name).stats)
+
+    def listing(self, req: actions.Listing, grant: Grant) -> Any:
+        """``tables``: the tables the caller's token covers, with their schemas and bounds."""
+        out = []
+        for name, producer in self.all():
+            if grant.covers(name):
+                report = producer.metrics_report()
+                out.append(
+                    {
+                        "name": name,
+                        "topic": isinstance(producer, Topic),
+                        "durable": isinstance(producer, Topic) and producer.durable is not None,
+                        "schema": protocol.schema_bytes(producer.schema),
+                        "bound_batches": report.bound_batches,  # for a queue's fill
+                        "bound_bytes": report.bound_bytes,
+                    }
+                )
+        return out
