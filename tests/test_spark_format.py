@@ -14,8 +14,6 @@ from pyspark.sql.streaming.query import StreamingQuery
 
 from pushtable.flight import Client, Server, connect
 from pushtable.spark import query_id_from_checkpoint, register
-from pushtable.spark.options import Options
-from pushtable.spark.stream_source import OffsetRange, PushTableStreamReader
 from tests.conftest import WAIT
 from tests.spark_support import ARROW, QUERY_WAIT, ids, stamped, stream, write_epochs
 from tests.test_spark_remote import ROWS, expected, live_ids
@@ -171,34 +169,78 @@ def test_source_reads_a_durable_topic_exactly_once_across_restarts(
     assert 0 < consumers["spark"] <= 12
 
 
+def read_batches(
+    spark: SparkSession, location: str, chk: Path, per_batch: int | None
+) -> list[list[tuple[int, int, str]]]:
+    """Each micro-batch of the source as Spark read it: its rows as ``(input partition, k,
+    name)``, sorted (``partitions`` = 3)."""
+    from pyspark.sql import DataFrame
+    from pyspark.sql import functions as F
+
+    reader = (
+        spark.readStream.format("pushtable")
+        .option("uri", location)
+        .option("topic", "ticks")
+        .option("partitions", "3")
+    )
+    if per_batch is not None:
+        reader = reader.option("maxBatchesPerTrigger", str(per_batch))
+    batches: list[list[tuple[int, int, str]]] = []
+
+    def seen(df: DataFrame, batch_id: int) -> None:
+        rows = df.select(F.spark_partition_id(), "k", "name").collect()
+        batches.append(sorted((int(r[0]), int(r[1]), str(r[2])) for r in rows))
+
+    query = (
+        reader.load()
+        .writeStream.foreachBatch(seen)
+        .option("checkpointLocation", str(chk))
+        .trigger(availableNow=True)
+        .start()
+    )
+    finish(query)
+    return batches
+
+
+def pieces(batch: list[tuple[int, int, str]]) -> list[tuple[int, int, int, int]]:
+    """A micro-batch's input partitions: ``(partition, first k, last k, rows)``."""
+    out = []
+    for p in sorted({p for p, _, _ in batch}):
+        ks = [k for q, k, _ in batch if q == p]
+        out.append((p, min(ks), max(ks), len(ks)))
+    return out
+
+
 @pytest.mark.spark
-def test_a_range_reads_the_same_rows_from_memory_and_from_lance(tmp_path: Path) -> None:
+def test_spark_reads_a_range_in_contiguous_partitions_the_same_from_memory_and_from_lance(
+    pushtable_spark: SparkSession, tmp_path: Path
+) -> None:
+    """Through Spark: a micro-batch's offsets split into at most ``partitions`` contiguous
+    pieces whose sizes differ by at most one (fewer when there are fewer offsets), and a
+    range reads the same rows whether the server holds it in memory or only in Lance."""
     data = tmp_path / "data"
     server = durable_server(data)
     try:
         with connect(server.location) as client:
             client.create_topic("ticks", TICKS, durable=True)
-            write_ticks(client, 0, 6)
-            reader = PushTableStreamReader(
-                Options({"uri": server.location, "topic": "ticks"}, "source"), None
-            )
-            pieces = reader.partitions({"offset": 1}, {"offset": 6})
-            assert pieces == [OffsetRange(1, 4), OffsetRange(4, 6)]
-            first = [pa.Table.from_batches(list(reader.read(p))) for p in pieces]
-            reader.stop()
+            write_ticks(client, 0, 11)  # offsets 0..10, ten rows each: k = 10 * offset + i
+            in_memory = read_batches(pushtable_spark, server.location, tmp_path / "c1", None)
     finally:
         server.stop()
-    server = durable_server(data)
+    # 11 offsets in 3 pieces: [0, 4), [4, 8), [8, 11), each row once
+    assert [pieces(b) for b in in_memory] == [[(0, 0, 39, 40), (1, 40, 79, 40), (2, 80, 109, 30)]]
+    assert sorted(k for _, k, _ in in_memory[0]) == list(range(110))
+    server = durable_server(data)  # restarted: the topic's history comes from Lance only
     try:
-        reader = PushTableStreamReader(
-            Options({"uri": server.location, "topic": "ticks"}, "source"), None
-        )
-        again = [pa.Table.from_batches(list(reader.read(p))) for p in pieces]
-        reader.stop()
+        from_lance = read_batches(pushtable_spark, server.location, tmp_path / "c2", None)
+        two_a_batch = read_batches(pushtable_spark, server.location, tmp_path / "c3", 2)
     finally:
         server.stop()
-    assert [t.to_pydict() for t in again] == [t.to_pydict() for t in first]
-    assert first[0]["k"].to_pylist() == list(range(10, 40))
+    assert from_lance == in_memory  # the same rows, in the same partitions
+    # 2 offsets a batch, 3 partitions asked: one piece per offset; the last batch has one
+    assert [pieces(b) for b in two_a_batch] == [
+        [(0, 20 * b, 20 * b + 9, 10), (1, 20 * b + 10, 20 * b + 19, 10)] for b in range(5)
+    ] + [[(0, 100, 109, 10)]]
 
 
 @pytest.mark.spark
@@ -221,15 +263,6 @@ def test_source_refuses_a_topic_that_is_not_durable_and_names_missing_options(
         load(topic="ticks")
     with pytest.raises(Exception, match="no topic 'nope'"):
         load(uri=server.location, topic="nope")
-
-
-def test_partitions_split_a_range_into_contiguous_pieces() -> None:
-    reader = PushTableStreamReader.__new__(PushTableStreamReader)
-    reader.partition_count = 3
-    assert reader.partitions({"offset": 5}, {"offset": 5}) == []
-    assert reader.partitions({"offset": 0}, {"offset": 2}) == [OffsetRange(0, 1), OffsetRange(1, 2)]
-    pieces = reader.partitions({"offset": 10}, {"offset": 21})
-    assert [(p.start, p.end) for p in pieces] == [(10, 14), (14, 18), (18, 21)]
 
 
 @pytest.mark.spark

@@ -4,11 +4,13 @@ push) and ``writeStream.format("pushtable")``. The live table and the Lance data
 Spark's own values (``DataFrame.toArrow`` of the same rows): zoned timestamps in a session
 zone that is not UTC, ``timestamp_ntz``, dates, decimals (whose buffers Spark hands over
 unaligned for Rust), binary, arrays, maps, structs with a nested timestamp, durations, nulls.
-A type with no Arrow form is refused on the driver, before any task, naming the column."""
+A type with no Arrow form is refused on the driver, before any task, naming the column.
+Hypothesis draws random choices of these columns through the bridge too."""
 
 from __future__ import annotations
 
 import contextlib
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,8 @@ from typing import Any
 import lance
 import pyarrow as pa
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame, SparkSession
 
@@ -126,6 +130,37 @@ def test_every_type_through_the_foreach_batch_bridge(zoned: SparkSession, tmp_pa
         run(df, bridge, tmp_path / f"chk-{executor_writes}")
         assert reader.join(timeout=WAIT) == want, executor_writes
         assert lance_rows(uri) == want, executor_writes
+        check_schema(schema, lance.dataset(str(uri)).schema)
+
+
+@pytest.mark.spark
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    columns=st.lists(st.sampled_from(TYPES[1:]), min_size=1, max_size=5, unique=True),
+    rows=st.sampled_from([1, 6, 40]),
+    executor_writes=st.booleans(),
+)
+def test_random_columns_through_the_foreach_batch_bridge(
+    zoned: SparkSession, columns: list[str], rows: int, executor_writes: bool
+) -> None:
+    """Any choice of the columns above, in any order, through the bridge: the live table and
+    Lance hold what Spark hands out for the same rows."""
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d)
+        src = tmp / "src"
+        write_epochs(src, 2, rows=rows)
+        chosen = ["id", *columns]
+        want = rows_of(zoned.read.schema(DDL).json(str(src)).selectExpr(*chosen).toArrow())
+        df = stream(zoned, src).selectExpr(*chosen)
+        schema = arrow_schema(df.schema)
+        ctx = SessionContext()
+        sink = ctx.register_streaming_table("events", schema, capacity=4)
+        reader = live_reader(ctx, "events")
+        uri = tmp / "out.lance"
+        bridge = ForeachBatchBridge(sinks=[sink], lance_uri=uri, executor_writes=executor_writes)
+        run(df, bridge, tmp / "chk")
+        assert reader.join(timeout=WAIT) == want
+        assert lance_rows(uri) == want
         check_schema(schema, lance.dataset(str(uri)).schema)
 
 

@@ -158,7 +158,9 @@ class Queries:
         query_box = [df.execute_stream()]
         del df
         held = call.held.pop_all()
-        results = self._results(context, query_box, slot, held, call.record, call.started)
+        results = self._results(
+            context, query_box, slot, held, call.record, call.started, _has_dictionary(schema)
+        )
         # A generator that never starts never runs its finally: let go when it is collected.
         weakref.finalize(results, held.close)
         return flight.GeneratorStream(schema, results)
@@ -219,8 +221,14 @@ class Queries:
         held: contextlib.ExitStack,
         record: Any,
         started: float,
-    ) -> Iterator[pa.RecordBatch]:
-        """Batches as the query yields them; what the call holds is let go at the end."""
+        dictionaries: bool,
+    ) -> Iterator[pa.RecordBatch | pa.Table]:
+        """Batches as the query yields them; what the call holds is let go at the end.
+
+        A result with dictionary columns goes out batch by batch as one-batch tables: pyarrow's
+        ``GeneratorStream`` writes a plain batch without its dictionaries, which the client
+        then refuses (apache/arrow#38480); a table goes through an IPC writer that sends them.
+        """
         first = True
         with wire_errors(), held:
             for batch in self._forward(context, query_box, slot):
@@ -228,7 +236,7 @@ class Queries:
                     metrics.FIRST_RESULT.observe(time.perf_counter() - started)
                     first = False
                 record.rows += batch.num_rows
-                yield batch
+                yield pa.Table.from_batches([batch]) if dictionaries else batch
 
     def _forward(self, context: Any, query_box: list[Any], slot: Slot) -> Iterator[pa.RecordBatch]:
         """Forward the batches a worker thread pulls from the query.
@@ -348,6 +356,17 @@ _READ_ONLY = (
     datafusion.SQLOptions().with_allow_ddl(False).with_allow_dml(False).with_allow_statements(False)
 )
 _REFUSED = re.compile(r"(DDL|DML|Statement) not supported: (\w+)")
+
+
+def _has_dictionary(schema: pa.Schema) -> bool:
+    """Whether a column of ``schema`` is, or holds, a dictionary."""
+
+    def holds(t: pa.DataType) -> bool:
+        if pa.types.is_dictionary(t):
+            return True
+        return any(holds(t.field(i).type) for i in range(t.num_fields))
+
+    return any(holds(f.type) for f in schema)
 
 
 def _joined(parts: list[pa.RecordBatch]) -> pa.RecordBatch:

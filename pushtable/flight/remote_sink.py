@@ -60,7 +60,10 @@ class _Put:
         self.idle = False  # the server ended the stream for idleness: the next write reopens
         self.changed = threading.Condition()
         self.io = threading.Lock()  # one call on the writer at a time
-        threading.Thread(target=self._read_acks, name="pushtable-acks", daemon=True).start()
+        self._ack_reader = threading.Thread(
+            target=self._read_acks, name="pushtable-acks", daemon=True
+        )
+        self._ack_reader.start()
 
     def send(
         self, batch: pa.RecordBatch, metadata: bytes | None = None, ack_every: int = 1
@@ -164,6 +167,7 @@ class _Put:
             self.changed.wait_for(lambda: self.finished, timeout)
             if not self.finished:
                 return  # the server never ended it: leak it rather than crash
+        self._ack_reader.join(timeout)  # it set ``finished`` last: it is ending
         with self.io, contextlib.suppress(flight.FlightError, pa.ArrowException, OSError):
             self.writer.close()
 
@@ -178,6 +182,7 @@ class _Put:
                 if left is not None and left <= 0:
                     raise WriteTimeoutError("the server did not finish the stream in time")
                 self.changed.wait(left)
+        self._ack_reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         error = self.error
         try:
             with self.io:
