@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
-from pyspark.errors import StreamingQueryException
+from pyspark.errors import AnalysisException, StreamingQueryException
 from pyspark.sql import SparkSession
 from pyspark.sql.streaming.query import StreamingQuery
 
@@ -96,15 +96,15 @@ def test_sink_errors_name_what_is_wrong(
             writer = writer.option(key, value)
         finish(writer.trigger(availableNow=True).start())
 
-    with pytest.raises(Exception, match='needs option "table"'):
+    with pytest.raises(StreamingQueryException, match='needs option "table"'):
         start(uri=server.location)
-    with pytest.raises(Exception, match='needs option "uri"'):
+    with pytest.raises(StreamingQueryException, match='needs option "uri"'):
         start(table="events")
-    with pytest.raises(Exception, match="cannot take this query's epochs"):
+    with pytest.raises(StreamingQueryException, match="cannot take this query's epochs"):
         start(uri=server.location, table="events")  # id is a string there, a long here
-    with pytest.raises(Exception, match='"publish_timeout" must be a number'):
+    with pytest.raises(StreamingQueryException, match='"publish_timeout" must be a number'):
         start(uri=server.location, table="t2", publish_timeout="soon")
-    with pytest.raises(Exception, match='"storage_options" must be a JSON object'):
+    with pytest.raises(StreamingQueryException, match='"storage_options" must be a JSON object'):
         start(uri=server.location, table="t2", storage_options="region=eu")
 
 
@@ -255,13 +255,13 @@ def test_source_refuses_a_topic_that_is_not_durable_and_names_missing_options(
             reader = reader.option(key, value)
         reader.load()
 
-    with pytest.raises(Exception, match="reads durable topics only"):
+    with pytest.raises(AnalysisException, match="reads durable topics only"):
         load(uri=server.location, topic="ticks")
-    with pytest.raises(Exception, match='needs option "topic"'):
+    with pytest.raises(AnalysisException, match='needs option "topic"'):
         load(uri=server.location)
-    with pytest.raises(Exception, match='needs option "uri"'):
+    with pytest.raises(AnalysisException, match='needs option "uri"'):
         load(topic="ticks")
-    with pytest.raises(Exception, match="no topic 'nope'"):
+    with pytest.raises(AnalysisException, match="no topic 'nope'"):
         load(uri=server.location, topic="nope")
 
 

@@ -22,6 +22,7 @@ from pushtable import (
     SessionContext,
     SinkClosedError,
     StreamConsumedError,
+    StreamFailedError,
     WriteTimeoutError,
     register_streaming_table,
 )
@@ -216,7 +217,7 @@ def test_fail_never_blocks_and_the_query_raises_the_original_error(ctx: SessionC
     boom = ValueError("disk on fire")
     Background(lambda: sink.fail(boom)).join(timeout=5)
     assert sink.error is boom
-    with pytest.raises(Exception, match=r"ValueError: disk on fire"):
+    with pytest.raises(StreamFailedError, match=r"ValueError: disk on fire"):
         ctx.sql("SELECT count(*) FROM t").collect()
     with pytest.raises(SinkClosedError, match="failed"):
         sink.write(batch(1))
@@ -228,6 +229,7 @@ def test_fail_reaches_a_query_that_is_already_running(ctx: SessionContext) -> No
     sink.write(batch(3))
     sink.fail(RuntimeError("upstream lost"))
     err = reader.join_error()
+    assert isinstance(err, StreamFailedError), err
     assert "RuntimeError: upstream lost" in str(err)
     assert "'t'" in str(err)
 
@@ -243,7 +245,7 @@ def test_with_block_closes_or_fails(ctx: SessionContext) -> None:
         bad.write(batch(2))
         raise KeyError("missing shard")
     assert isinstance(bad.error, KeyError)
-    with pytest.raises(Exception, match="KeyError"):
+    with pytest.raises(StreamFailedError, match="KeyError: 'missing shard'"):
         ctx.sql("SELECT * FROM bad").collect()
     assert ctx.sql("SELECT count(*) AS n FROM ok").to_pydict() == {"n": [2]}
 

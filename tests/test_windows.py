@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from pushtable import (
     OrderViolationError,
     SessionContext,
+    SinkClosedError,
     Topic,
     UnsupportedTableError,
 )
@@ -250,7 +251,7 @@ def test_advance_needs_an_ordered_table_and_an_open_one() -> None:
         sink.advance(at(1))
     ordered = ctx.register_streaming_table("t", SCHEMA, order_by="ts")
     ordered.close()
-    with pytest.raises(Exception, match="closed"):
+    with pytest.raises(SinkClosedError, match="closed"):
         ordered.advance(at(1))
 
 
