@@ -88,7 +88,6 @@ def _progress_line(sink: TableSink, bridge: ForeachBatchBridge, epochs: int, sta
 
 def run(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity: int) -> DemoResult:
     """Run the demo into ``out``; print live results and the final check with rich."""
-    import lance
     from rich.console import Console
     from rich.live import Live
 
@@ -127,11 +126,7 @@ def run(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity: int) ->
                 reader.join(0.25)  # ends once Spark is done and the live query printed
         # The status line's last state, on a line of its own (a terminal or not).
         console.print(_progress_line(sink, bridge, epochs, started))
-        if live_error:  # the live query failed: say so now, not after Spark's last epoch
-            sink.close()
-            query.stop()
-            raise _failed(live_error[0])
-        query.awaitTermination()  # raises if the streaming query failed
+        _await_spark(query, sink, live_error)
     except KeyboardInterrupt:
         interrupted = True
         console.print("\n[yellow]interrupted: stopping the streaming query…[/]")
@@ -141,25 +136,11 @@ def run(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity: int) ->
     if live_error and not interrupted:
         raise _failed(live_error[0])
 
-    ds = lance.dataset(str(uri))
-    ctx.register_table("persisted", ds)
-    live_rows, lance_rows = _compare(ctx, console, returned, sink.stats.rows)
-    result = DemoResult(
-        epochs=0 if bridge.last_report is None else bridge.last_report.epoch_id + 1,
-        live_rows=live_rows,
-        lance_rows=lance_rows,
-        lance_version=ds.version,
-        interrupted=interrupted,
-        first_result_after_epochs=first_after[0] if first_after else None,
-    )
     spark.stop()
-    verdict = "[green]counts match[/]" if result.matched else "[red]counts differ[/]"
-    console.print(
-        f"{verdict}: {result.live_rows:,} rows live, {result.lance_rows:,} rows in {uri} "
-        f"(version {result.lance_version})"
+    epochs = 0 if bridge.last_report is None else bridge.last_report.epoch_id + 1
+    return _verdict(
+        ctx, console, uri, returned, sink.stats.rows, epochs, interrupted, first_after, "live"
     )
-    _say_first_result(console, result)
-    return result
 
 
 def run_connect(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity: int) -> DemoResult:
@@ -171,7 +152,6 @@ def run_connect(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity:
     advances the table's watermark as it publishes it, and the live SQL result streams back
     to this process over Arrow Flight, one epoch at a time.
     """
-    import lance
     from rich.console import Console
     from rich.live import Live
 
@@ -233,13 +213,7 @@ def run_connect(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity:
                 query.awaitTermination(0.25)
         s = sink.stats.table
         console.print(f"epochs {published()}/{epochs} · rows {s.rows:,}")
-        if live_error:
-            # The live query failed: nothing reads the table, so the next publish would wait
-            # for good. Closing the table ends that wait; Spark's query then stops.
-            sink.close()
-            query.stop()
-            raise _failed(live_error[0])
-        query.awaitTermination()  # raises if the streaming query failed
+        _await_spark(query, sink, live_error)
     except KeyboardInterrupt:
         interrupted = True
         query.stop()
@@ -247,28 +221,69 @@ def run_connect(out: Path, epochs: int, rows_per_epoch: int, sql: str, capacity:
     reader.join(60)
     if live_error and not interrupted:
         raise _failed(live_error[0])
+    epochs, table_rows = published(), sink.stats.table.rows
+    spark.stop()
+    client.close()
+    server.stop()
+    return _verdict(
+        SessionContext(),
+        console,
+        uri,
+        returned,
+        table_rows,
+        epochs,
+        interrupted,
+        first_after,
+        "live on the server",
+    )
+
+
+def _verdict(
+    ctx: SessionContext,
+    console: Any,
+    uri: Path,
+    returned: list[pa.RecordBatch],
+    table_rows: int,
+    epochs: int,
+    interrupted: bool,
+    first_after: list[int],
+    where: str,
+) -> DemoResult:
+    """What the demo shows last: the live answers against the Lance dataset at ``uri``."""
+    import lance
+
     ds = lance.dataset(str(uri))
-    ctx = SessionContext()
     ctx.register_table("persisted", ds)
-    live_rows, lance_rows = _compare(ctx, console, returned, sink.stats.table.rows)
+    live_rows, lance_rows = _compare(ctx, console, returned, table_rows)
     result = DemoResult(
-        epochs=published(),
+        epochs=epochs,
         live_rows=live_rows,
         lance_rows=lance_rows,
         lance_version=ds.version,
         interrupted=interrupted,
         first_result_after_epochs=first_after[0] if first_after else None,
     )
-    spark.stop()
-    client.close()
-    server.stop()
     verdict = "[green]counts match[/]" if result.matched else "[red]counts differ[/]"
     console.print(
-        f"{verdict}: {result.live_rows:,} rows live on the server, {result.lance_rows:,} rows "
-        f"in {uri} (version {result.lance_version})"
+        f"{verdict}: {result.live_rows:,} rows {where}, {result.lance_rows:,} rows in {uri} "
+        f"(version {result.lance_version})"
     )
     _say_first_result(console, result)
     return result
+
+
+def _await_spark(query: Any, sink: Any, live_error: list[BaseException]) -> None:
+    """Wait for Spark's streaming query to end (raising its error if it failed).
+
+    A live query that failed is said at once, not after Spark's last epoch: nothing reads the
+    table then, so the next epoch would wait for room for good. Closing the table ends that
+    wait, and Spark's query is stopped.
+    """
+    if live_error:
+        sink.close()
+        query.stop()
+        raise _failed(live_error[0])
+    query.awaitTermination()
 
 
 def _failed(error: BaseException) -> LiveQueryFailed:

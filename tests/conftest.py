@@ -30,6 +30,13 @@ def batch(n: int, start: int = 0) -> pa.RecordBatch:
     return pa.record_batch([ks, vs], schema=SCHEMA)
 
 
+def full_table(ctx: SessionContext) -> TableSink:
+    """A table ``t`` whose queue (capacity 1) holds a batch nobody reads: a write blocks."""
+    sink = ctx.register_streaming_table("t", SCHEMA, capacity=1)
+    sink.write(batch(1))
+    return sink
+
+
 class Background:
     """Runs ``fn`` in a daemon thread and hands back its result or exception."""
 

@@ -10,39 +10,27 @@ from collections.abc import Iterable, Iterator, Sequence
 import grpc  # type: ignore[import-untyped]
 import pyarrow as pa
 
+from pushtable.flight.sql import bytes_field, varint
+
 DO_PUT = "/arrow.flight.protocol.FlightService/DoPut"
-
-
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        out.append(byte | (0x80 if value else 0))
-        if not value:
-            return bytes(out)
-
-
-def _field(number: int, payload: bytes) -> bytes:
-    return _varint(number << 3 | 2) + _varint(len(payload)) + payload
 
 
 def path_descriptor(path: Iterable[bytes]) -> bytes:
     """``FlightDescriptor{type: PATH, path: [...]}``."""
-    return _varint(1 << 3) + _varint(1) + b"".join(_field(3, p) for p in path)
+    return varint(1 << 3) + varint(1) + b"".join(bytes_field(3, p) for p in path)
 
 
 def flight_data(
     header: bytes = b"", body: bytes = b"", descriptor: bytes | None = None, metadata: bytes = b""
 ) -> bytes:
     """One ``FlightData`` message."""
-    out = b"" if descriptor is None else _field(1, descriptor)
+    out = b"" if descriptor is None else bytes_field(1, descriptor)
     if header:
-        out += _field(2, header)
+        out += bytes_field(2, header)
     if metadata:
-        out += _field(3, metadata)
+        out += bytes_field(3, metadata)
     if body:
-        out += _field(1000, body)
+        out += bytes_field(1000, body)
     return out
 
 

@@ -277,41 +277,33 @@ def test_a_string_field_encodes_and_decodes_as_protobuf_does(number: int, text: 
 # Every message the server reads or writes, declared once as FlightSql.proto declares it (field
 # numbers and types), and built by protobuf's runtime: what protobuf encodes, the hand-written
 # reader reads the same; what the server encodes, protobuf parses back the same.
-_MESSAGES: dict[str, list[tuple[str, int, str, str]]] = {  # name, number, type, label
-    "CommandStatementQuery": [
-        ("query", 1, "string", ""),
-        ("transaction_id", 2, "bytes", "optional"),
-    ],
-    "CommandPreparedStatementQuery": [("prepared_statement_handle", 1, "bytes", "")],
-    "CommandGetSqlInfo": [("info", 1, "uint32", "repeated")],
-    "CommandGetDbSchemas": [
-        ("catalog", 1, "string", "optional"),
-        ("db_schema_filter_pattern", 2, "string", "optional"),
-    ],
-    "CommandGetTables": [
-        ("catalog", 1, "string", "optional"),
-        ("db_schema_filter_pattern", 2, "string", "optional"),
-        ("table_name_filter_pattern", 3, "string", "optional"),
-        ("table_types", 4, "string", "repeated"),
-        ("include_schema", 5, "bool", ""),
-    ],
-    "CommandGetPrimaryKeys": [
-        ("catalog", 1, "string", "optional"),
-        ("db_schema", 2, "string", "optional"),
-        ("table", 3, "string", ""),
-    ],
-    "CommandGetXdbcTypeInfo": [("data_type", 1, "int32", "optional")],
-    "ActionCreatePreparedStatementRequest": [
-        ("query", 1, "string", ""),
-        ("transaction_id", 2, "bytes", "optional"),
-    ],
-    "ActionCreatePreparedStatementResult": [
-        ("prepared_statement_handle", 1, "bytes", ""),
-        ("dataset_schema", 2, "bytes", ""),
-        ("parameter_schema", 3, "bytes", ""),
-    ],
-    "DoPutPreparedStatementResult": [("prepared_statement_handle", 1, "bytes", "optional")],
-}
+_MESSAGES = """
+CommandStatementQuery: string query = 1; optional bytes transaction_id = 2
+CommandPreparedStatementQuery: bytes prepared_statement_handle = 1
+CommandGetSqlInfo: repeated uint32 info = 1
+CommandGetDbSchemas: optional string catalog = 1; optional string db_schema_filter_pattern = 2
+CommandGetTables: optional string catalog = 1; optional string db_schema_filter_pattern = 2;
+    optional string table_name_filter_pattern = 3; repeated string table_types = 4;
+    bool include_schema = 5
+CommandGetPrimaryKeys: optional string catalog = 1; optional string db_schema = 2; string table = 3
+CommandGetXdbcTypeInfo: optional int32 data_type = 1
+ActionCreatePreparedStatementRequest: string query = 1; optional bytes transaction_id = 2
+ActionCreatePreparedStatementResult: bytes prepared_statement_handle = 1;
+    bytes dataset_schema = 2; bytes parameter_schema = 3
+DoPutPreparedStatementResult: optional bytes prepared_statement_handle = 1
+"""
+
+
+def declared() -> dict[str, list[tuple[str, int, str, str]]]:
+    """:data:`_MESSAGES` by message: ``(field, number, type, label)`` as the .proto says."""
+    out: dict[str, list[tuple[str, int, str, str]]] = {}
+    for entry in _MESSAGES.replace(";\n    ", "; ").strip().splitlines():
+        message, _, body = entry.partition(": ")
+        for part in body.split("; "):
+            words, number = part.split(" = ")
+            *label, kind, field_name = words.split()
+            out.setdefault(message, []).append((field_name, int(number), kind, "".join(label)))
+    return out
 
 
 @functools.cache
@@ -330,9 +322,9 @@ def proto(name: str) -> Any:
     file = descriptor_pb2.FileDescriptorProto(
         name="flight_sql_test.proto", package="arrow.flight.protocol.sql", syntax="proto3"
     )
-    for message, declared in _MESSAGES.items():
+    for message, fields in declared().items():
         m = file.message_type.add(name=message)
-        for field_name, number, kind, label in declared:
+        for field_name, number, kind, label in fields:
             f = m.field.add(
                 name=field_name,
                 number=number,

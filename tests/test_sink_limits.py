@@ -25,7 +25,7 @@ from pushtable import (
     WriteTimeoutError,
     _native,
 )
-from tests.conftest import SCHEMA, WAIT, Background, batch, query, wait_until
+from tests.conftest import SCHEMA, WAIT, Background, batch, full_table, query, wait_until
 from tests.ctrl_c import BLOCKED_WRITE_CHILD, CtrlC
 
 
@@ -138,8 +138,7 @@ def test_a_stream_timing_out_midway_reports_what_it_queued(ctx: SessionContext) 
 
 
 def test_a_single_batch_error_wrote_nothing(ctx: SessionContext) -> None:
-    sink = ctx.register_streaming_table("t", SCHEMA, capacity=1)
-    sink.write(batch(1))
+    sink = full_table(ctx)
     with pytest.raises(WriteTimeoutError) as info:
         sink.write(batch(1), timeout=0)
     assert info.value.batches_written == 0
@@ -170,8 +169,7 @@ def test_type_names_in_errors_are_pyarrow_names(ctx: SessionContext) -> None:
 def test_ctrl_c_reaches_a_main_thread_writer_that_keeps_being_woken(
     ctx: SessionContext, how: Literal["signal", "interrupt_main"]
 ) -> None:
-    sink = ctx.register_streaming_table("t", SCHEMA, capacity=1)
-    sink.write(batch(1))
+    sink = full_table(ctx)
     stop = threading.Event()
 
     def wake_the_line() -> None:  # every cancellation wakes every waiting writer

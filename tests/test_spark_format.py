@@ -16,7 +16,7 @@ from pushtable.flight import Client, Server, connect
 from pushtable.spark import query_id_from_checkpoint, register
 from tests.conftest import WAIT
 from tests.spark_support import ARROW, QUERY_WAIT, ids, stamped, stream, write_epochs
-from tests.test_spark_remote import ROWS, expected, live_ids
+from tests.test_spark_remote import ROWS, expected, live_events
 
 TICKS = pa.schema([("k", pa.int64()), ("name", pa.string())])
 
@@ -64,8 +64,7 @@ def batch_ids(query: StreamingQuery) -> list[int]:
 def test_sink_lands_each_batch_once_across_a_replayed_batch(
     pushtable_spark: SparkSession, tmp_path: Path, server: Server, client: Client
 ) -> None:
-    client.create_table("events", ARROW)
-    reader = live_ids(client, "events")
+    reader = live_events(client)
     src, chk, uri = tmp_path / "src", tmp_path / "chk", tmp_path / "out.lance"
     write_epochs(src, 3, rows=ROWS)
     assert sink_query(pushtable_spark, src, server.location, chk, uri) == [0, 1, 2]
@@ -271,8 +270,7 @@ def test_a_failed_batch_is_aborted_its_shares_dropped_and_a_restart_lands_it_onc
 ) -> None:
     """local[2] gives a failed task no second attempt: the batch fails, Spark aborts it (the
     server drops the shares its tasks staged), and the restarted query lands it once."""
-    client.create_table("events", ARROW)
-    reader = live_ids(client, "events")
+    reader = live_events(client)
     src, chk, uri = tmp_path / "src", tmp_path / "chk", tmp_path / "out.lance"
     write_epochs(src, 2, rows=ROWS)
     failing = (

@@ -53,13 +53,18 @@ def live_ids(client: Client, table: str) -> Background:
     return Background(lambda: sorted(result.read_all()["id"].to_pylist()))
 
 
+def live_events(client: Client) -> Background:
+    """A table ``events`` (``id``, ``level``) on the server and a live reader of its ids."""
+    client.create_table("events", ARROW)
+    return live_ids(client, "events")
+
+
 @pytest.mark.spark
 @pytest.mark.parametrize("push", ["executors", "driver"])
 def test_epochs_reach_the_server_and_lance_once_even_when_replayed(
     spark: SparkSession, tmp_path: Path, server: Server, client: Client, push: str
 ) -> None:
-    client.create_table("events", ARROW)
-    reader = live_ids(client, "events")
+    reader = live_events(client)
     uri = tmp_path / "out.lance"
     bridge = RemoteBridge(server.location, "events", lance_uri=uri, query_id="q", push=push)  # type: ignore[arg-type]
     for e in (0, 1, 2, 2, 1, 3):  # Spark replays the newest epoch after a restart; 1 is older
@@ -76,8 +81,7 @@ def test_an_epoch_committed_but_not_published_is_published_on_replay(
     spark: SparkSession, tmp_path: Path, server: Server, client: Client
 ) -> None:
     """A driver that died between the Lance commit and the publish: the replay publishes."""
-    client.create_table("events", ARROW)
-    reader = live_ids(client, "events")
+    reader = live_events(client)
     uri = tmp_path / "out.lance"
     bridge = RemoteBridge(server.location, "events", lance_uri=uri, query_id="q")
     bridge(epoch_df(spark, 0), 0)

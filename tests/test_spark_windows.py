@@ -155,6 +155,18 @@ def live(**options: Any) -> tuple[SessionContext, Any]:
     return ctx, ctx.register_streaming_table("ev", EV, 4, order_by="ts", **options)
 
 
+def written_while_read(window: str, rows: list[Any], per: int) -> Any:
+    """The live query's answer over ``window`` while a producer thread writes ``rows`` in
+    batches of ``per`` (then closes the table)."""
+    ctx, sink = live()
+    result = Background(lambda: ctx.sql(sql(window)).to_arrow_table())
+    data = [events(rows[i : i + per]) for i in range(0, len(rows), per)]
+    threading.Thread(
+        target=lambda: ([sink.write(b, timeout=WAIT) for b in data], sink.close()), daemon=True
+    ).start()
+    return as_rows(result.join())
+
+
 @pytest.mark.parametrize(
     ("window", "size", "slide", "offset"),
     [
@@ -219,13 +231,7 @@ def test_any_batches_give_the_rows_spark_defines(
     size, slide, offset = windowing
     rows = timeline(steps)
     window = f"window(ts, '{size} milliseconds', '{slide} milliseconds', '{offset} milliseconds')"
-    ctx, sink = live()
-    result = Background(lambda: ctx.sql(sql(window)).to_arrow_table())
-    data = [events(rows[i : i + per]) for i in range(0, len(rows), per)]
-    threading.Thread(
-        target=lambda: ([sink.write(b, timeout=WAIT) for b in data], sink.close()), daemon=True
-    ).start()
-    assert as_rows(result.join()) == spark_semantics(rows, size, slide, offset)
+    assert written_while_read(window, rows, per) == spark_semantics(rows, size, slide, offset)
 
 
 @pytest.mark.parametrize(
@@ -353,13 +359,7 @@ def test_any_batches_give_the_sessions_spark_defines(
 ) -> None:
     rows = timeline(steps)
     window = f"session_window(ts, '{gap} milliseconds')"
-    ctx, sink = live()
-    result = Background(lambda: ctx.sql(sql(window)).to_arrow_table())
-    data = [events(rows[i : i + per]) for i in range(0, len(rows), per)]
-    threading.Thread(
-        target=lambda: ([sink.write(b, timeout=WAIT) for b in data], sink.close()), daemon=True
-    ).start()
-    assert as_rows(result.join()) == spark_sessions(rows, gap)
+    assert written_while_read(window, rows, per) == spark_sessions(rows, gap)
 
 
 def test_closed_sessions_leave_the_state() -> None:

@@ -26,7 +26,7 @@ from pushtable import (
     WriteTimeoutError,
     register_streaming_table,
 )
-from tests.conftest import SCHEMA, WAIT, Background, batch, query, write_many
+from tests.conftest import SCHEMA, WAIT, Background, batch, full_table, query, write_many
 from tests.ctrl_c import CtrlC
 
 # --- 1. backpressure ----------------------------------------------------------------------
@@ -145,8 +145,7 @@ def test_many_producer_threads_every_row_exactly_once(ctx: SessionContext) -> No
 
 
 def test_gil_is_released_while_a_write_is_blocked(ctx: SessionContext) -> None:
-    sink = ctx.register_streaming_table("t", SCHEMA, capacity=1)
-    sink.write(batch(1))
+    sink = full_table(ctx)
     blocked = Background(lambda: sink.write(batch(1), timeout=WAIT))
     while sink.stats.waiting_writers == 0:  # the writer is blocked inside the native core
         time.sleep(0.001)
@@ -165,8 +164,7 @@ def test_gil_is_released_while_a_write_is_blocked(ctx: SessionContext) -> None:
 def test_ctrl_c_interrupts_a_blocked_write(
     ctx: SessionContext, how: Literal["signal", "interrupt_main"]
 ) -> None:
-    sink = ctx.register_streaming_table("t", SCHEMA, capacity=1)
-    sink.write(batch(1))
+    sink = full_table(ctx)
     # Sent once the main thread is blocked in the write (not after a delay).
     with CtrlC(ready=lambda: sink.stats.waiting_writers == 1, how=how):
         sink.write(batch(1), timeout=WAIT)  # runs on the main thread
@@ -195,8 +193,7 @@ def test_write_after_close_raises(ctx: SessionContext) -> None:
 
 
 def test_close_unblocks_a_blocked_writer(ctx: SessionContext) -> None:
-    sink = ctx.register_streaming_table("t", SCHEMA, capacity=1)
-    sink.write(batch(1))
+    sink = full_table(ctx)
     blocked = Background(lambda: sink.write(batch(1, 1), timeout=WAIT))
     deadline = time.monotonic() + WAIT
     while sink.stats.waiting_writers == 0:  # the close below must find it blocked
@@ -212,8 +209,7 @@ def test_close_unblocks_a_blocked_writer(ctx: SessionContext) -> None:
 
 
 def test_fail_never_blocks_and_the_query_raises_the_original_error(ctx: SessionContext) -> None:
-    sink = ctx.register_streaming_table("t", SCHEMA, capacity=1)
-    sink.write(batch(1))  # the queue is full and nobody reads
+    sink = full_table(ctx)  # the queue is full and nobody reads
     boom = ValueError("disk on fire")
     Background(lambda: sink.fail(boom)).join(timeout=5)
     assert sink.error is boom

@@ -4,11 +4,13 @@ written after the page opened; the HTTP API behind it enforces the token like Fl
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -95,6 +97,22 @@ def _browser() -> Any:
     return webdriver.Chrome(options=options, service=service)
 
 
+@contextlib.contextmanager
+def served_page(tmp_path: Path) -> Iterator[tuple[Server, Any, str]]:
+    """A server with its browser view, a headless browser and the view's URL; both stopped
+    after (the browser first)."""
+    server = _serve_with_tokens(tmp_path)
+    browser = None
+    try:
+        assert server.ui_url is not None
+        browser = _browser()
+        yield server, browser, server.ui_url
+    finally:
+        if browser is not None:
+            browser.quit()
+        server.stop()
+
+
 def text_of(browser: Any, selector: str) -> str:
     """The text of the element ``selector`` names, read in one step inside the page ("" if
     absent). The page re-renders its lists as data arrives, so an element found first and read
@@ -128,15 +146,11 @@ def run_query_on_the_page(browser: Any, url: str, sql_text: str) -> Any:
 def test_rows_written_after_the_page_opened_appear_on_it(tmp_path: Path) -> None:
     from selenium.webdriver.common.by import By
 
-    server = _serve_with_tokens(tmp_path)
-    browser = None
-    try:
-        assert server.ui_url is not None
+    with served_page(tmp_path) as (server, browser, ui_url):
         server.create_table("events", SCHEMA, order_by="ts")
-        browser = _browser()
         wait = run_query_on_the_page(
             browser,
-            server.ui_url,
+            ui_url,
             "SELECT date_bin(INTERVAL '1 second', ts) AS second, count(*) AS n, sum(k) AS total "
             "FROM events GROUP BY 1",
         )
@@ -175,10 +189,6 @@ def test_rows_written_after_the_page_opened_appear_on_it(tmp_path: Path) -> None
             shot = Path(os.environ.get("PUSHTABLE_UI_SCREENSHOT", tmp_path / "ui.png"))
             assert browser.save_screenshot(str(shot))
             sink.close()
-    finally:
-        if browser is not None:
-            browser.quit()
-        server.stop()
 
 
 LEVELS = pa.schema([("ts", TS), ("level", pa.string()), ("latency", pa.float64())])
@@ -191,15 +201,11 @@ def test_the_chart_draws_a_line_per_group_with_readable_numbers_and_whole_axes(
     numbers rounded for reading, and the axes' labels inside the chart (not clipped)."""
     from selenium.webdriver.common.by import By
 
-    server = _serve_with_tokens(tmp_path)
-    browser = None
-    try:
-        assert server.ui_url is not None
+    with served_page(tmp_path) as (server, browser, ui_url):
         sink = server.create_table("events", LEVELS, order_by="ts")
-        browser = _browser()
         wait = run_query_on_the_page(
             browser,
-            server.ui_url,
+            ui_url,
             "SELECT date_bin(INTERVAL '1 second', ts) AS second, level, avg(latency) AS latency "
             "FROM events GROUP BY 1, 2",
         )
@@ -240,10 +246,6 @@ def test_the_chart_draws_a_line_per_group_with_readable_numbers_and_whole_axes(
         shot = Path(os.environ.get("PUSHTABLE_UI_SCREENSHOT_GROUPS", tmp_path / "groups.png"))
         assert browser.save_screenshot(str(shot))
         sink.close()
-    finally:
-        if browser is not None:
-            browser.quit()
-        server.stop()
 
 
 def test_an_updating_aggregate_is_a_table_that_updates_in_place(tmp_path: Path) -> None:
@@ -251,15 +253,11 @@ def test_an_updating_aggregate_is_a_table_that_updates_in_place(tmp_path: Path) 
     where the row stands as batches arrive (the changes keyed by the server's upsert key)."""
     from selenium.webdriver.common.by import By
 
-    server = _serve_with_tokens(tmp_path)
-    browser = None
-    try:
-        assert server.ui_url is not None
+    with served_page(tmp_path) as (server, browser, ui_url):
         sink = server.create_table("events", LEVELS, unbounded=True)
-        browser = _browser()
         wait = run_query_on_the_page(
             browser,
-            server.ui_url,
+            ui_url,
             "SELECT level, count(*) AS n FROM events GROUP BY level",
         )
         wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#grid thead th"))
@@ -293,10 +291,6 @@ def test_an_updating_aggregate_is_a_table_that_updates_in_place(tmp_path: Path) 
         assert len(grid_rows(browser)) == 2  # two groups, updated in place: never appended
         assert "updated in place" in text_of(browser, "#status")
         sink.close()
-    finally:
-        if browser is not None:
-            browser.quit()
-        server.stop()
 
 
 def test_stop_ends_the_page_s_query_on_the_server(tmp_path: Path) -> None:
@@ -306,14 +300,10 @@ def test_stop_ends_the_page_s_query_on_the_server(tmp_path: Path) -> None:
 
     from tests.conftest import wait_until
 
-    server = _serve_with_tokens(tmp_path)
-    browser = None
-    try:
-        assert server.ui_url is not None
+    with served_page(tmp_path) as (server, browser, ui_url):
         sink = server.create_table("events", SCHEMA, capacity=4)
         sink.write(rows(0, [1, 2, 3]))
-        browser = _browser()
-        wait = run_query_on_the_page(browser, server.ui_url, "SELECT k FROM events")
+        wait = run_query_on_the_page(browser, ui_url, "SELECT k FROM events")
         wait.until(lambda b: "3 row(s) so far" in text_of(b, "#status"))
         assert server.metrics_report().queries == 1
         browser.find_element(By.ID, "stop").click()
@@ -321,7 +311,3 @@ def test_stop_ends_the_page_s_query_on_the_server(tmp_path: Path) -> None:
         wait_until(lambda: server.metrics_report().queries == 0, "the server's query to end")
         assert browser.find_element(By.ID, "run").is_enabled()
         assert not browser.find_element(By.ID, "stop").is_enabled()
-    finally:
-        if browser is not None:
-            browser.quit()
-        server.stop()

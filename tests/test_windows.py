@@ -255,15 +255,23 @@ def test_advance_needs_an_ordered_table_and_an_open_one() -> None:
         ordered.advance(at(1))
 
 
-def test_watermarks_reach_windows_over_windows() -> None:
+def per_second(outer: str) -> tuple[Any, LiveRows]:
+    """An ordered, unbounded table ``t`` and the live rows of ``outer`` (a SELECT list) over
+    its per-second counts by ``k``: ``second``, ``k``, ``n``."""
     ctx = SessionContext()
     sink = ctx.register_streaming_table("t", SCHEMA, order_by="ts", unbounded=True)
-    sql = (
-        "SELECT second, k, n, sum(n) OVER (PARTITION BY k ORDER BY second "
-        "ROWS UNBOUNDED PRECEDING) AS running FROM (SELECT date_bin(INTERVAL '1 second', ts) "
-        "AS second, k, count(*) AS n FROM t GROUP BY 1, 2)"
+    per_second = (
+        "(SELECT date_bin(INTERVAL '1 second', ts) AS second, k, count(*) AS n "
+        "FROM t GROUP BY 1, 2)"
     )
-    live = LiveRows(ctx, sql)
+    return sink, LiveRows(ctx, f"{outer} FROM {per_second}")
+
+
+def test_watermarks_reach_windows_over_windows() -> None:
+    sink, live = per_second(
+        "SELECT second, k, n, sum(n) OVER (PARTITION BY k ORDER BY second "
+        "ROWS UNBOUNDED PRECEDING) AS running"
+    )
     sink.write(rows((0.1, "a", 0), (0.2, "a", 0), (1.1, "a", 0)))
     assert live.take(1) == [{"second": at(0), "k": "a", "n": 2, "running": 2}]
     sink.advance(at(2))
@@ -275,14 +283,9 @@ def test_watermarks_reach_windows_over_windows() -> None:
 def test_running_totals_over_windows_come_as_each_window_closes() -> None:
     # The issue's per-key running totals per second, with the default (RANGE) frame: no row
     # has a peer in its partition, so none waits for the next window.
-    ctx = SessionContext()
-    sink = ctx.register_streaming_table("t", SCHEMA, order_by="ts", unbounded=True)
-    sql = (
-        "SELECT second, k, n, sum(n) OVER (PARTITION BY k ORDER BY second) AS running "
-        "FROM (SELECT date_bin(INTERVAL '1 second', ts) AS second, k, count(*) AS n "
-        "FROM t GROUP BY 1, 2)"
+    sink, live = per_second(
+        "SELECT second, k, n, sum(n) OVER (PARTITION BY k ORDER BY second) AS running"
     )
-    live = LiveRows(ctx, sql)
     sink.write(rows((0.1, "a", 0), (0.2, "b", 0), (0.3, "b", 0), (1.1, "a", 0)))
     assert sorted(live.take(2), key=lambda r: r["k"]) == [
         {"second": at(0), "k": "a", "n": 1, "running": 1},
@@ -297,14 +300,7 @@ def test_running_totals_over_windows_come_as_each_window_closes() -> None:
 def test_a_running_frame_with_peers_keeps_its_meaning() -> None:
     # ORDER BY second alone: both keys of a second are peers and share the total, so a row
     # can come only once the next window shows the peers are complete.
-    ctx = SessionContext()
-    sink = ctx.register_streaming_table("t", SCHEMA, order_by="ts", unbounded=True)
-    sql = (
-        "SELECT second, k, sum(n) OVER (ORDER BY second) AS running "
-        "FROM (SELECT date_bin(INTERVAL '1 second', ts) AS second, k, count(*) AS n "
-        "FROM t GROUP BY 1, 2)"
-    )
-    live = LiveRows(ctx, sql)
+    sink, live = per_second("SELECT second, k, sum(n) OVER (ORDER BY second) AS running")
     sink.write(rows((0.1, "a", 0), (0.2, "b", 0), (1.1, "a", 0), (2.1, "a", 0)))
     assert sorted(live.take(2), key=lambda r: r["k"]) == [
         {"second": at(0), "k": "a", "running": 2},

@@ -13,6 +13,9 @@
 //! This file creates tables and topics, and raises one exception class per failure kind
 //! (the `pushtable` package maps them onto its public hierarchy).
 
+#[macro_use]
+mod plan;
+
 mod channel;
 mod clock;
 mod ctrl_c;

@@ -255,24 +255,7 @@ impl DisplayAs for LiveScanExec {
 }
 
 impl ExecutionPlan for LiveScanExec {
-    fn name(&self) -> &str {
-        "LiveScanExec"
-    }
-
-    fn properties(&self) -> &Arc<PlanProperties> {
-        &self.props
-    }
-
-    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
-        vec![]
-    }
-
-    fn with_new_children(
-        self: Arc<Self>,
-        _children: Vec<Arc<dyn ExecutionPlan>>,
-    ) -> DFResult<Arc<dyn ExecutionPlan>> {
-        Ok(self)
-    }
+    plan_basics!(leaf "LiveScanExec");
 
     fn execute(
         &self,
@@ -607,6 +590,14 @@ pub fn logical_codec(session: &Bound<'_, PyAny>) -> PyResult<FFI_LogicalExtensio
     Ok(codec.clone())
 }
 
+/// The value a single-scan handle holds, taken by its one export; `used` is the error after.
+pub fn take_once<T>(slot: &Mutex<Option<T>>, used: &'static str) -> PyResult<T> {
+    slot.lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .take()
+        .ok_or_else(|| PyRuntimeError::new_err(used))
+}
+
 #[pymethods]
 impl PyTableProvider {
     fn __datafusion_table_provider__<'py>(
@@ -615,16 +606,10 @@ impl PyTableProvider {
         session: Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyCapsule>> {
         let codec = logical_codec(&session)?;
-        let table = self
-            .table
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-            .ok_or_else(|| {
-                PyRuntimeError::new_err(
-                    "this streaming table was already registered with a session",
-                )
-            })?;
+        let table = take_once(
+            &self.table,
+            "this streaming table was already registered with a session",
+        )?;
         *self.exported.lock().unwrap_or_else(|p| p.into_inner()) = Arc::downgrade(&table);
         export_capsule(py, table, codec, None)
     }

@@ -14,6 +14,7 @@ machine's copy rate, the physical limit). Needs the ``cli`` extra.
 
 from __future__ import annotations
 
+import importlib
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -49,18 +50,7 @@ def run(
     ``peers=False`` leaves LaminarDB and Pathway out of ``windows`` (they run from a venv of
     their own, made from the package index on first use).
     """
-    from pushtable.bench import (
-        core,
-        fanout,
-        flight,
-        joins,
-        latency,
-        machine,
-        memory,
-        spark,
-        updating,
-        windows,
-    )
+    from pushtable.bench import machine, memory, spark
 
     out: dict[str, Any] = {"machine": machine.describe(), "quick": quick}
     say(f"machine: {out['machine']['cores']} cores, {out['machine']['memory_gb']} GB")
@@ -76,11 +66,17 @@ def run(
                 f"(baseline {m['baseline_rss_mb']:.0f}, queue bound {m['queue_bound_mb']:.0f}, "
                 f"growth {m['growth_mb']:+.1f} MB)"
             )
-    if "durable" in suites:
-        from pushtable.bench import durable
 
-        out["durable"] = durable.run(quick)
-        say(durable.table(out["durable"]))
+    def suite(name: str, *args: Any) -> dict[str, Any]:
+        """Run suite ``name`` (its module's ``run(quick, *args)``) and print its table."""
+        module = importlib.import_module(f"pushtable.bench.{name}")
+        figures: dict[str, Any] = module.run(quick, *args)
+        out[name] = figures
+        say(module.table(figures))
+        return figures
+
+    if "durable" in suites:
+        suite("durable")
     if "spark" in suites:
         from pushtable.bench import spark_format
 
@@ -88,33 +84,21 @@ def run(
         say(spark.report(out["spark"]))
         out["spark"]["format"] = spark_format.run(quick)
         say(spark_format.report(out["spark"]["format"]))
-    if "flight" in suites:
-        out["flight"] = flight.run(quick)
-        say(flight.table(out["flight"]))
-    if "fanout" in suites:
-        out["fanout"] = fanout.run(quick)
-        say(fanout.table(out["fanout"]))
-    if "latency" in suites:
-        out["latency"] = latency.run(quick)
-        say(latency.table(out["latency"]))
+    for name in ("flight", "fanout", "latency"):
+        if name in suites:
+            suite(name)
     if "windows" in suites:
-        out["windows"] = windows.run(quick)
-        say(windows.table(out["windows"]))
+        suite("windows")
         if peers:
             from pushtable.bench import peers as side_by_side
 
             out["windows"]["peers"] = side_by_side.run(quick)
             say(side_by_side.table(out["windows"]["peers"]))
-    if "updating" in suites:
-        out["updating"] = updating.run(quick, peers)
-        say(updating.table(out["updating"]))
-    if "joins" in suites:
-        out["joins"] = joins.run(quick, peers)
-        say(joins.table(out["joins"]))
+    for name in ("updating", "joins"):
+        if name in suites:
+            suite(name, peers)
     if "core" in suites:
-        out["core"] = core.run(quick)
-        say(core.table(out["core"]))
-        gone = out["core"]["reader_gone"]
+        gone = suite("core")["reader_gone"]
         say(f"reader gone -> blocked write raises: median {gone['median_s'] * 1e3:.1f} ms")
     if plot_dir is not None:
         from pushtable.bench import plots

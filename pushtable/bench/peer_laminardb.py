@@ -21,31 +21,9 @@ import laminardb  # type: ignore[import-not-found]
 import pyarrow as pa
 
 try:  # pushtable importable (type checking, tests)
-    from pushtable.bench.peer_workload import (
-        DELAY_MS,
-        FAR_MS,
-        PER_WINDOW,
-        SHAPES,
-        batch,
-        join_side,
-        keyed_batch,
-        latency_batch,
-        percentiles,
-        throughput_batches,
-    )
+    from pushtable.bench import peer_workload as work
 except ImportError:  # the peers venv: the file beside this one
-    from peer_workload import (  # type: ignore[import-not-found,no-redef]
-        DELAY_MS,
-        FAR_MS,
-        PER_WINDOW,
-        SHAPES,
-        batch,
-        join_side,
-        keyed_batch,
-        latency_batch,
-        percentiles,
-        throughput_batches,
-    )
+    import peer_workload as work  # type: ignore[import-not-found,no-redef]
 
 SQL = (
     "CREATE STREAM win AS SELECT min(ts) / 1000 AS w, count(*) AS n, sum(v) AS s FROM events "
@@ -61,7 +39,7 @@ def _open(stream_sql: str = SQL, stream: str = "win") -> tuple[Any, Any, Any, pa
     db = laminardb.open(":memory:")
     db.execute(
         "CREATE SOURCE events (ts BIGINT, k BIGINT, v BIGINT, "
-        f"WATERMARK FOR ts AS ts - INTERVAL '{DELAY_MS}' MILLISECOND)"
+        f"WATERMARK FOR ts AS ts - INTERVAL '{work.DELAY_MS}' MILLISECOND)"
     )
     db.execute(stream_sql)
     db.start()
@@ -118,12 +96,12 @@ def _write_flushed(writer: Any, batches: list[pa.RecordBatch]) -> None:
 def throughput(rows: int, batch_rows: int) -> dict[str, Any]:
     """Rows per second through a 1-second tumbling window, flat out; results verified."""
     db, sub, writer, schema = _open()
-    batches = throughput_batches(rows, batch_rows, schema)
-    windows = -(-rows // PER_WINDOW)
+    batches = work.throughput_batches(rows, batch_rows, schema)
+    windows = -(-rows // work.PER_WINDOW)
     got, stop, reader = _reading(sub)
     start = time.perf_counter()
     # End of input: one row far ahead moves the watermark past every window (not counted).
-    _write_flushed(writer, [*batches, latency_batch(windows + 1, 1, schema)])
+    _write_flushed(writer, [*batches, work.latency_batch(windows + 1, 1, schema)])
     deadline = time.monotonic() + 120
     while sum(t.num_rows for _, t in got) < windows and time.monotonic() < deadline:
         time.sleep(0.001)
@@ -151,7 +129,7 @@ def close_latency(batch_rows: int, samples: int, interval: float = 0.02) -> dict
     start = time.perf_counter()
     for i in range(samples + 1):
         time.sleep(max(0.0, start + i * interval - time.perf_counter()))
-        b = latency_batch(i, batch_rows, schema)
+        b = work.latency_batch(i, batch_rows, schema)
         written.append(time.perf_counter())
         writer.insert(b)
         writer.flush()  # closes window i - 1
@@ -168,7 +146,7 @@ def close_latency(batch_rows: int, samples: int, interval: float = 0.02) -> dict
             arrived.setdefault(int(w), at)
     db.close()
     ms = sorted((arrived[i] - written[i + 1]) * 1e3 for i in range(samples) if i in arrived)
-    return percentiles(batch_rows, ms)
+    return work.percentiles(batch_rows, ms)
 
 
 UPDATING = (
@@ -179,7 +157,7 @@ UPDATING = (
 
 def _updating(keys: int, rows: int, i: int, schema: pa.Schema) -> pa.RecordBatch:
     """Batch ``i`` of the updating workload, its event time ``i`` seconds."""
-    b = keyed_batch(i, rows, keys, schema)
+    b = work.keyed_batch(i, rows, keys, schema)
     return b.set_column(0, "ts", pa.array([i * 1000] * rows, pa.int64()))
 
 
@@ -256,7 +234,7 @@ def updating_latency(keys: int, batches: int, rows: int, rate: float) -> dict[st
         newest = max(newest, top)
     warm = batches // 10
     ms = sorted((s - w) * 1e3 for s, w in zip(seen[warm:], written[warm:], strict=True) if s > 0)
-    return {"keys": keys, "rate": rate, **percentiles(rows, ms)}
+    return {"keys": keys, "rate": rate, **work.percentiles(rows, ms)}
 
 
 #: LaminarDB's own forms of the Spark window shapes (its README's syntax).
@@ -272,7 +250,7 @@ def shape_throughput(shape: str, rows: int, batch_rows: int) -> dict[str, Any]:
     Timed to the last window row (waiting up to 30 s after the last write); verified when the
     windows count every row as often as Spark's do.
     """
-    make, copies = SHAPES[shape]
+    make, copies = work.SHAPES[shape]
     sql = (
         "CREATE STREAM win AS SELECT min(ts) AS lo, count(*) AS n, sum(v) AS s FROM events "
         f"GROUP BY {SHAPE_SQL[shape]} EMIT ON WINDOW CLOSE"
@@ -281,13 +259,13 @@ def shape_throughput(shape: str, rows: int, batch_rows: int) -> dict[str, Any]:
     batches = make(rows, batch_rows, schema)
     got, stop, reader = _reading(sub)
     start = time.perf_counter()
-    _write_flushed(writer, [*batches, batch(FAR_MS, 1, 0, schema)])
+    _write_flushed(writer, [*batches, work.batch(work.FAR_MS, 1, 0, schema)])
     written = sum(b.num_rows for b in batches)
     _until_quiet(got, first=30, quiet=5)
     stop.set()
     reader.join(5)
     db.close()
-    rows_out = [r for _, t in got for r in t.to_pylist() if r["lo"] < FAR_MS]
+    rows_out = [r for _, t in got for r in t.to_pylist() if r["lo"] < work.FAR_MS]
     seconds = got[-1][0] - start if got else None  # no window at all: no rate either
     return {
         "shape": shape,
@@ -310,7 +288,7 @@ def join_throughput(rows_per_side: int, batch_rows: int) -> dict[str, Any]:
     for side in ("a", "b"):
         db.execute(
             f"CREATE SOURCE {side} (k BIGINT, ts BIGINT, v BIGINT, "
-            f"WATERMARK FOR ts AS ts - INTERVAL '{DELAY_MS}' MILLISECOND)"
+            f"WATERMARK FOR ts AS ts - INTERVAL '{work.DELAY_MS}' MILLISECOND)"
         )
     db.execute(
         "CREATE STREAM j AS SELECT a.k AS k FROM a JOIN b ON a.k = b.k "
@@ -325,10 +303,12 @@ def join_throughput(rows_per_side: int, batch_rows: int) -> dict[str, Any]:
     for i in range(batches):
         for side, offset in (("a", 0), ("b", 5)):
             writer, schema = writers[side]
-            writer.insert(join_side(i, batch_rows, offset, schema))
+            writer.insert(work.join_side(i, batch_rows, offset, schema))
             writer.flush()
     for writer, schema in writers.values():
-        far = pa.record_batch([pa.array([-1]), pa.array([FAR_MS]), pa.array([0])], schema=schema)
+        far = pa.record_batch(
+            [pa.array([-1]), pa.array([work.FAR_MS]), pa.array([0])], schema=schema
+        )
         _write_flushed(writer, [far])
     want = batches * batch_rows
     _until_quiet(got, first=10, quiet=10, enough=lambda: sum(t.num_rows for _, t in got) >= want)
@@ -353,7 +333,7 @@ def main() -> None:
         result = join_throughput(params["rows"], params["batch_rows"])
         print(json.dumps({"engine": f"laminardb {laminardb.__version__}", "throughput": [result]}))
         return
-    if params.get("shape") in SHAPES:
+    if params.get("shape") in work.SHAPES:
         result = shape_throughput(params["shape"], params["rows"], params["batch_rows"])
         print(json.dumps({"engine": f"laminardb {laminardb.__version__}", "throughput": [result]}))
         return

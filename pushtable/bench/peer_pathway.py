@@ -20,29 +20,9 @@ import pathway as pw  # type: ignore[import-not-found]
 import pyarrow as pa
 
 try:  # pushtable importable (type checking, tests)
-    from pushtable.bench.peer_workload import (
-        FAR_MS,
-        PER_WINDOW,
-        SHAPES,
-        batch,
-        join_side,
-        keyed_batch,
-        latency_batch,
-        percentiles,
-        throughput_batches,
-    )
+    from pushtable.bench import peer_workload as work
 except ImportError:  # the peers venv: the file beside this one
-    from peer_workload import (  # type: ignore[import-not-found,no-redef]
-        FAR_MS,
-        PER_WINDOW,
-        SHAPES,
-        batch,
-        join_side,
-        keyed_batch,
-        latency_batch,
-        percentiles,
-        throughput_batches,
-    )
+    import peer_workload as work  # type: ignore[import-not-found,no-redef]
 
 
 class _Rows(pw.Schema):  # type: ignore[misc]
@@ -104,7 +84,7 @@ _now = time.perf_counter
 
 def throughput(rows: int, batch_rows: int) -> dict[str, Any]:
     """Rows per second through a 1-second tumbling window, flat out; results verified."""
-    batches = throughput_batches(rows, batch_rows)
+    batches = work.throughput_batches(rows, batch_rows)
     feed, got, seconds = _run(batches)
     last = max((at for at, _ in got), default=_now())
     seconds = last - feed.written[0] if feed.written else seconds
@@ -114,7 +94,7 @@ def throughput(rows: int, batch_rows: int) -> dict[str, Any]:
         "rows": rows,
         "batch_rows": batch_rows,
         "windows": len(got),
-        "expected_windows": -(-rows // PER_WINDOW),
+        "expected_windows": -(-rows // work.PER_WINDOW),
         "seconds": seconds,
         "rows_per_s": rows / seconds,
         "verified": n == rows and s == rows,
@@ -123,7 +103,7 @@ def throughput(rows: int, batch_rows: int) -> dict[str, Any]:
 
 def close_latency(batch_rows: int, samples: int, interval: float = 0.02) -> dict[str, Any]:
     """Write -> window row: each batch opens a new second, closing the one before."""
-    feed, got, _ = _run([latency_batch(i, batch_rows) for i in range(samples + 1)], interval)
+    feed, got, _ = _run([work.latency_batch(i, batch_rows) for i in range(samples + 1)], interval)
     arrived: dict[int, float] = {}
     for at, row in got:
         arrived.setdefault(int(row["w"]) // 1000, at)
@@ -132,7 +112,7 @@ def close_latency(batch_rows: int, samples: int, interval: float = 0.02) -> dict
         for i in range(samples)
         if i in arrived and arrived[i] >= feed.written[i + 1]
     )
-    return percentiles(batch_rows, ms)
+    return work.percentiles(batch_rows, ms)
 
 
 def _shape(table: Any, shape: str) -> Any:
@@ -156,7 +136,7 @@ def shape_throughput(shape: str, rows: int, batch_rows: int) -> dict[str, Any]:
 
     Verified when the final windows count every row as often as Spark does.
     """
-    make, copies = SHAPES[shape]
+    make, copies = work.SHAPES[shape]
     batches = make(rows, batch_rows)
     final: dict[Any, tuple[float, dict[str, Any]]] = {}
     lock = threading.Lock()
@@ -168,11 +148,11 @@ def shape_throughput(shape: str, rows: int, batch_rows: int) -> dict[str, Any]:
             elif key in final and final[key][1] == row:
                 del final[key]
 
-    feed = _Feed([*batches, batch(FAR_MS, 1, 0)])
+    feed = _Feed([*batches, work.batch(work.FAR_MS, 1, 0)])
     table = pw.io.python.read(feed, schema=_Rows, autocommit_duration_ms=1)
     pw.io.subscribe(_shape(table, shape), on_change=on_change)
     pw.run(monitoring_level=pw.MonitoringLevel.NONE)
-    counted = [row for _, row in final.values() if row["lo"] < FAR_MS - 10_000]
+    counted = [row for _, row in final.values() if row["lo"] < work.FAR_MS - 10_000]
     written = sum(b.num_rows for b in batches)
     last = max((at for at, _ in final.values()), default=_now())
     seconds = last - feed.written[0]
@@ -202,7 +182,7 @@ def join_throughput(rows_per_side: int, batch_rows: int) -> dict[str, Any]:
                 matches.pop()
 
     batches = rows_per_side // batch_rows
-    feeds = [_Feed([join_side(i, batch_rows, off) for i in range(batches)]) for off in (0, 5)]
+    feeds = [_Feed([work.join_side(i, batch_rows, off) for i in range(batches)]) for off in (0, 5)]
     a, b = (pw.io.python.read(f, schema=_Rows, autocommit_duration_ms=1) for f in feeds)
     joined = a.interval_join(b, a.ts, b.ts, pw.temporal.interval(0, 1000), a.k == b.k).select(
         k=pw.left.k
@@ -229,7 +209,7 @@ def updating_throughput(keys: int, rows: int, batch_rows: int) -> dict[str, Any]
     """
     import numpy as np
 
-    batches = [keyed_batch(i, batch_rows, keys) for i in range(rows // batch_rows)]
+    batches = [work.keyed_batch(i, batch_rows, keys) for i in range(rows // batch_rows)]
     written = len(batches) * batch_rows
     expected = np.bincount(np.arange(written) % keys, minlength=keys)
     counts = np.zeros(keys, np.int64)

@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +144,22 @@ def _median_throughput(result: dict[str, Any]) -> dict[str, Any]:
     return dict(runs[len(runs) // 2])
 
 
+def _ran(
+    side: dict[str, Any], lines: list[str], skipped: str
+) -> Iterator[tuple[dict[str, Any], dict[str, Any]]]:
+    """Each engine's result and median throughput run, pushtable first.
+
+    An engine that did not run adds its ``skipped`` line (``{name}``, ``{why}``) to ``lines``
+    instead.
+    """
+    for name in ("pushtable", *PEERS):
+        result = side.get(name, {"skipped": "not run"})
+        if "skipped" in result:
+            lines.append(skipped.format(name=name, why=result["skipped"]))
+        else:
+            yield result, _median_throughput(result)
+
+
 def table(suite: dict[str, Any]) -> str:
     """The side-by-side tables as text."""
     p = suite["params"]
@@ -153,12 +170,7 @@ def table(suite: dict[str, Any]) -> str:
         f"{'engine':<18s} {'rows':>9s} {'M rows/s':>9s} {'ok':>3s} "
         + " ".join(f"{f'p50/p99 ms @{n}':>20s}" for n in p["latency_batch_rows"]),
     ]
-    for name in ("pushtable", *PEERS):
-        result = suite.get(name, {"skipped": "not run"})
-        if "skipped" in result:
-            lines.append(f"{name:<18s} skipped: {result['skipped']}")
-            continue
-        t = _median_throughput(result)
+    for result, t in _ran(suite, lines, "{name:<18s} skipped: {why}"):
         cells = [
             f"{c['p50_ms']:9.2f}/{c['p99_ms']:<9.2f}" if c.get("samples") else f"{'-':>19s}"
             for c in result["close_latency"]
@@ -172,12 +184,7 @@ def table(suite: dict[str, Any]) -> str:
             f"{shape} windows side by side ({SHAPE_TEXT[shape]}), throughput; ok = the windows "
             "count every row as Spark's do:"
         )
-        for name in ("pushtable", *PEERS):
-            result = side.get(name, {"skipped": "not run"})
-            if "skipped" in result:
-                lines.append(f"  {name:<16s} skipped: {result['skipped']}")
-                continue
-            t = _median_throughput(result)
+        for result, t in _ran(side, lines, "  {name:<16s} skipped: {why}"):
             rate = "-" if t["rows_per_s"] is None else f"{t['rows_per_s'] / 1e6:.3f}"
             lines.append(
                 f"  {result['engine']:<16s} {t['rows']:9,d} rows {rate:>9s} M rows/s "

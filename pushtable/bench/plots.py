@@ -11,6 +11,14 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 
+def _saved(fig: Any, path: Path) -> Path:
+    """``fig`` laid out, written to ``path`` (PNG, 110 dpi) and closed."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def core_throughput(
     suite: dict[str, Any], cores: int, path: Path, limit_mrows: float | None = None
 ) -> Path:
@@ -92,10 +100,7 @@ def spark_split(suite: dict[str, Any], cores: int, path: Path) -> Path:
     ax.set_title(f"Spark bridge: +{suite['bridge_overhead_pct']:.1f}% over toArrow alone")
     ax.legend(loc="lower right")
     ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _saved(fig, path)
 
 
 def latency(suite: dict[str, Any], path: Path) -> Path:
@@ -115,10 +120,7 @@ def latency(suite: dict[str, Any], path: Path) -> Path:
         ax.set_title(f"{rate:g} batch(es) per second")
         ax.legend(fontsize=8)
     fig.suptitle("Live answers: write -> result latency")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _saved(fig, path)
 
 
 def fanout(suite: dict[str, Any], path: Path) -> Path:
@@ -142,10 +144,7 @@ def fanout(suite: dict[str, Any], path: Path) -> Path:
     right.legend(fontsize=8)
     right.set_title("Peak RSS growth while streaming")
     fig.suptitle("Fan-out: one producer, one Topic")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _saved(fig, path)
 
 
 def flight(suite: dict[str, Any], path: Path) -> Path:
@@ -174,10 +173,7 @@ def flight(suite: dict[str, Any], path: Path) -> Path:
     right.set_xticks(range(4), ["driver", "executors", "driver\n+Lance", "executors\n+Lance"])
     right.set_ylabel("M rows/s")
     right.set_title("Spark epochs -> server (local[2])")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _saved(fig, path)
 
 
 def windows(suite: dict[str, Any], path: Path) -> Path:
@@ -210,10 +206,7 @@ def windows(suite: dict[str, Any], path: Path) -> Path:
     right.set_ylabel("ms, write -> window row (bar p99, tick p50)")
     right.set_title("window-close latency, one batch per 20 ms")
     right.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _saved(fig, path)
 
 
 def render(results: dict[str, Any], plot_dir: Path) -> list[Path]:

@@ -160,28 +160,35 @@ def table(suite: dict[str, Any]) -> str:
             f"{t['keys']:>9,} {t['rows_per_s'] / 1e6:>9.1f} {t['output_batches']:>12,} "
             f"{lat['p50_ms']:>8.2f} {lat['p99_ms']:>8.2f}"
         )
-    pathway = suite.get("pathway")
-    if pathway and "skipped" in pathway:
-        lines.append(f"Pathway: {pathway['skipped']}")
-    elif pathway:
-        lines.append(f"{pathway['engine']}, groupby(k).reduce(count, sum, max), throughput:")
-        for t in pathway["throughput"]:
-            lines.append(
-                f"{t['keys']:>9,} {t['rows_per_s'] / 1e6:>9.3f} M rows/s over {t['rows']:,} rows "
-                f"(verified={t['verified']})"
-            )
-    peer = suite.get("laminardb")
-    if peer and "skipped" in peer:
-        lines.append(f"LaminarDB: {peer['skipped']}")
-    elif peer:
-        lines.append(f"{peer['engine']}, the same workload (GROUP BY k EMIT CHANGES):")
-        for t, lat, ours in zip(
-            peer["throughput"], peer["latency"], suite["throughput"], strict=True
-        ):
-            lines.append(
-                f"{t['keys']:>9,} {t['rows_per_s'] / 1e6:>9.2f} M rows/s "
-                f"(pushtable {ours['rows_per_s'] / t['rows_per_s']:.1f}x, verified="
-                f"{t['verified']}), p50 {lat.get('p50_ms', float('nan')):.2f} / p99 "
-                f"{lat.get('p99_ms', float('nan')):.2f} ms"
-            )
+    for name, title, rows in (
+        ("pathway", "Pathway", _pathway_lines),
+        ("laminardb", "LaminarDB", _laminardb_lines),
+    ):
+        peer = suite.get(name)
+        if peer and "skipped" in peer:
+            lines.append(f"{title}: {peer['skipped']}")
+        elif peer:
+            lines.extend(rows(peer, suite))
     return "\n".join(lines)
+
+
+def _pathway_lines(peer: dict[str, Any], suite: dict[str, Any]) -> list[str]:
+    lines = [f"{peer['engine']}, groupby(k).reduce(count, sum, max), throughput:"]
+    for t in peer["throughput"]:
+        lines.append(
+            f"{t['keys']:>9,} {t['rows_per_s'] / 1e6:>9.3f} M rows/s over {t['rows']:,} rows "
+            f"(verified={t['verified']})"
+        )
+    return lines
+
+
+def _laminardb_lines(peer: dict[str, Any], suite: dict[str, Any]) -> list[str]:
+    lines = [f"{peer['engine']}, the same workload (GROUP BY k EMIT CHANGES):"]
+    for t, lat, ours in zip(peer["throughput"], peer["latency"], suite["throughput"], strict=True):
+        lines.append(
+            f"{t['keys']:>9,} {t['rows_per_s'] / 1e6:>9.2f} M rows/s "
+            f"(pushtable {ours['rows_per_s'] / t['rows_per_s']:.1f}x, verified="
+            f"{t['verified']}), p50 {lat.get('p50_ms', float('nan')):.2f} / p99 "
+            f"{lat.get('p99_ms', float('nan')):.2f} ms"
+        )
+    return lines

@@ -37,7 +37,8 @@ class Calls:
     """
 
     def __init__(self, usage: Usage) -> None:
-        self._usage = usage
+        #: what remote clients hold, against the server's limits (``usage.limits``)
+        self.usage = usage
         #: set once ``stop()`` begins: blocked handlers give up within ``POLL_S``
         self.stopping = threading.Event()
         self._count = 0
@@ -46,7 +47,7 @@ class Calls:
     @contextlib.contextmanager
     def held(self, context: Any) -> Iterator[None]:
         """Count a streaming call for as long as it runs, in one of its client's stream slots."""
-        with self._usage.stream(client_of(context)):
+        with self.usage.stream(client_of(context)):
             with self._changed:
                 self._count += 1
             try:

@@ -47,24 +47,19 @@ def connect(
         >>> server.stop()  # the number of calls left open
         0
     """
-    return Client(uri, token=token, tls_root_certs=tls_root_certs, timeout=timeout)
+    return Client(Transport(uri, token=token, tls_root_certs=tls_root_certs, timeout=timeout))
 
 
 class Client:
-    """A connection to a ``pushtable serve`` server (see :func:`connect`). Thread-safe."""
+    """A connection to a ``pushtable serve`` server (see :func:`connect`). Thread-safe.
 
-    def __init__(
-        self,
-        uri: str,
-        *,
-        token: str | None = None,
-        tls_root_certs: str | Path | bytes | None = None,
-        timeout: float | None = 30.0,
-    ) -> None:
-        self.uri = uri
-        self._transport = Transport(
-            uri, token=token, tls_root_certs=tls_root_certs, timeout=timeout
-        )
+    It owns ``transport`` (one Flight connection with its token and timeouts): its producers
+    and results use it, and :meth:`close` closes it.
+    """
+
+    def __init__(self, transport: Transport) -> None:
+        self.uri = transport.uri
+        self._transport = transport
         self._sinks: weakref.WeakSet[RemoteSink] = weakref.WeakSet()
         self._results: weakref.WeakSet[RemoteResult] = weakref.WeakSet()
 

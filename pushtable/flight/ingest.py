@@ -20,7 +20,6 @@ from pushtable.flight import protocol
 from pushtable.flight.acks import Acks, CommitAcks
 from pushtable.flight.auth import ADMIN, WRITE, caller
 from pushtable.flight.calls import POLL_S, Calls, audit, wire_errors
-from pushtable.flight.limits import Limits, Usage
 from pushtable.flight.staging import Staging
 from pushtable.flight.tables import Tables
 from pushtable.sink import TableSink
@@ -34,13 +33,9 @@ class Ingest:
     the server is stopping and joins that thread.
     """
 
-    def __init__(
-        self, tables: Tables, staging: Staging, limits: Limits, usage: Usage, calls: Calls
-    ) -> None:
+    def __init__(self, tables: Tables, staging: Staging, calls: Calls) -> None:
         self._tables = tables
         self._staging = staging
-        self._limits = limits
-        self._usage = usage
         self._calls = calls
         self._lock = threading.Lock()
         self._acks: set[Acks] = set()  # the open DoPut streams
@@ -74,7 +69,7 @@ class Ingest:
         Pushtable's clients do,
         and reopen on their next write; the server's thread for it is then free.
         """
-        timeout = self._limits.idle_timeout
+        timeout = self._calls.usage.limits.idle_timeout
         while not self._calls.stopping.wait(min(1.0, timeout / 4)):
             now = time.monotonic()
             with self._lock:
@@ -84,7 +79,7 @@ class Ingest:
                     if not (a.told_idle or a.writing) and now - a.last_active > timeout
                 ]
             for acks in idle:
-                self._usage.refused("idle_timeout")
+                self._calls.usage.refused("idle_timeout")
                 acks.idle()
 
     def do_put(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
@@ -173,7 +168,10 @@ class Ingest:
         log = topic.durable
         assert log is not None
         acks = CommitAcks(
-            writer, topic.name, self._limits.ack_timeout, lambda: self._usage.refused("ack_timeout")
+            writer,
+            topic.name,
+            self._calls.usage.limits.ack_timeout,
+            lambda: self._calls.usage.refused("ack_timeout"),
         )
         log.listen(acks.on_commit)
         rows = count = 0

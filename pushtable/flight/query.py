@@ -30,7 +30,7 @@ from pushtable.errors import ResourceLimitError, StatementRefusedError, Unsuppor
 from pushtable.flight import catalog, parameters, sql
 from pushtable.flight.auth import READ, caller
 from pushtable.flight.calls import POLL_S, Calls, audit, query_error, wire_errors
-from pushtable.flight.limits import Limits, Slot, Usage
+from pushtable.flight.limits import Slot
 from pushtable.flight.tables import Tables
 
 
@@ -50,12 +50,8 @@ class Queries:
     and prepared-statement actions (a server part).
     """
 
-    def __init__(
-        self, ctx: SessionContext, limits: Limits, usage: Usage, tables: Tables, calls: Calls
-    ) -> None:
+    def __init__(self, ctx: SessionContext, tables: Tables, calls: Calls) -> None:
         self._ctx = ctx
-        self._limits = limits
-        self._usage = usage
         self._tables = tables
         self._calls = calls
 
@@ -81,7 +77,7 @@ class Queries:
         except Exception as exc:
             refused = _refusal(exc)
             if refused is not None:
-                self._usage.refused("statement")
+                self._calls.usage.refused("statement")
                 raise refused from None
             raise query_error(exc) from exc
 
@@ -152,7 +148,7 @@ class Queries:
                 raise ValueError(f'a DoGet ticket\'s "sql" is the query text, not {query!r}')
         df = self._plan(context, query, params)
         schema = _described(df)
-        slot = call.held.enter_context(self._usage.query())
+        slot = call.held.enter_context(self._calls.usage.query())
         call.held.enter_context(self._calls.held(context))
         # Only the worker thread keeps the query: when it lets go, the query ends.
         query_box = [df.execute_stream()]
@@ -249,7 +245,7 @@ class Queries:
         gone = threading.Event()
         idle = threading.Event()
         done = object()
-        idle_timeout = self._limits.idle_timeout
+        idle_timeout = self._calls.usage.limits.idle_timeout
 
         stream: Any = query_box.pop()
 
@@ -266,7 +262,7 @@ class Queries:
                         except queue.Full:
                             waited += POLL_S
                             if waited >= idle_timeout:  # the client reads nothing: let go
-                                self._usage.refused("idle_timeout")
+                                self._calls.usage.refused("idle_timeout")
                                 idle.set()
                                 return
                     if gone.is_set():

@@ -99,7 +99,7 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
         #: The operator's session (full power from Python); remote SQL runs queries only, in
         #: its memory pool when the server made it.
         self.ctx = ctx if ctx is not None else _remote_session(self.limits)
-        self._tables = Tables(self.ctx, self.limits, self.usage, self.data_dir, fsync)
+        self._tables = Tables(self.ctx, self.usage, self.data_dir, fsync)
         if tls is not None and location.startswith("grpc://"):
             location = "grpc+tls://" + location.removeprefix("grpc://")
         self.tokens = _tokens(token, tokens)
@@ -110,8 +110,8 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
         self.location = f"{scheme}://{host}:{self.port}"
         self._calls = Calls(self.usage)
         self._staging = Staging(self._tables, self.usage, self._calls.stopping)
-        self._ingest = Ingest(self._tables, self._staging, self.limits, self.usage, self._calls)
-        self._queries = Queries(self.ctx, self.limits, self.usage, self._tables, self._calls)
+        self._ingest = Ingest(self._tables, self._staging, self._calls)
+        self._queries = Queries(self.ctx, self._tables, self._calls)
         #: Each action's handler (their roles and requests: pushtable.flight.actions).
         self._handlers: dict[str, Handler] = {
             "create_table": self._tables.create_remote,
@@ -137,24 +137,15 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
 
     # -- tables -------------------------------------------------------------------------
 
-    def create_table(
-        self,
-        name: str,
-        schema: pa.Schema,
-        *,
-        topic: bool = False,
-        durable: bool = False,
-        if_not_exists: bool = False,
-        **options: Any,
-    ) -> TableSink | Topic:
+    def create_table(self, name: str, schema: pa.Schema, **options: Any) -> TableSink | Topic:
         """Declare a streaming table, a topic or a durable topic named ``name``.
 
-        ``topic=True`` makes a topic;
-        ``durable=True`` stores a topic in ``data_dir/<name>.lance``.
+        ``topic=True`` makes a topic; ``durable=True`` stores a topic in
+        ``data_dir/<name>.lance``; ``if_not_exists=True`` returns the table of that name and
+        schema when there is one. The other options are those of
+        :meth:`pushtable.SessionContext.register_streaming_table` or :class:`pushtable.Topic`.
         """
-        return self._tables.create(
-            name, schema, topic=topic, durable=durable, if_not_exists=if_not_exists, **options
-        )
+        return self._tables.create(name, schema, **options)
 
     def table(self, name: str) -> TableSink | Topic:
         """The table or topic named ``name``, for the operator to write or read from Python.

@@ -252,16 +252,16 @@ def prepared(body: bytes, describe: Callable[[str], tuple[pa.Schema, pa.Schema]]
         raise ValueError("a prepared statement's query is not valid UTF-8") from None
     schema, parameters = describe(query)
     result = (
-        _field(1, query.encode())
-        + _field(2, schema.serialize().to_pybytes())
-        + _field(3, parameters.serialize().to_pybytes())
+        bytes_field(1, query.encode())
+        + bytes_field(2, schema.serialize().to_pybytes())
+        + bytes_field(3, parameters.serialize().to_pybytes())
     )
     return _any("ActionCreatePreparedStatementResult", result)
 
 
 def put_prepared_result(handle: bytes) -> bytes:
     """``DoPutPreparedStatementResult``: the updated handle that carries bound parameters."""
-    return _field(1, handle)
+    return bytes_field(1, handle)
 
 
 # -- encoding (replies, and requests for tests) ---------------------------------------------
@@ -274,17 +274,17 @@ def encode_command(kind: str, payload: bytes = b"") -> bytes:
 
 def encode_statement_query(query: str) -> bytes:
     """``Any(CommandStatementQuery(query))``: what a Flight SQL client sends (for tests)."""
-    return _any(STATEMENT_QUERY, _field(1, query.encode()))
+    return _any(STATEMENT_QUERY, bytes_field(1, query.encode()))
 
 
 def encode_prepared_request(query: str) -> bytes:
     """``ActionCreatePreparedStatementRequest(query)``: a prepare action's body (for tests)."""
-    return _field(1, query.encode())
+    return bytes_field(1, query.encode())
 
 
 def string_field(number: int, text: str) -> bytes:
     """A length-delimited field (wire type 2) holding ``text`` as UTF-8."""
-    return _field(number, text.encode())
+    return bytes_field(number, text.encode())
 
 
 def bool_field(number: int, value: bool) -> bytes:
@@ -292,18 +292,20 @@ def bool_field(number: int, value: bool) -> bytes:
 
     The tag is a varint too (one byte only for field numbers below 16).
     """
-    return _varint_bytes(number << 3 | 0) + bytes([1 if value else 0])
+    return varint(number << 3 | 0) + bytes([1 if value else 0])
 
 
 def _any(name: str, payload: bytes) -> bytes:
-    return _field(1, (_PREFIX + name).encode()) + _field(2, payload)
+    return bytes_field(1, (_PREFIX + name).encode()) + bytes_field(2, payload)
 
 
-def _field(number: int, payload: bytes) -> bytes:
-    return _varint_bytes(number << 3 | 2) + _varint_bytes(len(payload)) + payload
+def bytes_field(number: int, payload: bytes) -> bytes:
+    """A length-delimited field (wire type 2) holding ``payload``."""
+    return varint(number << 3 | 2) + varint(len(payload)) + payload
 
 
-def _varint_bytes(value: int) -> bytes:
+def varint(value: int) -> bytes:
+    """``value`` as a protobuf varint (a non-negative integer, seven bits a byte)."""
     out = bytearray()
     while True:
         byte = value & 0x7F

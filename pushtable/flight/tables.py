@@ -26,7 +26,7 @@ from pushtable.context import SessionContext
 from pushtable.errors import PermissionDeniedError, ResourceLimitError, UnknownTableError
 from pushtable.flight import actions, protocol
 from pushtable.flight.auth import Grant
-from pushtable.flight.limits import DataBudget, Limits, Usage
+from pushtable.flight.limits import DataBudget, Usage
 from pushtable.sink import TableSink
 from pushtable.topic import Topic
 
@@ -40,22 +40,18 @@ class Tables:
     def __init__(
         self,
         ctx: SessionContext,
-        limits: Limits,
         usage: Usage,
         data_dir: Path | None,
         fsync: bool,
     ) -> None:
-        self._ctx = ctx
-        self._limits = limits
-        self._usage = usage
-        self._fsync = fsync
-        self._data_dir = data_dir
+        self._ctx, self._usage = ctx, usage
+        self._data_dir, self._fsync = data_dir, fsync
         self._lock = threading.Lock()
         self._tables: dict[str, TableSink | Topic] = {}
         self._budget: DataBudget | None = None
         if data_dir is not None:  # every durable topic is back before calls arrive
             data_dir.mkdir(parents=True, exist_ok=True)
-            self._budget = DataBudget(data_dir, limits.max_data_bytes, usage)
+            self._budget = DataBudget(data_dir, usage.limits.max_data_bytes, usage)
             for path in sorted(data_dir.glob("*.lance")):
                 self._tables[path.stem] = self._budgeted(Topic.reopen(path, fsync=fsync))
 
@@ -179,7 +175,7 @@ class Tables:
         with self._lock:
             count = len(self._tables)
         try:
-            options = self._limits.check_table_options(count, body)
+            options = self._usage.limits.check_table_options(count, body)
         except ResourceLimitError:
             self._usage.refused("table_options")
             raise
@@ -192,7 +188,7 @@ class Tables:
         if not isinstance(topic, Topic):
             raise ValueError(f"{topic.name!r} is a streaming table, not a topic")
         try:
-            options = self._limits.check_queue_options(dict(req.options))
+            options = self._usage.limits.check_queue_options(dict(req.options))
         except ResourceLimitError:
             self._usage.refused("table_options")
             raise

@@ -25,17 +25,9 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import pyarrow as pa
 
-from pushtable.errors import UnknownTableError
+from pushtable import lance_epochs
+from pushtable.errors import SchemaDriftError, UnknownTableError
 from pushtable.flight.client import Client, connect
-from pushtable.lance_epochs import (
-    MODES,
-    CommitResult,
-    LanceEpochWriter,
-    Mode,
-    SchemaDriftError,
-    conform_to,
-    write_fragments,
-)
 from pushtable.spark.arrow import arrow_schema
 from pushtable.spark.bridge import EpochReport, stamp_epoch, stamped_schema
 from pushtable.spark.session import ensure_worker_python
@@ -115,7 +107,7 @@ class RemoteBridge:
         token: str | None = None,
         tls_root_certs: bytes | str | Path | None = None,
         lance_uri: str | Path | None = None,
-        mode: Mode = "append",
+        mode: lance_epochs.Mode = "append",
         query_id: str | None = None,
         checkpoint: str | Path | None = None,
         push: Push = "executors",
@@ -123,8 +115,10 @@ class RemoteBridge:
         storage_options: dict[str, str] | None = None,
         epoch_column: str | None = None,
     ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+        if mode not in lance_epochs.MODES:
+            raise ValueError(
+                f"unknown mode {mode!r}; expected one of {', '.join(lance_epochs.MODES)}"
+            )
         if mode != "append":
             raise ValueError(
                 f"a live table needs mode='append': in {mode!r} mode every epoch restates "
@@ -145,7 +139,7 @@ class RemoteBridge:
         self.token = token
         self.tls_root_certs = tls_root_certs
         self.lance_uri = None if lance_uri is None else str(lance_uri)
-        self.mode: Mode = mode
+        self.mode: lance_epochs.Mode = mode
         self.query_id = query_id
         self.checkpoint = None if checkpoint is None else str(checkpoint)
         self.push: Push = push
@@ -160,7 +154,7 @@ class RemoteBridge:
         #: between stage and publish)
         self.pause_before_publish: str | None = None
         self._client: Client | None = None
-        self._writers: dict[str, LanceEpochWriter] = {}
+        self._writers: dict[str, lance_epochs.LanceEpochWriter] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
@@ -197,7 +191,7 @@ class RemoteBridge:
 
     def _from_executors(
         self, batch_df: DataFrame, plan: EpochPlan
-    ) -> tuple[int, CommitResult | None]:
+    ) -> tuple[int, lance_epochs.CommitResult | None]:
         writer = plan.writer
         lance_schema = None
         if writer is not None and not plan.lance_done:
@@ -227,7 +221,7 @@ class RemoteBridge:
 
     def commit_shares(
         self, plan: EpochPlan, shares: list[Share], lance_schema: pa.Schema | None
-    ) -> CommitResult | None:
+    ) -> lance_epochs.CommitResult | None:
         """The driver's half of an epoch the tasks staged: commit its fragments, then publish.
 
         The tasks' Lance fragments are committed once, then exactly the attempts in ``shares``
@@ -246,7 +240,9 @@ class RemoteBridge:
         self._publish(plan, [(s.partition, s.attempt, s.rows) for s in shares])
         return result
 
-    def _from_driver(self, batch_df: DataFrame, plan: EpochPlan) -> tuple[int, CommitResult | None]:
+    def _from_driver(
+        self, batch_df: DataFrame, plan: EpochPlan
+    ) -> tuple[int, lance_epochs.CommitResult | None]:
         table = batch_df.toArrow()
         result = None
         if plan.writer is not None:
@@ -256,7 +252,7 @@ class RemoteBridge:
             )
         if not plan.live_done:
             stamped = stamp_epoch(table, self.epoch_column, plan.epoch)
-            data = conform_to(stamped, plan.live_schema).to_batches()
+            data = lance_epochs.conform_to(stamped, plan.live_schema).to_batches()
             self.client().stage(self.table, plan.query_id, plan.epoch, 0, 0, data, plan.live_schema)
         self._publish(plan, [(0, 0, table.num_rows)])
         return table.num_rows, result
@@ -291,13 +287,13 @@ class RemoteBridge:
             self._client = connect(**self.settings())
         return self._client
 
-    def epoch_writer(self, query_id: str) -> LanceEpochWriter | None:
+    def epoch_writer(self, query_id: str) -> lance_epochs.LanceEpochWriter | None:
         """The Lance writer of ``query_id``'s epochs, one per query (None: no ``lance_uri``)."""
         if self.lance_uri is None:
             return None
         writer = self._writers.get(query_id)
         if writer is None:
-            writer = LanceEpochWriter(
+            writer = lance_epochs.LanceEpochWriter(
                 self.lance_uri, query_id, self.mode, storage_options=self.storage_options
             )
             self._writers[query_id] = writer
@@ -329,7 +325,7 @@ class RemoteBridge:
             )
             schema = client.schema(self.table)
         try:  # on the driver, before any task runs: a clear error, not an executor trace
-            conform_to(epoch_schema.empty_table(), schema)
+            lance_epochs.conform_to(epoch_schema.empty_table(), schema)
         except SchemaDriftError as exc:
             raise SchemaDriftError(
                 f"server table {self.table!r} cannot take this query's epochs: {exc}"
@@ -365,7 +361,7 @@ class EpochPlan:
 
     query_id: str
     epoch: int
-    writer: LanceEpochWriter | None
+    writer: lance_epochs.LanceEpochWriter | None
     lance_done: bool
     live_done: bool
     live_schema: pa.Schema
@@ -432,7 +428,7 @@ class PartitionTask:
                         stamped = stamp_epoch(
                             pa.Table.from_batches([batch]), self.epoch_column, self.epoch
                         )
-                        live = conform_to(stamped, self.live_schema)
+                        live = lance_epochs.conform_to(stamped, self.live_schema)
                         for part in live.to_batches():
                             stager.write(part)
                     yield batch
@@ -449,7 +445,9 @@ class PartitionTask:
 
     def _write_fragments(self, batches: Iterator[pa.RecordBatch], schema: pa.Schema) -> list[str]:
         assert self.lance_uri is not None
-        written = write_fragments(batches, self.lance_uri, schema, self.storage_options)
+        written = lance_epochs.write_fragments(
+            batches, self.lance_uri, schema, self.storage_options
+        )
         return [json.dumps(f.to_json()) for f in written]
 
     def _fault(self, partition: int, attempt: int, step: str) -> None:

@@ -14,15 +14,16 @@ use datafusion::catalog::{Session, TableProvider};
 use datafusion::common::{DataFusionError, Result};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::logical_expr::{Expr, TableProviderFilterPushDown, TableType};
-use datafusion::physical_expr::{EquivalenceProperties, Partitioning};
+use datafusion::physical_expr::EquivalenceProperties;
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
-use datafusion::physical_plan::execution_plan::EmissionType;
+
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties, PlanProperties,
 };
 use futures::StreamExt;
 
+use crate::plan::one_partition;
 use crate::provider::{exact_pushdown, filtered, plan_predicate, Predicate};
 
 /// The engine's plan, runnable once.
@@ -112,10 +113,8 @@ impl TableProvider for QueryTable {
             Some(p) => Arc::new(schema.project(p)?),
             None => Arc::clone(&schema),
         };
-        let props = PlanProperties::new(
+        let props = one_partition(
             EquivalenceProperties::new(Arc::clone(&projected)),
-            Partitioning::UnknownPartitioning(1),
-            EmissionType::Incremental,
             self.boundedness,
         );
         Ok(Arc::new(QueryScanExec {
@@ -123,7 +122,7 @@ impl TableProvider for QueryTable {
             predicate,
             projection: projection.cloned(),
             schema: projected,
-            props: Arc::new(props),
+            props,
         }))
     }
 }
@@ -154,24 +153,7 @@ impl DisplayAs for QueryScanExec {
 }
 
 impl ExecutionPlan for QueryScanExec {
-    fn name(&self) -> &str {
-        "LiveQueryExec"
-    }
-
-    fn properties(&self) -> &Arc<PlanProperties> {
-        &self.props
-    }
-
-    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
-        vec![]
-    }
-
-    fn with_new_children(
-        self: Arc<Self>,
-        _children: Vec<Arc<dyn ExecutionPlan>>,
-    ) -> Result<Arc<dyn ExecutionPlan>> {
-        Ok(self)
-    }
+    plan_basics!(leaf "LiveQueryExec");
 
     fn execute(
         &self,

@@ -157,39 +157,10 @@ impl DisplayAs for LookupJoinExec {
     }
 }
 
+#[rustfmt::skip::macros(plan_basics)] // its settings stay on a line or two
 impl ExecutionPlan for LookupJoinExec {
-    fn name(&self) -> &str {
-        "LookupJoinExec"
-    }
-
-    fn properties(&self) -> &Arc<PlanProperties> {
-        &self.props
-    }
-
-    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
-        vec![&self.build, &self.probe]
-    }
-
-    fn maintains_input_order(&self) -> Vec<bool> {
-        vec![false, true]
-    }
-
-    fn with_new_children(
-        self: Arc<Self>,
-        mut children: Vec<Arc<dyn ExecutionPlan>>,
-    ) -> Result<Arc<dyn ExecutionPlan>> {
-        let probe = children.pop().expect("two children");
-        let build = children.pop().expect("two children");
-        Ok(Arc::new(Self::try_new(
-            build,
-            probe,
-            self.on.clone(),
-            self.join_type,
-            self.filter.clone(),
-            self.projection.clone(),
-            Arc::clone(&self.join_schema),
-        )?))
-    }
+    plan_basics!("LookupJoinExec", [build, probe], [false, true],
+        try_new(on, join_type, filter, projection, join_schema));
 
     fn execute(
         &self,

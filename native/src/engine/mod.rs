@@ -59,7 +59,9 @@ use pyo3::prelude::*;
 use pyo3::types::PyCapsule;
 
 use crate::import::AlignedStreamReader;
-use crate::provider::{export_capsule, logical_codec, LiveScanExec, LiveTable, PyTableProvider};
+use crate::provider::{
+    export_capsule, logical_codec, take_once, LiveScanExec, LiveTable, PyTableProvider,
+};
 
 /// The environment variable that sets the engine's worker threads (default: the cores this
 /// process may use, `available_parallelism`).
@@ -455,12 +457,7 @@ impl PyLiveQuery {
         session: Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyCapsule>> {
         let codec = logical_codec(&session)?;
-        let table = self
-            .table
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-            .ok_or_else(|| PyRuntimeError::new_err("this live query was already read"))?;
+        let table = take_once(&self.table, "this live query was already read")?;
         export_capsule(py, table, codec, Some(runtime()?.handle().clone()))
     }
 }

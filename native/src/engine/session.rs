@@ -26,11 +26,11 @@ use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::logical_expr::{EmitTo, GroupsAccumulator};
 use datafusion::physical_expr::aggregate::AggregateFunctionExpr;
-use datafusion::physical_expr::{EquivalenceProperties, Partitioning, PhysicalExpr};
+use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
 use datafusion::physical_plan::aggregates::group_values::{new_group_values, GroupValues};
 use datafusion::physical_plan::aggregates::order::GroupOrdering;
 use datafusion::physical_plan::aggregates::{aggregate_expressions, AggregateMode};
-use datafusion::physical_plan::execution_plan::EmissionType;
+
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties, PlanProperties,
@@ -42,6 +42,7 @@ use super::spark_windows::envelope_of;
 use super::tally::{Share, SESSIONS};
 use super::window::group_accumulator;
 use crate::channel::WatermarkCell;
+use crate::plan::{aggregate_display, one_partition, watermark_note};
 
 /// A `GROUP BY session_window(ts, gap), ...` over input ordered by `ts`.
 pub struct SessionWindowExec {
@@ -78,10 +79,8 @@ impl SessionWindowExec {
         upstream: Option<Arc<WatermarkCell>>,
         schema: SchemaRef,
     ) -> Result<Self> {
-        let props = PlanProperties::new(
+        let props = one_partition(
             EquivalenceProperties::new(Arc::clone(&schema)),
-            Partitioning::UnknownPartitioning(1),
-            EmissionType::Incremental,
             input.boundedness(),
         );
         Ok(Self {
@@ -94,61 +93,27 @@ impl SessionWindowExec {
             gap,
             upstream,
             schema,
-            props: Arc::new(props),
+            props,
         })
     }
 }
 
 impl DisplayAs for SessionWindowExec {
     fn fmt_as(&self, _t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
-        let aggs: Vec<&str> = self.aggr_expr.iter().map(|a| a.name()).collect();
+        let (_, aggs) = aggregate_display(None, &self.aggr_expr);
         write!(
             f,
-            "SessionWindowExec: gap={} ticks, aggr=[{}], emit=on session close{}",
+            "SessionWindowExec: gap={} ticks, aggr=[{aggs}], emit=on session close{}",
             self.gap,
-            aggs.join(", "),
-            if self.upstream.is_some() {
-                ", watermark"
-            } else {
-                ""
-            }
+            watermark_note(&self.upstream)
         )
     }
 }
 
+#[rustfmt::skip::macros(plan_basics)] // its settings stay on a line or two
 impl ExecutionPlan for SessionWindowExec {
-    fn name(&self) -> &str {
-        "SessionWindowExec"
-    }
-
-    fn properties(&self) -> &Arc<PlanProperties> {
-        &self.props
-    }
-
-    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
-        vec![&self.input]
-    }
-
-    fn maintains_input_order(&self) -> Vec<bool> {
-        vec![false]
-    }
-
-    fn with_new_children(
-        self: Arc<Self>,
-        mut children: Vec<Arc<dyn ExecutionPlan>>,
-    ) -> Result<Arc<dyn ExecutionPlan>> {
-        Ok(Arc::new(Self::try_new(
-            children.swap_remove(0),
-            self.keys.clone(),
-            self.session,
-            self.aggr_expr.clone(),
-            self.filter_expr.clone(),
-            self.order_column,
-            self.gap,
-            self.upstream.clone(),
-            Arc::clone(&self.schema),
-        )?))
-    }
+    plan_basics!("SessionWindowExec", [input], [false], try_new(keys, session, aggr_expr,
+        filter_expr, order_column, gap, upstream, schema));
 
     fn execute(
         &self,

@@ -39,13 +39,13 @@ use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::logical_expr::{EmitTo, GroupsAccumulator};
 use datafusion::physical_expr::aggregate::AggregateFunctionExpr;
-use datafusion::physical_expr::{EquivalenceProperties, Partitioning, PhysicalExpr};
+use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
 use datafusion::physical_plan::aggregates::group_values::{new_group_values, GroupValues};
 use datafusion::physical_plan::aggregates::order::GroupOrdering;
 use datafusion::physical_plan::aggregates::{
     aggregate_expressions, evaluate_group_by, AggregateMode, PhysicalGroupBy,
 };
-use datafusion::physical_plan::execution_plan::EmissionType;
+
 use datafusion::physical_plan::metrics::{
     ExecutionPlanMetricsSet, Gauge, MetricBuilder, MetricsSet,
 };
@@ -61,6 +61,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::groups::{copy_groups, update_all, Keys};
 use super::tally::{Share, UPDATING};
 use super::window::group_accumulator;
+use crate::plan::{aggregate_display, one_partition};
 
 /// The state an updating aggregate may hold when the session sets no memory limit.
 pub const DEFAULT_STATE_LIMIT: usize = 1 << 30;
@@ -94,10 +95,8 @@ impl UpdatingAggregateExec {
         limit: usize,
         schema: SchemaRef,
     ) -> Result<Self> {
-        let props = PlanProperties::new(
+        let props = one_partition(
             EquivalenceProperties::new(Arc::clone(&schema)),
-            Partitioning::UnknownPartitioning(1),
-            EmissionType::Incremental,
             input.boundedness(),
         );
         Ok(Self {
@@ -107,7 +106,7 @@ impl UpdatingAggregateExec {
             filter_expr,
             limit,
             schema,
-            props: Arc::new(props),
+            props,
             metrics: ExecutionPlanMetricsSet::new(),
         })
     }
@@ -120,56 +119,22 @@ impl UpdatingAggregateExec {
 
 impl DisplayAs for UpdatingAggregateExec {
     fn fmt_as(&self, _t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
-        let keys: Vec<String> = self
-            .group_by
-            .expr()
-            .iter()
-            .map(|(e, n)| format!("{e} as {n}"))
-            .collect();
-        let aggs: Vec<&str> = self.aggr_expr.iter().map(|a| a.name()).collect();
+        let (keys, aggs) = aggregate_display(Some(&self.group_by), &self.aggr_expr);
         write!(
             f,
-            "UpdatingAggregateExec: gby=[{}], aggr=[{}], emit=changes, state_limit={}",
-            keys.join(", "),
-            aggs.join(", "),
+            "UpdatingAggregateExec: gby=[{keys}], aggr=[{aggs}], emit=changes, state_limit={}",
             self.limit
         )
     }
 }
 
+#[rustfmt::skip::macros(plan_basics)] // its settings stay on a line or two
 impl ExecutionPlan for UpdatingAggregateExec {
-    fn name(&self) -> &str {
-        "UpdatingAggregateExec"
-    }
-
-    fn properties(&self) -> &Arc<PlanProperties> {
-        &self.props
-    }
-
-    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
-        vec![&self.input]
-    }
-
-    fn maintains_input_order(&self) -> Vec<bool> {
-        vec![false]
-    }
+    plan_basics!("UpdatingAggregateExec", [input], [false],
+        try_new(group_by, aggr_expr, filter_expr, limit, schema));
 
     fn metrics(&self) -> Option<MetricsSet> {
         Some(self.metrics.clone_inner())
-    }
-
-    fn with_new_children(
-        self: Arc<Self>,
-        mut children: Vec<Arc<dyn ExecutionPlan>>,
-    ) -> Result<Arc<dyn ExecutionPlan>> {
-        Ok(Arc::new(Self::try_new(
-            children.swap_remove(0),
-            self.group_by.clone(),
-            self.aggr_expr.clone(),
-            self.filter_expr.clone(),
-            self.limit,
-            Arc::clone(&self.schema),
-        )?))
     }
 
     fn execute(

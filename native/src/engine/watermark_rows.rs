@@ -86,33 +86,7 @@ impl DisplayAs for WatermarkRowsExec {
 }
 
 impl ExecutionPlan for WatermarkRowsExec {
-    fn name(&self) -> &str {
-        "WatermarkRowsExec"
-    }
-
-    fn properties(&self) -> &Arc<PlanProperties> {
-        &self.props
-    }
-
-    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
-        vec![&self.input]
-    }
-
-    fn maintains_input_order(&self) -> Vec<bool> {
-        vec![true]
-    }
-
-    fn with_new_children(
-        self: Arc<Self>,
-        mut children: Vec<Arc<dyn ExecutionPlan>>,
-    ) -> Result<Arc<dyn ExecutionPlan>> {
-        let input = children.pop().expect("one child");
-        Ok(Arc::new(Self::try_new(
-            input,
-            self.order,
-            Arc::clone(&self.cell),
-        )?))
-    }
+    plan_basics!("WatermarkRowsExec", [input], [true], try_new(order, cell));
 
     fn execute(
         &self,

@@ -31,14 +31,14 @@ use datafusion::logical_expr::{EmitTo, GroupsAccumulator};
 use datafusion::physical_expr::aggregate::AggregateFunctionExpr;
 use datafusion::physical_expr::expressions::{Column, Literal};
 use datafusion::physical_expr::{
-    EquivalenceProperties, GroupsAccumulatorAdapter, Partitioning, PhysicalExpr, PhysicalSortExpr,
+    EquivalenceProperties, GroupsAccumulatorAdapter, PhysicalExpr, PhysicalSortExpr,
 };
 use datafusion::physical_plan::aggregates::group_values::{new_group_values, GroupValues};
 use datafusion::physical_plan::aggregates::order::{GroupOrdering, GroupOrderingFull};
 use datafusion::physical_plan::aggregates::{
     aggregate_expressions, evaluate_group_by, AggregateMode, PhysicalGroupBy,
 };
-use datafusion::physical_plan::execution_plan::EmissionType;
+
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{
     DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties, PlanProperties,
@@ -51,6 +51,7 @@ use super::spark_windows::Windowing;
 /// The name of the column of windows' starts appended to the input for Spark's `window()`.
 pub const WINDOW_START: &str = "__pushtable_window_start";
 use crate::channel::WatermarkCell;
+use crate::plan::{aggregate_display, one_partition, watermark_note};
 
 /// A `GROUP BY` over ordered input that emits each window's groups when the window closes.
 pub struct WindowAggregateExec {
@@ -111,12 +112,7 @@ impl WindowAggregateExec {
             },
         )];
         let eq = EquivalenceProperties::new_with_orderings(Arc::clone(&schema), [ordering]);
-        let props = PlanProperties::new(
-            eq,
-            Partitioning::UnknownPartitioning(1),
-            EmissionType::Incremental,
-            input.boundedness(),
-        );
+        let props = one_partition(eq, input.boundedness());
         Ok(Self {
             input,
             group_by,
@@ -128,7 +124,7 @@ impl WindowAggregateExec {
             expand,
             frontier: Arc::default(),
             schema,
-            props: Arc::new(props),
+            props,
         })
     }
 
@@ -140,62 +136,20 @@ impl WindowAggregateExec {
 
 impl DisplayAs for WindowAggregateExec {
     fn fmt_as(&self, _t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
-        let keys: Vec<String> = self
-            .group_by
-            .expr()
-            .iter()
-            .map(|(e, n)| format!("{e} as {n}"))
-            .collect();
-        let aggs: Vec<&str> = self.aggr_expr.iter().map(|a| a.name()).collect();
+        let (keys, aggs) = aggregate_display(Some(&self.group_by), &self.aggr_expr);
         write!(
             f,
-            "WindowAggregateExec: window={}, gby=[{}], aggr=[{}], emit=on window close{}",
+            "WindowAggregateExec: window={}, gby=[{keys}], aggr=[{aggs}], emit=on window close{}",
             self.group_by.expr()[self.window_key].1,
-            keys.join(", "),
-            aggs.join(", "),
-            if self.upstream.is_some() {
-                ", watermark"
-            } else {
-                ""
-            }
+            watermark_note(&self.upstream)
         )
     }
 }
 
+#[rustfmt::skip::macros(plan_basics)] // its settings stay on a line or two
 impl ExecutionPlan for WindowAggregateExec {
-    fn name(&self) -> &str {
-        "WindowAggregateExec"
-    }
-
-    fn properties(&self) -> &Arc<PlanProperties> {
-        &self.props
-    }
-
-    fn children(&self) -> Vec<&Arc<dyn ExecutionPlan>> {
-        vec![&self.input]
-    }
-
-    fn maintains_input_order(&self) -> Vec<bool> {
-        vec![false]
-    }
-
-    fn with_new_children(
-        self: Arc<Self>,
-        mut children: Vec<Arc<dyn ExecutionPlan>>,
-    ) -> Result<Arc<dyn ExecutionPlan>> {
-        let input = children.swap_remove(0);
-        Ok(Arc::new(Self::try_new(
-            input,
-            self.group_by.clone(),
-            self.aggr_expr.clone(),
-            self.filter_expr.clone(),
-            self.window_key,
-            self.order_column,
-            self.upstream.clone(),
-            self.expand,
-            Arc::clone(&self.schema),
-        )?))
-    }
+    plan_basics!("WindowAggregateExec", [input], [false], try_new(group_by, aggr_expr,
+        filter_expr, window_key, order_column, upstream, expand, schema));
 
     fn execute(
         &self,
