@@ -17,7 +17,7 @@ import pytest
 
 from pushtable import ServerUnavailableError
 from pushtable.flight import connect
-from tests.conftest import WAIT, serve_process
+from tests.conftest import WAIT, Background, serve_process
 
 SCHEMA = pa.schema([("v", pa.int64())])
 
@@ -53,8 +53,8 @@ def test_retry_exhaustion_raises_server_unavailable_and_keeps_the_batches(tmp_pa
     assert "1 batch(es) not acknowledged" in message
     assert "kept and sent again" in message
     with _server(tmp_path / "data", port):  # back on its data dir: a flush resends
-        # gRPC's channel waits out its reconnect backoff (which grew during the outage)
-        # before it tries the server again: a flush inside it gives up after ``retry`` again.
+        # gRPC's channel tries the server again within its reconnect backoff (at most
+        # RECONNECT_BACKOFF_MS): a flush inside it may give up after ``retry`` once more.
         deadline = time.monotonic() + WAIT
         while True:
             try:
@@ -66,5 +66,36 @@ def test_retry_exhaustion_raises_server_unavailable_and_keeps_the_batches(tmp_pa
         committed = client.offsets("t")["committed"]
         rows = client.read("t", 0, committed).read_all().column("v").to_pylist()
         assert rows == [1, 2, 3]  # the first batch once, the kept one once
+        sink.close()
+        client.close()
+
+
+@pytest.mark.slow
+def test_an_outage_shorter_than_retry_is_survived_however_long_it_was(tmp_path: Path) -> None:
+    """An outage of 20 s, within a producer's ``retry`` of 25 s: the sink reaches the server
+    once it is back and its batch is stored. gRPC's own reconnect backoff would have grown to
+    about 10 s by then (its next attempt past ``retry``); the client caps it at
+    ``RECONNECT_BACKOFF_MS``. Without the cap this fails in most runs."""
+    port = _free_port()
+    uri = f"grpc://127.0.0.1:{port}"
+    with _server(tmp_path / "data", port) as proc:
+        client = connect(uri, timeout=WAIT)
+        client.create_topic("t", SCHEMA, durable=True)
+        sink = client.sink("t", producer_id="p", retry=25.0)
+        sink.write(pa.record_batch({"v": [1]}, schema=SCHEMA))
+        sink.flush(timeout=WAIT)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(WAIT)
+
+    def write_through_the_outage() -> None:
+        sink.write(pa.record_batch({"v": [2]}, schema=SCHEMA))
+        sink.flush(timeout=60)
+
+    outage = Background(write_through_the_outage)
+    time.sleep(20.0)  # the outage itself (what is tested is what follows it)
+    with _server(tmp_path / "data", port):
+        outage.join(timeout=60)  # raises ServerUnavailableError if retry ran out
+        client = connect(uri, timeout=WAIT)
+        assert client.read("t", 0, 2).read_all().column("v").to_pylist() == [1, 2]
         sink.close()
         client.close()

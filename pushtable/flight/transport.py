@@ -21,6 +21,13 @@ from pushtable.flight import protocol
 
 __all__ = ["Transport"]
 
+#: The longest gRPC waits between two attempts to reach a server it lost, in milliseconds.
+#: gRPC's own default grows to 120 s over a long outage, so a server back after one would not
+#: be tried again for up to two minutes: longer than a producer's ``retry`` window, which
+#: then ran out with the server up. Capped, a producer reaches a server within about a second
+#: of its return.
+RECONNECT_BACKOFF_MS = 1000
+
 
 class Transport:
     """A Flight connection to ``uri`` with its token and timeouts. Thread-safe.
@@ -47,7 +54,9 @@ class Transport:
         roots = tls_root_certs
         if isinstance(roots, (str, Path)):
             roots = Path(roots).read_bytes()
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {
+            "generic_options": [("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS)]
+        }
         if roots is not None:
             kwargs["tls_root_certs"] = roots
         self.uri = uri
