@@ -17,6 +17,7 @@ import pytest
 
 from pushtable import ServerUnavailableError
 from pushtable.flight import connect
+from pushtable.flight.remote_sink import RemoteSink
 from tests.conftest import WAIT, Background, serve_process
 
 SCHEMA = pa.schema([("v", pa.int64())])
@@ -34,17 +35,24 @@ def _server(data_dir: Path, port: int) -> Iterator[subprocess.Popen[str]]:
         yield proc
 
 
-def test_retry_exhaustion_raises_server_unavailable_and_keeps_the_batches(tmp_path: Path) -> None:
-    port = _free_port()
-    uri = f"grpc://127.0.0.1:{port}"
-    with _server(tmp_path / "data", port) as proc:
-        client = connect(uri, timeout=WAIT)
+def _stored_then_killed(data_dir: Path, port: int, values: list[int], retry: float) -> RemoteSink:
+    """An idempotent producer of durable topic ``t`` whose batch ``values`` is stored, and
+    then its server killed with SIGKILL."""
+    with _server(data_dir, port) as proc:
+        client = connect(f"grpc://127.0.0.1:{port}", timeout=WAIT)
         client.create_topic("t", SCHEMA, durable=True)
-        sink = client.sink("t", producer_id="p", retry=1.0)
-        sink.write(pa.record_batch({"v": [1, 2]}, schema=SCHEMA))
+        sink = client.sink("t", producer_id="p", retry=retry)
+        sink.write(pa.record_batch({"v": values}, schema=SCHEMA))
         sink.flush(timeout=WAIT)
         proc.send_signal(signal.SIGKILL)
         proc.wait(WAIT)
+    return sink
+
+
+def test_retry_exhaustion_raises_server_unavailable_and_keeps_the_batches(tmp_path: Path) -> None:
+    port = _free_port()
+    uri = f"grpc://127.0.0.1:{port}"
+    sink = _stored_then_killed(tmp_path / "data", port, [1, 2], retry=1.0)
     with pytest.raises(ServerUnavailableError) as info:
         sink.write(pa.record_batch({"v": [3]}, schema=SCHEMA))
         sink.flush(timeout=WAIT)
@@ -78,14 +86,7 @@ def test_an_outage_shorter_than_retry_is_survived_however_long_it_was(tmp_path: 
     ``RECONNECT_BACKOFF_MS``. Without the cap this fails in most runs."""
     port = _free_port()
     uri = f"grpc://127.0.0.1:{port}"
-    with _server(tmp_path / "data", port) as proc:
-        client = connect(uri, timeout=WAIT)
-        client.create_topic("t", SCHEMA, durable=True)
-        sink = client.sink("t", producer_id="p", retry=25.0)
-        sink.write(pa.record_batch({"v": [1]}, schema=SCHEMA))
-        sink.flush(timeout=WAIT)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(WAIT)
+    sink = _stored_then_killed(tmp_path / "data", port, [1], retry=25.0)
 
     def write_through_the_outage() -> None:
         sink.write(pa.record_batch({"v": [2]}, schema=SCHEMA))

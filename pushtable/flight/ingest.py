@@ -29,8 +29,8 @@ from pushtable.topic import Topic
 class Ingest:
     """The server's DoPut side: producers' streams into its tables (a server part).
 
-    It owns the thread that tells idle streams to end; :meth:`stop` tells every open stream
-    the server is stopping and joins that thread.
+    It owns the thread that tells idle streams to end; :meth:`stopping` tells every open
+    stream the server is stopping, and :meth:`join` waits for that thread.
     """
 
     def __init__(self, tables: Tables, staging: Staging, calls: Calls) -> None:
@@ -50,17 +50,20 @@ class Ingest:
         with self._lock:
             return len(self._acks)
 
-    def stop(self, timeout: float) -> None:
-        """Tell every open stream the server stops, and join the idle sweep.
+    def stopping(self) -> None:
+        """Tell every open stream the server stops.
 
-        An idle producer's client ends its stream
-        on this notice. ``Calls.stopping`` is set already; a notice
-        stuck on a client that does not read is left after ``timeout`` seconds.
+        An idle producer's client ends its stream on this notice. ``Calls.stopping`` is set
+        already, so the idle sweep ends too: :meth:`join` it once the server has shut down
+        (a notice stuck on a client that does not read ends with the call).
         """
         with self._lock:
             streams = list(self._acks)
         for acks in streams:
             acks.stopping()
+
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for the idle sweep to end (after :meth:`stopping`)."""
         self._idle_sweep.join(timeout)
 
     def _end_idle_streams(self) -> None:

@@ -268,16 +268,17 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
         if self._calls.stopping.is_set():
             return 0
         self._calls.stopping.set()
-        deadline = time.monotonic() + timeout
         for stop_http in self._http_stops:
             stop_http()
         self._tables.fail_all(ServerStoppedError("the pushtable server stopped"))
-        self._ingest.stop(timeout)  # an idle producer's client ends its stream on this notice
+        self._ingest.stopping()  # an idle producer's client ends its stream on this notice
+        deadline = time.monotonic() + timeout
         # readers' errors reach them before gRPC cancels calls
         self._calls.wait_ended(min(timeout, 2 * POLL_S + 0.5))
         stopper = threading.Thread(target=self.shutdown, name="pushtable-stop", daemon=True)
         stopper.start()
         stopper.join(max(0.0, deadline - time.monotonic()))
+        self._ingest.join(max(0.0, deadline - time.monotonic()))
         if stopper.is_alive():
             open_calls = self._calls.count
             log.warning("pushtable server stopped with %d call(s) still open", open_calls)
