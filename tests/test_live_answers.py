@@ -150,6 +150,54 @@ def test_a_volatile_filter_stays_above_the_scan(ctx: SessionContext) -> None:
     assert ctx.sql("SELECT k FROM t WHERE random() < 2").to_pydict() == {"k": [0, 1, 2, 3, 4]}
 
 
+@pytest.mark.parametrize(
+    "where",
+    [
+        "info['note'] = 'n0'",  # get_field: its field name must reach it as a scalar
+        "info['at'] IS NOT NULL",
+        "upper(info['note']) LIKE 'N%'",
+        "positive(id - 1)",  # the session's own UDF, run where it lives
+    ],
+)
+def test_a_filter_on_a_struct_field_or_a_function_runs_in_the_scan(where: str) -> None:
+    """A filter pushed into the scan is evaluated with pushtable's own built-in functions; a
+    function from datafusion-python (a foreign UDF) hands its arguments over as arrays, which
+    ``get_field`` refuses for a field name. A UDF of the session's own stays the session's.
+    The answer is DataFusion's over the same rows."""
+    import pyarrow.compute as pc
+
+    schema = pa.schema(
+        [
+            ("id", pa.int64()),
+            ("info", pa.struct([("note", pa.string()), ("at", pa.timestamp("us", tz="UTC"))])),
+        ]
+    )
+    rows = [
+        {"id": 0, "info": {"note": "n0", "at": 1}},
+        {"id": 1, "info": {"note": None, "at": None}},
+        {"id": 2, "info": {"note": "n2", "at": 2}},
+        {"id": 3, "info": None},
+    ]
+    positive = datafusion.udf(
+        lambda v: pc.greater(v, 0), [pa.int64()], pa.bool_(), "immutable", name="positive"
+    )
+    written = pa.RecordBatch.from_pylist(rows, schema=schema)
+    sql = f"SELECT id FROM t WHERE {where}"
+    reference = datafusion.SessionContext()
+    reference.register_udf(positive)
+    reference.register_record_batches("t", [[written]])
+    expected = sorted(reference.sql(sql).to_pydict()["id"])
+    assert expected  # each filter keeps some rows
+    ctx = SessionContext()
+    ctx.register_udf(positive)
+    sink = ctx.register_streaming_table("t", schema)
+    assert "FilterExec" not in physical_plan(ctx, sql)  # in the scan
+    reader = query(ctx, sql)
+    sink.write(written)
+    sink.close()
+    assert sorted(reader.join()["id"]) == expected
+
+
 def test_a_live_table_joins_a_lance_dataset_with_its_filter_in_the_scan(tmp_path: Path) -> None:
     names = pa.table({"k": pa.array(range(10), pa.int32()), "name": [f"n{i}" for i in range(10)]})
     dataset = lance.write_dataset(names, str(tmp_path / "names.lance"))

@@ -12,11 +12,12 @@ use arrow::datatypes::SchemaRef;
 use async_trait::async_trait;
 use datafusion_catalog::{Session, TableProvider};
 use datafusion_common::cast::as_boolean_array;
-use datafusion_common::tree_node::TreeNode;
+use datafusion_common::tree_node::{Transformed, TreeNode};
 use datafusion_common::{DFSchema, DataFusionError, Result as DFResult};
 use datafusion_execution::{SendableRecordBatchStream, TaskContext};
+use datafusion_expr::expr::ScalarFunction;
 use datafusion_expr::utils::conjunction;
-use datafusion_expr::{col, Expr, SortExpr, TableProviderFilterPushDown, TableType};
+use datafusion_expr::{col, Expr, ScalarUDF, SortExpr, TableProviderFilterPushDown, TableType};
 use datafusion_ffi::proto::logical_extension_codec::FFI_LogicalExtensionCodec;
 use datafusion_ffi::table_provider::FFI_TableProvider;
 use datafusion_physical_expr::equivalence::project_ordering;
@@ -413,8 +414,38 @@ pub fn plan_predicate(
 ) -> DFResult<Option<Arc<dyn PhysicalExpr>>> {
     let df_schema = DFSchema::try_from(Arc::clone(schema))?;
     conjunction(filters.iter().cloned())
-        .map(|p| create_physical_expr(&p, &df_schema, state.execution_props()))
+        .map(|p| create_physical_expr(&native_functions(p)?, &df_schema, state.execution_props()))
         .transpose()
+}
+
+/// `filter` with each call of a built-in function bound to this crate's own implementation.
+///
+/// A filter from datafusion-python arrives with its functions as foreign UDFs, which cross the
+/// FFI boundary on every batch and hand every argument over as an array: `get_field` (a
+/// struct's field, `info['note']`) then refuses its field name, which must be a scalar. The
+/// built-ins are the same DataFusion functions on both sides; a function this crate does not
+/// have (a user's UDF) stays foreign.
+fn native_functions(filter: Expr) -> DFResult<Expr> {
+    static BUILT_IN: std::sync::OnceLock<std::collections::HashMap<String, Arc<ScalarUDF>>> =
+        std::sync::OnceLock::new();
+    let built_in = BUILT_IN.get_or_init(|| {
+        datafusion::functions::all_default_functions()
+            .into_iter()
+            .chain(datafusion::functions_nested::all_default_nested_functions())
+            .map(|f| (f.name().to_string(), f))
+            .collect()
+    });
+    filter
+        .transform_up(|e| match e {
+            Expr::ScalarFunction(call) => match built_in.get(call.func.name()) {
+                Some(own) => Ok(Transformed::yes(Expr::ScalarFunction(
+                    ScalarFunction::new_udf(Arc::clone(own), call.args),
+                ))),
+                None => Ok(Transformed::no(Expr::ScalarFunction(call))),
+            },
+            other => Ok(Transformed::no(other)),
+        })
+        .map(|t| t.data)
 }
 
 impl LiveTable {
