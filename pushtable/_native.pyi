@@ -84,6 +84,7 @@ class LivePlan:
     reasons: list[str]
     display: str
     upsert_key: list[str] | None
+    names: list[str]
     def query(self) -> LiveQuery: ...
 
 class Engine:

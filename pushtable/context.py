@@ -330,6 +330,8 @@ class SessionContext(datafusion.SessionContext):
             return None
         frame = DataFrame(super().read_table(plan.query()).df)
         frame.upsert_key = plan.upsert_key
+        if len(set(plan.names)) < len(plan.names):  # SELECT l.a, r.a: two columns named a
+            frame.result_names = plan.names
         return frame
 
     def table(self, name: str) -> DataFrame:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import datafusion
+import pyarrow as pa
 from datafusion.record_batch import RecordBatch, RecordBatchStream
 
 from pushtable.errors import query_error
@@ -77,6 +78,12 @@ class DataFrame(datafusion.DataFrame):
     #: one row, which every change replaces). None for every other query.
     upsert_key: list[str] | None = None
 
+    #: The result's column names where two of them are alike (``SELECT l.a, r.a``), as plain
+    #: DataFusion names them; None otherwise. A live query's result is read through a table,
+    #: whose columns must differ: there the two are named by their qualified names (``l.a``,
+    #: ``r.a``), which is also what a DataFrame derived from this one (``.select``) sees.
+    result_names: list[str] | None = None
+
     def __getattribute__(self, name: str) -> Any:
         attr = object.__getattribute__(self, name)
         if name.startswith("__") or not callable(attr):
@@ -85,6 +92,70 @@ class DataFrame(datafusion.DataFrame):
 
     def __iter__(self) -> Any:
         return iter(self.execute_stream())
+
+    # --- a result whose column names repeat (see ``result_names``) -------------------------
+
+    def _named(self, data: Any) -> Any:
+        """``data`` (a pyarrow table or batch) with the result's own column names."""
+        return data if self.result_names is None else data.rename_columns(self.result_names)
+
+    def schema(self) -> pa.Schema:
+        """The result's schema (see ``datafusion.DataFrame.schema``)."""
+        schema = super().schema()
+        if self.result_names is None:
+            return schema
+        fields = [f.with_name(n) for f, n in zip(schema, self.result_names, strict=True)]
+        return pa.schema(fields, metadata=schema.metadata)
+
+    def to_arrow_table(self) -> pa.Table:
+        """The whole result as a pyarrow table (see ``datafusion.DataFrame.to_arrow_table``)."""
+        return self._named(super().to_arrow_table())
+
+    def collect(self) -> list[pa.RecordBatch]:
+        """The whole result as pyarrow batches (see ``datafusion.DataFrame.collect``)."""
+        return [self._named(b) for b in super().collect()]
+
+    def collect_partitioned(self) -> list[list[pa.RecordBatch]]:
+        """The result's batches by partition (see ``datafusion.DataFrame``)."""
+        return [[self._named(b) for b in p] for p in super().collect_partitioned()]
+
+    def to_pydict(self) -> dict[str, list[Any]]:
+        """The result as a dict of columns (a repeated name keeps its last column, as pyarrow)."""
+        if self.result_names is None:
+            return super().to_pydict()
+        return self.to_arrow_table().to_pydict()  # type: ignore[no-any-return]
+
+    def to_pylist(self) -> list[dict[str, Any]]:
+        """The result as a list of rows (a repeated name keeps its last column, as in pyarrow)."""
+        if self.result_names is None:
+            return super().to_pylist()
+        return self.to_arrow_table().to_pylist()  # type: ignore[no-any-return]
+
+    def to_pandas(self) -> Any:
+        """The result as a pandas DataFrame (see ``datafusion.DataFrame.to_pandas``)."""
+        if self.result_names is None:
+            return super().to_pandas()
+        return self.to_arrow_table().to_pandas()
+
+    def execute_stream(self) -> RecordBatchStream:
+        """The result's batches as they come (see ``datafusion.DataFrame.execute_stream``)."""
+        stream = _Stream(super().execute_stream().rbs)
+        stream.names = self.result_names
+        return stream
+
+    def execute_stream_partitioned(self) -> list[RecordBatchStream]:
+        """One stream per partition (see ``datafusion.DataFrame``)."""
+        streams = [_Stream(s.rbs) for s in super().execute_stream_partitioned()]
+        for stream in streams:
+            stream.names = self.result_names
+        return streams  # type: ignore[return-value]
+
+    def __arrow_c_stream__(self, requested_schema: Any = None) -> Any:
+        if self.result_names is None:
+            return super().__arrow_c_stream__(requested_schema)
+        batches = (b.to_pyarrow() for b in self.execute_stream())
+        reader = pa.RecordBatchReader.from_batches(self.schema(), batches)
+        return reader.__arrow_c_stream__(requested_schema)
 
     def __aiter__(self) -> Any:
         return self.execute_stream().__aiter__()
@@ -96,13 +167,35 @@ class DataFrame(datafusion.DataFrame):
 class _Stream(RecordBatchStream):
     """A ``RecordBatchStream`` whose errors are translated like :class:`DataFrame`'s."""
 
+    #: the result's own column names, where two of them are alike (see ``result_names``)
+    names: list[str] | None = None
+
     def __next__(self) -> RecordBatch:
-        return _translating(super().__next__)()  # type: ignore[no-any-return]
+        return self._named(_translating(super().__next__)())
 
     async def __anext__(self) -> RecordBatch:
         try:
-            return await super().__anext__()
+            return self._named(await super().__anext__())
         except Exception as exc:
             if (public := _translated(exc)) is None:
                 raise
             raise public from public.__cause__
+
+    def _named(self, batch: RecordBatch) -> RecordBatch:
+        if self.names is None:
+            return batch
+        named = _NamedBatch(batch.record_batch)
+        named.names = self.names
+        return named
+
+
+class _NamedBatch(RecordBatch):
+    """A result batch whose column names repeat: its pyarrow form carries them."""
+
+    names: list[str]
+
+    def to_pyarrow(self) -> pa.RecordBatch:
+        return super().to_pyarrow().rename_columns(self.names)
+
+    def __arrow_c_array__(self, requested_schema: Any = None) -> Any:
+        return self.to_pyarrow().__arrow_c_array__(requested_schema)

@@ -136,9 +136,12 @@ def explain_live(ctx: datafusion.SessionContext, sql: str) -> LiveExplanation:
         except UnboundedQueryError as exc:
             return LiveExplanation("rejected", [str(exc)], None, "", "pushtable")
         if live is not None:
+            # Each reason is "<mode>: <why>"; the query answers as its slowest part.
+            parts = [r.split(": ", 1) for r in live.reasons]
+            modes: list[Mode] = [m for m, *_ in parts if m in _RANK] or ["incremental"]
             return LiveExplanation(
-                "incremental",
-                [r.split(": ", 1)[-1] for r in live.reasons],
+                max(modes, key=_RANK.__getitem__),
+                [p[-1] for p in parts],
                 None,
                 live.display,
                 "pushtable",

@@ -58,6 +58,21 @@ class Results:
             out.extend(item.to_pylist())
         return out
 
+    def finish(self) -> list[dict[str, Any]]:
+        """The rows that come until the stream ends (its error raised); fails the test if it
+        does not end within WAIT. ``finish() == []``: no further row, no error."""
+        out: list[dict[str, Any]] = []
+        while True:
+            try:
+                item = self.batches.get(timeout=WAIT)
+            except queue.Empty:
+                pytest.fail(f"the stream did not end within {WAIT}s ({len(out)} more rows)")
+            if item is None:
+                return out
+            if isinstance(item, BaseException):
+                raise item
+            out.extend(item.to_pylist())
+
 
 # --- filters and projections answer per batch -------------------------------------------------
 

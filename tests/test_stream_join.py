@@ -104,7 +104,7 @@ def test_an_inner_match_comes_out_once_both_rows_are_in(unbounded: bool) -> None
     assert (match["k"], match["b_ts"]) == (2, T0 + timedelta(milliseconds=900))
     a.close()
     b.close()
-    assert results.rows(0) == []
+    assert results.finish() == []
 
 
 @pytest.mark.parametrize("unbounded", [False, True], ids=["bounded", "unbounded"])
@@ -129,7 +129,7 @@ def test_an_outer_row_comes_out_unmatched_once_the_other_watermark_passes_its_bo
     assert match["k"] == 3
     a.close()
     b.close()
-    assert results.rows(0) == []  # each row once: the unmatched one is not repeated
+    assert results.finish() == []  # each row once: the unmatched one is not repeated
 
 
 def test_a_full_join_emits_both_sides_unmatched_rows_on_watermarks() -> None:
@@ -145,7 +145,7 @@ def test_a_full_join_emits_both_sides_unmatched_rows_on_watermarks() -> None:
     assert (right_only["k"], right_only["b_ts"]) == (None, T0 + timedelta(milliseconds=100))
     a.close()
     b.close()
-    assert results.rows(0) == []
+    assert results.finish() == []
 
 
 @pytest.mark.parametrize("kind", ["JOIN", "LEFT JOIN", "RIGHT JOIN", "FULL JOIN"])
@@ -202,21 +202,40 @@ def test_one_thread_writing_a_burst_to_one_table_then_the_other_is_never_blocked
     assert rows(result.join()) == whole(sql("LEFT JOIN"), da, db)
 
 
-@pytest.mark.parametrize("unbounded", [False, True], ids=["bounded", "unbounded"])
 @pytest.mark.parametrize(
     "bound",
     ["", "a.amount > 0"],
     ids=["no-bound", "no-time-column"],
 )
-def test_a_join_of_two_live_tables_without_a_time_bound_is_refused_up_front(
-    unbounded: bool, bound: str
+def test_a_join_of_two_unbounded_live_tables_without_a_time_bound_is_refused_up_front(
+    bound: str,
 ) -> None:
-    ctx, _, _ = live(unbounded)
+    ctx, _, _ = live(True)
     with pytest.raises(UnboundedQueryError, match="needs a time bound between their order"):
         ctx.sql(sql(bound=bound))
     explanation = explain_live(ctx, sql(bound=bound))
     assert explanation.mode == "rejected"
     assert "time bound" in explanation.reasons[0]
+
+
+@pytest.mark.parametrize("bound", ["", "a.amount > 0"], ids=["no-bound", "no-time-column"])
+def test_a_join_of_two_bounded_live_tables_without_a_time_bound_answers_at_their_end(
+    bound: str,
+) -> None:
+    """Without a bound the join cannot forget rows, but bounded tables end: each side is read
+    as it is written and the join answers once they close, as DataFusion does."""
+    ctx, a, b = live(False)
+    explanation = explain_live(ctx, sql(bound=bound))
+    assert (explanation.mode, explanation.engine) == ("at_end", "pushtable")
+    result = Background(lambda: ctx.sql(sql(bound=bound)).to_arrow_table())
+    da = [a_rows([(k, 100 * i + k) for k in range(3)]) for i in range(6)]
+    db = [b_rows([(k, 100 * i + 2 * k) for k in range(2)]) for i in range(6)]
+    for x, y in zip(da, db, strict=True):  # one thread writes both tables
+        a.write(x, timeout=WAIT)
+        b.write(y, timeout=WAIT)
+    a.close()
+    b.close()
+    assert rows(result.join()) == whole(sql(bound=bound), da, db)
 
 
 def test_a_one_sided_bound_runs_live() -> None:
@@ -233,10 +252,10 @@ def test_a_one_sided_bound_runs_live() -> None:
     b.close()
 
 
-def test_a_join_of_unordered_live_tables_is_refused() -> None:
+def test_a_join_of_unordered_unbounded_live_tables_is_refused() -> None:
     ctx = SessionContext()
-    ctx.register_streaming_table("a", A, 4)
-    ctx.register_streaming_table("b", B, 4)
+    ctx.register_streaming_table("a", A, 4, unbounded=True)
+    ctx.register_streaming_table("b", B, 4, unbounded=True)
     with pytest.raises(UnboundedQueryError, match="order_by"):
         ctx.sql(sql())
 
@@ -302,8 +321,12 @@ def test_remote_sql_runs_a_join_of_two_live_tables_and_refuses_one_without_a_bou
 ) -> None:
     client.create_table("a", A, 4, order_by="ts")
     client.create_table("b", B, 4, order_by="ts")
+    client.create_table("ua", A, 4, order_by="ts", unbounded=True)
+    client.create_table("ub", B, 4, order_by="ts", unbounded=True)
     with pytest.raises(UnboundedQueryError, match="time bound"):
-        client.sql(sql(bound="")).read_all()
+        client.sql(
+            sql(bound="").replace("FROM a", "FROM ua a").replace("JOIN b", "JOIN ub b")
+        ).read_all()
     result = client.sql(sql("LEFT JOIN"))
     da = [a_rows([(k, 400 * i + k) for k in range(3)]) for i in range(10)]
     db = [b_rows([(k, 400 * i + 2 * k + 1) for k in range(2)]) for i in range(10)]

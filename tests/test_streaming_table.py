@@ -271,10 +271,14 @@ def test_second_query_is_refused(ctx: SessionContext) -> None:
         ctx.sql("SELECT k FROM shards").filter(datafusion.col("k") > 0).to_pydict()
 
 
-def test_self_join_is_refused(ctx: SessionContext) -> None:
+def test_a_self_join_reads_the_table_once_and_a_second_query_is_refused(
+    ctx: SessionContext,
+) -> None:
     sink = ctx.register_streaming_table("t", SCHEMA)
     sink.write(batch(2))
     sink.close()
+    joined = ctx.sql("SELECT a.k, b.v FROM t a JOIN t b ON a.k = b.k").to_pydict()
+    assert sorted(zip(joined["k"], joined["v"], strict=True)) == [(0, 0.0), (1, 0.1)]
     with pytest.raises(StreamConsumedError, match="single-scan"):
         ctx.sql("SELECT * FROM t a JOIN t b ON a.k = b.k").collect()
 

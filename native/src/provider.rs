@@ -182,13 +182,19 @@ impl ScanPartition {
                 ))
             }
         };
-        let stream = ReaderStream::new(reader, markers);
+        self.narrow(Box::pin(ReaderStream::new(reader, markers)))
+    }
+
+    /// `whole` (the table's batches, every column) with this partition's filter and
+    /// projection applied batch by batch.
+    fn narrow(&self, whole: SendableRecordBatchStream) -> SendableRecordBatchStream {
+        let schema = Arc::clone(&self.schema);
         match (&self.predicate, &self.projection) {
-            (Some(p), _) => filtered(stream, p.clone(), schema),
-            (None, None) => Box::pin(stream),
+            (Some(p), _) => filtered(whole, p.clone(), schema),
+            (None, None) => whole,
             (None, Some(p)) => {
                 let p = p.clone();
-                let projected = stream.map(move |b| Ok(b?.project(&p)?));
+                let projected = whole.map(move |b| Ok(b?.project(&p)?));
                 Box::pin(RecordBatchStreamAdapter::new(schema, projected))
             }
         }
@@ -231,6 +237,40 @@ impl LiveScanExec {
     /// Where this scan hands on the watermarks it passes (scanned by the engine only).
     pub fn watermark(&self) -> Option<&Arc<WatermarkCell>> {
         self.markers.as_ref().map(|m| &m.cell)
+    }
+
+    /// The table's schema (every column: what [`LiveScanExec::read_whole`] yields).
+    pub fn table_schema(&self) -> SchemaRef {
+        Arc::clone(&self.partitions[0].claim.source.channel.schema)
+    }
+
+    /// The table's batches as they arrive, whole (every column, no filter, no limit), read
+    /// through this scan's claim on the table (so a second query still finds it consumed)
+    /// with this scan's watermark markers: the one read that several scans of one query
+    /// share, each narrowing it with [`LiveScanExec::narrow`].
+    pub fn read_whole(&self) -> SendableRecordBatchStream {
+        let schema = self.table_schema();
+        match self.partitions[0].claim.reader() {
+            Ok(Some(reader)) => Box::pin(ReaderStream::new(reader, self.markers.clone())),
+            Ok(None) => Box::pin(RecordBatchStreamAdapter::new(
+                schema,
+                futures::stream::empty(),
+            )),
+            Err(err) => Box::pin(RecordBatchStreamAdapter::new(
+                schema,
+                futures::stream::once(async { Err(err) }),
+            )),
+        }
+    }
+
+    /// `whole` (the table's batches, every column, as [`LiveScanExec::read_whole`] yields
+    /// them) with this scan's filter, projection and limit.
+    pub fn narrow(&self, whole: SendableRecordBatchStream) -> SendableRecordBatchStream {
+        let stream = self.partitions[0].narrow(whole);
+        match self.limit {
+            None => stream,
+            Some(limit) => limited(stream, limit),
+        }
     }
 }
 

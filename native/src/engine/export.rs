@@ -23,6 +23,7 @@ use datafusion::physical_plan::{
 };
 use futures::StreamExt;
 
+use super::abort::{abortable, Abort};
 use crate::plan::one_partition;
 use crate::provider::{exact_pushdown, filtered, plan_predicate, Predicate};
 
@@ -161,7 +162,10 @@ impl ExecutionPlan for QueryScanExec {
         _context: Arc<TaskContext>,
     ) -> Result<SendableRecordBatchStream> {
         let plan = self.once.take()?;
-        let inner = plan.execute(0, Arc::clone(&self.once.task))?;
+        let mut inner = plan.execute(0, Arc::clone(&self.once.task))?;
+        if let Some(abort) = Abort::of(&self.once.task) {
+            inner = abortable(inner, abort);
+        }
         // Watermark markers stay inside the engine.
         let stream: SendableRecordBatchStream = Box::pin(RecordBatchStreamAdapter::new(
             inner.schema(),

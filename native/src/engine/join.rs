@@ -19,7 +19,7 @@ use arrow::array::{Array, ArrayRef, RecordBatch, UInt32Array, UInt32Builder};
 use arrow::compute::{concat_batches, take};
 use arrow::datatypes::SchemaRef;
 use arrow::row::{RowConverter, SortField};
-use datafusion::common::{JoinSide, JoinType, Result};
+use datafusion::common::{JoinSide, JoinType, NullEquality, Result};
 use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_expr::expressions::Column;
@@ -47,6 +47,9 @@ pub struct LookupJoinExec {
     /// Columns kept from the join's full output (build columns, then probe columns).
     projection: Option<Vec<usize>>,
     join_schema: SchemaRef,
+    /// Whether a NULL key matches a NULL key (`IS NOT DISTINCT FROM`, `EXCEPT`, `INTERSECT`)
+    /// or nothing (`=`), as the join it replaces said.
+    null_equality: NullEquality,
     schema: SchemaRef,
     props: Arc<PlanProperties>,
 }
@@ -55,6 +58,7 @@ impl fmt::Debug for LookupJoinExec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LookupJoinExec")
             .field("join_type", &self.join_type)
+            .field("null_equality", &self.null_equality)
             .finish()
     }
 }
@@ -70,6 +74,7 @@ impl LookupJoinExec {
 
     /// `join_schema` is the unprojected output (build then probe columns for inner and
     /// right joins; probe columns for semi and anti joins).
+    #[allow(clippy::too_many_arguments)] // the settings of the hash join it replaces
     pub fn try_new(
         build: Arc<dyn ExecutionPlan>,
         probe: Arc<dyn ExecutionPlan>,
@@ -78,6 +83,7 @@ impl LookupJoinExec {
         filter: Option<JoinFilter>,
         projection: Option<Vec<usize>>,
         join_schema: SchemaRef,
+        null_equality: NullEquality,
     ) -> Result<Self> {
         let build: Arc<dyn ExecutionPlan> = if build.output_partitioning().partition_count() > 1 {
             Arc::new(CoalescePartitionsExec::new(build))
@@ -130,6 +136,7 @@ impl LookupJoinExec {
             filter,
             projection,
             join_schema,
+            null_equality,
             schema,
             props: Arc::new(props),
         })
@@ -139,6 +146,16 @@ impl LookupJoinExec {
     pub fn probe(&self) -> &Arc<dyn ExecutionPlan> {
         &self.probe
     }
+
+    /// Its join type.
+    pub fn join_type(&self) -> JoinType {
+        self.join_type
+    }
+
+    /// Whether NULL keys match each other.
+    pub fn null_equality(&self) -> NullEquality {
+        self.null_equality
+    }
 }
 
 impl DisplayAs for LookupJoinExec {
@@ -146,13 +163,14 @@ impl DisplayAs for LookupJoinExec {
         let on: Vec<String> = self.on.iter().map(|(l, r)| format!("({l}, {r})")).collect();
         write!(
             f,
-            "LookupJoinExec: join_type={:?}, on=[{}]{}, emit=per probe batch",
+            "LookupJoinExec: join_type={:?}, on=[{}]{}, null_equality={:?}, emit=per probe batch",
             self.join_type,
             on.join(", "),
             match &self.filter {
                 Some(f) => format!(", filter={}", f.expression()),
                 None => String::new(),
-            }
+            },
+            self.null_equality,
         )
     }
 }
@@ -160,7 +178,7 @@ impl DisplayAs for LookupJoinExec {
 #[rustfmt::skip::macros(plan_basics)] // its settings stay on a line or two
 impl ExecutionPlan for LookupJoinExec {
     plan_basics!("LookupJoinExec", [build, probe], [false, true],
-        try_new(on, join_type, filter, projection, join_schema));
+        try_new(on, join_type, filter, projection, join_schema, null_equality));
 
     fn execute(
         &self,
@@ -172,8 +190,11 @@ impl ExecutionPlan for LookupJoinExec {
             .register(context.memory_pool());
         let build_input = self.build.execute(0, context)?;
         let keys: Vec<PhysicalExprRef> = self.on.iter().map(|(l, _)| Arc::clone(l)).collect();
-        let building =
-            async move { BuildTable::collect(build_input, keys, reservation).await }.boxed();
+        let nulls_match = self.null_equality == NullEquality::NullEqualsNull;
+        let building = async move {
+            BuildTable::collect(build_input, keys, nulls_match, reservation).await
+        }
+        .boxed();
         let stream = JoinStream {
             probe,
             state: State::Building(building),
@@ -182,6 +203,7 @@ impl ExecutionPlan for LookupJoinExec {
             filter: self.filter.clone(),
             projection: self.projection.clone(),
             join_schema: Arc::clone(&self.join_schema),
+            nulls_match,
         };
         Ok(Box::pin(RecordBatchStreamAdapter::new(
             Arc::clone(&self.schema),
@@ -207,6 +229,7 @@ impl BuildTable {
     async fn collect(
         input: SendableRecordBatchStream,
         keys: Vec<PhysicalExprRef>,
+        nulls_match: bool,
         reservation: MemoryReservation,
     ) -> Result<Self> {
         let schema = input.schema();
@@ -225,8 +248,9 @@ impl BuildTable {
         let converted = converter.convert_columns(&columns)?;
         let mut rows: HashMap<Box<[u8]>, Vec<u32>> = HashMap::new();
         for i in 0..batch.num_rows() {
-            // SQL equality: a null key matches nothing.
-            if !has_null(&columns, i) {
+            // `=`: a null key matches nothing; `IS NOT DISTINCT FROM`: it matches a null key
+            // (the row format encodes nulls alike, so equal bytes mean equal keys).
+            if nulls_match || !has_null(&columns, i) {
                 rows.entry(converted.row(i).as_ref().into())
                     .or_default()
                     .push(i as u32);
@@ -257,6 +281,8 @@ struct JoinStream {
     filter: Option<JoinFilter>,
     projection: Option<Vec<usize>>,
     join_schema: SchemaRef,
+    /// Whether a null key matches a null key (else it matches nothing).
+    nulls_match: bool,
 }
 
 impl JoinStream {
@@ -309,7 +335,7 @@ impl JoinStream {
         let mut starts = Vec::with_capacity(n + 1);
         for i in 0..n {
             starts.push(pairs.len());
-            if !has_null(&keys, i) {
+            if self.nulls_match || !has_null(&keys, i) {
                 if let Some(m) = build.rows.get(rows.row(i).as_ref()) {
                     pairs.extend(m.iter().map(|&b| (b, i as u32)));
                 }

@@ -12,9 +12,12 @@
 //!   the only key);
 //! - [`join`]: the lookup join of a live table with a bounded one;
 //! - [`readahead`]: each side of a join of two live tables, read as it is written;
+//! - [`shared_scan`]: one read of a table the query scans several times, shared by its scans;
 //! - [`rule`]: where they replace DataFusion's operators;
-//! - [`export`]: a running query as a table of the caller's session.
+//! - [`export`]: a running query as a table of the caller's session ([`abort`]: ended at once
+//!   by a failure its read-aheads find).
 
+mod abort;
 mod export;
 mod frames;
 mod groups;
@@ -23,6 +26,7 @@ mod readahead;
 mod rule;
 mod runs;
 mod session;
+mod shared_scan;
 mod spark_windows;
 mod tally;
 mod updating;
@@ -36,7 +40,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use arrow::record_batch::RecordBatchReader;
 use async_trait::async_trait;
 use datafusion::catalog::{MemTable, Session, TableProvider};
-use datafusion::common::Result as DFResult;
+use datafusion::common::{JoinType, NullEquality, Result as DFResult};
 use datafusion::execution::disk_manager::{DiskManagerBuilder, DiskManagerMode};
 use datafusion::execution::memory_pool::FairSpillPool;
 use datafusion::execution::runtime_env::RuntimeEnvBuilder;
@@ -46,7 +50,7 @@ use datafusion::physical_expr::expressions::Column;
 use datafusion::physical_optimizer::optimizer::PhysicalOptimizer;
 use datafusion::physical_plan::aggregates::AggregateExec;
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
-use datafusion::physical_plan::joins::SymmetricHashJoinExec;
+use datafusion::physical_plan::joins::{HashJoinExec, SymmetricHashJoinExec};
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::sorts::sort::SortExec;
 use datafusion::physical_plan::windows::BoundedWindowAggExec;
@@ -152,6 +156,7 @@ fn session(
     changes: bool,
 ) -> DFResult<SessionContext> {
     let mut config = SessionConfig::new()
+        .with_extension(Arc::new(abort::Abort::default()))
         .with_target_partitions(1)
         .with_batch_size(batch_size)
         .with_information_schema(false);
@@ -172,6 +177,8 @@ fn session(
     );
     // Last, so no later rule rebuilds a filter with the session's batch size.
     rules.push(Arc::new(rule::PassFilteredBatches));
+    // After every rule that looks for live scans: they see each scan as a plain one.
+    rules.push(Arc::new(rule::ShareScans));
     let mut builder = SessionStateBuilder::new();
     if let Some(limit) = memory_limit {
         // The session's memory pool, as in the caller's datafusion-python session: fair
@@ -196,47 +203,104 @@ fn session(
     Ok(ctx)
 }
 
-/// Why a plan needs the engine: the operators in it that use a live table's order.
+/// Why a plan needs the engine: the operators in it that use a live table's order, and how
+/// each answers ("<mode>: <why>", the mode as `explain_live` names it).
 fn uses_of_order(plan: &Arc<dyn ExecutionPlan>, out: &mut Vec<String>) -> bool {
     let mut live = plan.is::<LiveScanExec>();
     for child in plan.children() {
         live |= uses_of_order(child, out);
     }
-    if !live {
+    let reason = if let Some(shared) = plan.downcast_ref::<shared_scan::SharedScanExec>() {
+        Some(format!(
+            "incremental: the query scans live table '{}' several times; it is read once and \
+             shared by its scans (rows a scan has not read yet wait in the session's memory \
+             pool)",
+            shared.table()
+        ))
+    } else if !live {
         return false;
-    }
-    let reason = if plan.is::<window::WindowAggregateExec>()
-        || plan.is::<session::SessionWindowExec>()
-    {
-        Some("incremental: windows emit as they close (and on watermarks)")
-    } else if plan.is::<join::LookupJoinExec>() {
-        Some("incremental: joined rows stream as they arrive")
-    } else if plan.is::<SymmetricHashJoinExec>() {
-        Some(
-            "incremental: a join of two live tables emits each match once both rows are in; \
-             its state is pruned by the time bound between their orders",
-        )
+    } else if plan.is::<window::WindowAggregateExec>() || plan.is::<session::SessionWindowExec>() {
+        Some("incremental: windows emit as they close (and on watermarks)".to_string())
+    } else if let Some(join) = plan.downcast_ref::<join::LookupJoinExec>() {
+        let read_ahead = join.probe().is::<readahead::ReadAheadExec>();
+        Some(format!(
+            "incremental: a lookup join ({}; {}) streams joined rows as they arrive{}",
+            join_kind(&join.join_type()),
+            null_rule(join.null_equality()),
+            match read_ahead {
+                true => ", once its bounded live side has closed (the other side is read \
+                         ahead meanwhile, in the session's memory pool)",
+                false => "",
+            }
+        ))
+    } else if let Some(join) = plan.downcast_ref::<SymmetricHashJoinExec>() {
+        Some(format!(
+            "incremental: a join of two live tables ({}; {}) emits each match once both rows \
+             are in; its state is pruned by the time bound between their orders",
+            join_kind(join.join_type()),
+            null_rule(join.null_equality()),
+        ))
+    } else if plan.children().len() > 1 && plan.children().into_iter().any(reads_ahead) {
+        let kind = match plan.downcast_ref::<HashJoinExec>() {
+            Some(j) => format!(
+                "a join of live tables ({}; {})",
+                join_kind(j.join_type()),
+                null_rule(j.null_equality())
+            ),
+            None if plan.name() == "ScalarSubqueryExec" => {
+                "a scalar subquery over a live table, in a query over another,".to_string()
+            }
+            None => format!("a join of live tables ({})", plan.name()),
+        };
+        Some(format!(
+            "at_end: {kind} reads each as it is written (held in the session's memory pool) \
+             and answers once the bounded table it needs whole has closed"
+        ))
     } else if plan.is::<updating::UpdatingAggregateExec>() {
         Some(
             "incremental: an updating aggregate emits the groups changed by each batch with \
-             their current values (an upsert changelog keyed by the GROUP BY columns)",
+             their current values (an upsert changelog keyed by the GROUP BY columns)"
+                .to_string(),
         )
     } else if plan.is::<BoundedWindowAggExec>() {
         // Over a sort of the live input (a table without that order) it waits for the
         // whole input like the sort: nothing to claim.
-        (!sorted_below(plan)).then_some("incremental: window functions stream in the table's order")
+        (!sorted_below(plan))
+            .then(|| "incremental: window functions stream in the table's order".to_string())
     } else if let Some(agg) = plan.downcast_ref::<AggregateExec>() {
         (*agg.input_order_mode() != InputOrderMode::Linear && !sorted_below(plan))
-            .then_some("incremental: the aggregate streams in the table's order")
+            .then(|| "incremental: the aggregate streams in the table's order".to_string())
     } else {
         None
     };
     if let Some(r) = reason {
-        if !out.iter().any(|o| o == r) {
-            out.push(r.to_string());
+        if !out.contains(&r) {
+            out.push(r);
         }
     }
     true
+}
+
+/// Whether `plan` reads a live table through a read-ahead (operators between them pass each
+/// batch on: the read-ahead sits right above the scan).
+fn reads_ahead(plan: &Arc<dyn ExecutionPlan>) -> bool {
+    plan.is::<readahead::ReadAheadExec>()
+        || (!plan.is::<SymmetricHashJoinExec>()
+            && !plan.is::<join::LookupJoinExec>()
+            && plan.children().into_iter().any(reads_ahead))
+}
+
+/// A join type as `explain_live` says it.
+fn join_kind(join_type: &JoinType) -> String {
+    format!("{join_type} join")
+}
+
+/// How a join compares NULL keys, as `explain_live` says it.
+fn null_rule(null_equality: NullEquality) -> &'static str {
+    match null_equality {
+        NullEquality::NullEqualsNothing => "a NULL key matches nothing",
+        NullEquality::NullEqualsNull => "NULL keys match each other",
+    }
 }
 
 /// Whether a sort stands between `plan` and a live scan below it (it reads its whole input
@@ -248,7 +312,9 @@ fn sorted_below(plan: &Arc<dyn ExecutionPlan>) -> bool {
 }
 
 fn reads_live_scan(plan: &Arc<dyn ExecutionPlan>) -> bool {
-    plan.is::<LiveScanExec>() || plan.children().into_iter().any(reads_live_scan)
+    plan.is::<LiveScanExec>()
+        || plan.is::<shared_scan::SharedScanExec>()
+        || plan.children().into_iter().any(reads_live_scan)
 }
 
 /// The output columns (indices) that key an updating aggregate's changelog at the root of
@@ -298,6 +364,10 @@ pub struct PyLivePlan {
     /// one row, which each change replaces); None for every other query.
     #[pyo3(get)]
     upsert_key: Option<Vec<String>>,
+    /// The result's column names as DataFusion gives them (two may be alike: `SELECT l.a,
+    /// r.a`; the table the query is read through names such columns apart).
+    #[pyo3(get)]
+    names: Vec<String>,
 }
 
 impl fmt::Debug for PyEngine {
@@ -384,10 +454,18 @@ impl PyEngine {
                     .with_allow_dml(false)
                     .with_allow_statements(false);
                 let df = ctx.sql_with_options(&text, options).await?;
-                df.create_physical_plan().await
+                let qualified: Vec<String> = df
+                    .schema()
+                    .iter()
+                    .map(|(q, f)| match q {
+                        Some(q) => format!("{q}.{}", f.name()),
+                        None => f.name().clone(),
+                    })
+                    .collect();
+                Ok((df.create_physical_plan().await?, qualified))
             })
         });
-        let plan = planned.map_err(|e| {
+        let (plan, qualified) = planned.map_err(|e: datafusion::error::DataFusionError| {
             let text = e.to_string();
             match text.find(rule::REFUSED) {
                 // A refusal, not a planning failure: no other engine may run it either.
@@ -406,6 +484,8 @@ impl PyEngine {
                 },
             }
         })?;
+        let names: Vec<String> = plan.schema().fields().iter().map(|f| f.name().clone()).collect();
+        let plan = with_unique_names(plan, &names, &qualified).map_err(py_err)?;
         let mut reasons = Vec::new();
         uses_of_order(&plan, &mut reasons);
         let display = displayable(plan.as_ref()).indent(true).to_string();
@@ -422,8 +502,47 @@ impl PyEngine {
             sql: sql.to_string(),
             reasons,
             upsert_key,
+            names,
         })
     }
+}
+
+/// `plan` with its columns renamed where two share a name (`SELECT l.a, r.a`), so that a
+/// datafusion-python session can read it as a table; each such column is named by its
+/// qualified name (`l.a`), then numbered if that is still taken. The caller's DataFrame
+/// gives the columns their own names back (`LivePlan.names`).
+fn with_unique_names(
+    plan: Arc<dyn ExecutionPlan>,
+    names: &[String],
+    qualified: &[String],
+) -> DFResult<Arc<dyn ExecutionPlan>> {
+    let repeated = |n: &String| names.iter().filter(|m| *m == n).count() > 1;
+    if !names.iter().any(repeated) {
+        return Ok(plan);
+    }
+    let mut taken: Vec<String> = names.iter().filter(|n| !repeated(n)).cloned().collect();
+    let schema = plan.schema();
+    let columns = names
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let mut unique = name.clone();
+            if repeated(name) {
+                unique = qualified.get(i).cloned().unwrap_or_else(|| name.clone());
+                let base = unique.clone();
+                let mut k = 1;
+                while taken.contains(&unique) {
+                    k += 1;
+                    unique = format!("{base}#{k}");
+                }
+                taken.push(unique.clone());
+            }
+            let column: Arc<dyn datafusion::physical_expr::PhysicalExpr> =
+                Arc::new(Column::new(schema.field(i).name(), i));
+            (column, unique)
+        })
+        .collect::<Vec<_>>();
+    Ok(Arc::new(ProjectionExec::try_new(columns, plan)?))
 }
 
 /// The plan's result as a table for a datafusion-python session (`ctx.read_table`).

@@ -77,6 +77,7 @@ impl ExecutionPlan for ReadAheadExec {
         ));
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let held = Arc::clone(&reservation);
+        let task = Arc::clone(&context);
         // On the engine's runtime (the caller polls from datafusion-python's). The reader
         // stops when the input ends, fails, or the query drops the receiver.
         let runtime = super::runtime().map_err(|e| DataFusionError::Execution(e.to_string()))?;
@@ -84,9 +85,19 @@ impl ExecutionPlan for ReadAheadExec {
             while let Some(item) = input.next().await {
                 let item = item.and_then(|batch| {
                     let size = batch.get_array_memory_size();
-                    held.lock().expect("reservation").try_grow(size)?;
+                    let held = held.lock().unwrap_or_else(|p| p.into_inner());
+                    held.try_grow(size).map_err(|e| {
+                        DataFusionError::ResourcesExhausted(format!(
+                            "a join of live tables holds the rows of one side until the join \
+                             can use them (a hash join's build side must close first), and \
+                             they passed the session's memory_limit: {e}"
+                        ))
+                    })?;
                     Ok((batch, size))
                 });
+                // A failure ends the query at once: the operator above may be waiting on
+                // its other input and never ask for this one's error.
+                let item = item.map_err(|e| super::abort::raise(&task, e));
                 let failed = item.is_err();
                 if tx.send(item).is_err() || failed {
                     break;
@@ -100,7 +111,8 @@ impl ExecutionPlan for ReadAheadExec {
                 let item = rx.recv().await?;
                 Some((
                     item.map(|(batch, size)| {
-                        reservation.lock().expect("reservation").shrink(size);
+                        let held = reservation.lock().unwrap_or_else(|p| p.into_inner());
+                        held.shrink(size);
                         batch
                     }),
                     rx,
