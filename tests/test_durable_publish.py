@@ -20,6 +20,7 @@ import pytest
 
 from pushtable import (
     CommitFailedError,
+    ResourceLimitError,
     SchemaMismatchError,
     SharesLostError,
     SinkClosedError,
@@ -115,6 +116,9 @@ def test_shares_lost_with_a_restart_are_an_error_and_the_epoch_stays_unpublished
         client = served.restart()  # staged, not published: staging is in memory
         with pytest.raises(SharesLostError, match=r"epoch 0 .*partition\(s\) \[0, 1\]"):
             client.publish("events", QUERY, 0, parts)
+        # Parts without row counts may have had rows: never "published" with nothing in it.
+        with pytest.raises(SharesLostError, match=r"epoch 0 .*partition\(s\) \[0, 1\]"):
+            client.publish("events", QUERY, 0, [(0, 0), (1, 0)])
         assert client.published("events", QUERY) == -1
         assert stored_ks(client) == []
         # Spark runs the batch again: its tasks stage anew and the publish goes through.
@@ -160,6 +164,30 @@ def test_a_refused_batch_leaves_the_epoch_retryable_and_the_topic_open(
     parts = stage(client, 1, good)  # the retry, with the batch fixed
     assert client.publish("events", QUERY, 1, parts)
     assert stored_ks(client) == [*expected(range(2)), 999]  # the first share once
+
+
+def test_a_publish_refused_by_max_data_bytes_is_retried_as_it_was_sent(tmp_path: Path) -> None:
+    """The refusal leaves the epoch's shares staged: the driver's retry of the same publish
+    (nothing staged again) writes the epoch once, when there is room."""
+    server = Server(data_dir=tmp_path / "data")
+    try:
+        client = connect(server.location)
+        client.create_topic("events", SCHEMA, durable=True)
+        assert client.publish("events", QUERY, 0, stage(client, 0, epoch_batches(0)))
+        budget = server._tables._budget  # the data dir's real budget, lowered and raised
+        assert budget is not None
+        budget.limit = 1  # no room left: the next durable write is refused
+        parts = stage(client, 1, epoch_batches(1, rows=50))
+        with pytest.raises(ResourceLimitError, match="max_data_bytes"):
+            client.publish("events", QUERY, 1, parts, timeout=WAIT)
+        assert client.published("events", QUERY) == 0
+        assert stored_ks(client) == expected(range(1))
+        budget.limit = 2**40  # room again (an operator raised max_data_bytes, or upkeep ran)
+        assert client.publish("events", QUERY, 1, parts, timeout=WAIT)  # as it was sent
+        assert client.published("events", QUERY) == 1
+        assert stored_ks(client) == sorted([*expected(range(1)), *expected(range(1, 2), rows=50)])
+    finally:
+        server.stop()
 
 
 def test_a_failed_commit_fails_the_publish_not_the_topic(

@@ -92,7 +92,15 @@ class Ingest:
             self._acks.add(acks)
         try:
             with wire_errors(), audit(context, "do_put") as record, self._calls.held(context):
-                self._do_put(context, descriptor, reader, acks, record)
+                try:
+                    self._do_put(context, descriptor, reader, acks, record)
+                except (errors.SinkClosedError, errors.StreamFailedError) as exc:
+                    # The server's stop closed the table under the stream: an outage to the
+                    # producer (an idempotent one resends once the server is back), not the
+                    # end of the table's stream.
+                    if self._calls.stopping.is_set():
+                        raise errors.ServerStoppedError("the pushtable server stopped") from exc
+                    raise
         finally:
             acks.close()  # before the call ends: no stop notice may touch a finished call
             with self._lock:

@@ -127,14 +127,16 @@ class Staging:
         """``publish``: write an epoch's staged batches (the attempts the driver names) once.
 
         Shares of other attempts (failed or speculative tasks) and of older epochs are
-        dropped. A part the driver says has rows but that is not staged here (the server
-        restarted since) is an error: nothing of the epoch is written, and Spark runs the
-        batch again. Into a durable topic the epoch's batches are appended under the query's
-        producer key with epoch-major sequence numbers (:func:`epoch_sequence`), so a
-        replay after a crash skips what a commit already holds, and the answer waits for the
-        commit: published means stored. A refusal midway leaves the epoch unpublished and
-        retryable there; a plain table is failed with it instead, as its reader would
-        otherwise miss rows silently.
+        dropped. A part that is not staged here is an error unless the driver said it has no
+        rows (``(partition, attempt, 0)``): after a restart lost the staged shares, nothing
+        of the epoch is written, and Spark runs the batch again; an answer of True always
+        means the epoch is written. Into a durable topic the epoch's batches are appended
+        under the query's producer key with epoch-major sequence numbers
+        (:func:`epoch_sequence`), so a replay after a crash skips what a commit already
+        holds, and the answer waits for the commit: published means stored. A refusal midway
+        (``max_data_bytes``, a bad batch, a failed commit) leaves the epoch unpublished and
+        its shares staged, so the same publish may be retried; a plain table is failed with
+        it instead, as its reader would otherwise miss rows silently.
         """
         table, query, epoch = req.table, req.query, req.epoch
         producer = self._tables.get(table)
@@ -150,6 +152,7 @@ class Staging:
         log = producer.durable if isinstance(producer, Topic) else None
         key = (table, query)
         released: list[_Share] = []
+        writing = False
         with self._lock:
             if key in self._publishing:
                 raise RuntimeError(
@@ -169,7 +172,8 @@ class Staging:
             if epoch <= newest:
                 self.dropped_shares += len(stage)
                 return {"published": False, "reason": f"epoch {epoch} was published already"}
-            lost = sorted(p for p, a, rows in parts if rows and (p, a) not in stage)
+            # a part without a row count may have had rows: only a count of 0 says it had none
+            lost = sorted(p for p, a, rows in parts if rows != 0 and (p, a) not in stage)
             if lost:
                 raise errors.SharesLostError(
                     f"epoch {epoch} of query {query!r} cannot be published into {table!r}: the "
@@ -180,6 +184,7 @@ class Staging:
             self.dropped_shares += len(stage.keys() - named)  # attempts Spark did not keep
             batches = [b for part in sorted(named) if part in stage for b in stage[part].batches]
             advance = req.options.get("advance")
+            writing = True  # a refusal from here on keeps the shares for a retry
             if log is not None:
                 assert isinstance(producer, Topic)
                 written = self._publish_durable(producer, log, query, epoch, batches, advance)
@@ -188,10 +193,15 @@ class Staging:
                 with self._lock:
                     self._published[key] = epoch
             missing = [p for p in named if p not in stage]
+            writing = False
             return {"published": True, "batches": written, "parts_without_data": len(missing)}
         finally:
             with self._lock:
                 self._publishing.discard(key)
+                if writing and (table, query, epoch) not in self._staged:
+                    self._staged[(table, query, epoch)] = stage  # unpublished: retryable
+                    kept = {id(share) for share in stage.values()}
+                    released = [share for share in released if id(share) not in kept]
             for share in released:
                 share.release()
 

@@ -1,0 +1,94 @@
+"""A server stop is an outage to its producers: SIGTERM a real ``pushtable serve --data-dir``
+while idempotent producers write, start it again on the same port and data dir, and they
+ride it out (every batch stored once); a plain producer is told the server stopped."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from pushtable import ServerStoppedError, ServerUnavailableError
+from pushtable.flight import connect
+from tests.conftest import WAIT, wait_until
+from tests.test_producer_outage import _free_port, _server
+
+SCHEMA = pa.schema([("v", pa.int64())])
+ROWS = 100
+
+
+class Producer:
+    """Writes 100-row batches every 10 ms until stopped; batch i of producer p holds
+    ``p * 10**6 + i * ROWS + r``. Keeps what was written and the error that ended it."""
+
+    def __init__(self, uri: str, index: int, producer_id: str | None) -> None:
+        self.index = index
+        self.client = connect(uri, timeout=WAIT)
+        if producer_id is None:
+            self.sink: Any = self.client.sink("t")
+        else:
+            self.sink = self.client.sink("t", producer_id=producer_id, retry=30)
+        self.written = 0
+        self.error: BaseException | None = None
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self.stop.is_set():
+                base = self.index * 10**6 + self.written * ROWS
+                self.sink.write(pa.record_batch({"v": range(base, base + ROWS)}, schema=SCHEMA))
+                self.written += 1
+                time.sleep(0.01)
+        except Exception as exc:  # noqa: BLE001 - handed to the test
+            self.error = exc
+
+    def values(self) -> list[int]:
+        base = self.index * 10**6
+        return list(range(base, base + self.written * ROWS))
+
+
+def test_idempotent_producers_ride_out_a_sigterm_and_restart(tmp_path: Path) -> None:
+    port = _free_port()
+    uri = f"grpc://127.0.0.1:{port}"
+    data = tmp_path / "data"
+    with _server(data, port) as proc:
+        admin = connect(uri, timeout=WAIT)
+        admin.create_topic("t", SCHEMA, durable=True)
+        producers = [Producer(uri, 1, "p1"), Producer(uri, 2, "p2")]
+        plain = Producer(uri, 3, None)
+        wait_until(lambda: all(p.written >= 5 for p in [*producers, plain]), "writes")
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(WAIT)
+        admin.close()
+    plain.thread.join(WAIT)
+    assert isinstance(plain.error, ServerStoppedError | ServerUnavailableError), plain.error
+    time.sleep(2)  # the outage: the server is away for two seconds
+    before = [p.written for p in producers]
+    with _server(data, port):
+        # each idempotent producer goes on where it stopped: three more batches each
+        wait_until(
+            lambda: all(p.written >= b + 3 or p.error for p, b in zip(producers, before)),
+            "writes after the restart",
+        )
+        for p in producers:
+            p.stop.set()
+            p.thread.join(WAIT)
+            assert p.error is None, p.error
+            p.sink.flush(timeout=WAIT)
+        reader = connect(uri, timeout=WAIT)
+        committed = reader.offsets("t")["committed"]
+        stored = reader.read("t", 0, committed).read_all().column("v").to_pylist()
+        for p in producers:
+            mine = sorted(v for v in stored if v // 10**6 == p.index)
+            assert mine == p.values()  # every batch it wrote, once
+        acknowledged = [v for v in stored if v // 10**6 == plain.index]
+        assert len(set(acknowledged)) == len(acknowledged)  # never twice
+        reader.close()
+        for p in [*producers, plain]:
+            p.client.close()
