@@ -39,6 +39,7 @@ __all__ = [
     "StreamEndedError",
     "StreamFailedError",
     "StreamingQueryFailedError",
+    "TableExistsError",
     "UnauthenticatedError",
     "UnboundedQueryError",
     "UnknownTableError",
@@ -173,6 +174,14 @@ class InvalidQueryError(PushTableError, ValueError):
     Either a bad argument of Spark's ``window`` or ``session_window`` (a zero, negative or
     unparseable duration, a slide longer than the window…), or ``EMIT CHANGES`` over no live
     table. The message names the argument.
+    """
+
+
+class TableExistsError(PushTableError, ValueError):
+    """A table or topic of that name exists already; the message names it.
+
+    ``create_table(..., if_not_exists=True)`` (``create_topic`` likewise) answers with the
+    existing one instead, when its schema is the one asked for.
     """
 
 

@@ -20,8 +20,8 @@ import pytest
 from pushtable import SessionContext, Topic
 from pushtable.errors import (
     CommitFailedError,
+    InvalidRequestError,
     PermissionDeniedError,
-    RemoteError,
     ResourceLimitError,
     SequenceError,
 )
@@ -460,7 +460,7 @@ def test_only_admin_creates_durable_topics_and_no_client_chooses_a_path(
                     "persist": "/tmp/elsewhere.lance",
                 },
             )
-        with pytest.raises(RemoteError, match="dataset's file name"):
+        with pytest.raises(InvalidRequestError, match="dataset's file name"):
             admin.create_topic("../escape", SCHEMA, durable=True)
         assert not (tmp_path / "escape.lance").exists()
     finally:
@@ -470,7 +470,7 @@ def test_only_admin_creates_durable_topics_and_no_client_chooses_a_path(
 def test_durable_topics_need_a_data_dir(tmp_path: Path) -> None:
     server = Server()
     try:
-        with pytest.raises(RemoteError, match="--data-dir"):
+        with pytest.raises(InvalidRequestError, match="--data-dir"):
             connect(server.location).create_topic("t", SCHEMA, durable=True)
     finally:
         server.stop()

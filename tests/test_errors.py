@@ -79,3 +79,46 @@ def test_a_request_missing_a_field_is_refused_naming_it() -> None:
         client.close()
     finally:
         server.stop()
+
+
+def test_creating_a_table_that_exists_is_table_exists_error() -> None:
+    """Through a real server: a typed error, and ``if_not_exists`` answers with the table."""
+    import pyarrow as pa
+    import pytest
+
+    from pushtable.flight import Server, connect
+
+    schema = pa.schema([("v", pa.int64())])
+    server = Server()
+    try:
+        client = connect(server.location)
+        client.create_table("t", schema)
+        with pytest.raises(pushtable.TableExistsError, match="'t' already exists"):
+            client.create_table("t", schema)
+        with pytest.raises(pushtable.TableExistsError, match="'t' already exists"):
+            client.create_topic("t", schema)
+        client.create_table("t", schema, if_not_exists=True)  # the same schema: the table
+        with pytest.raises(pushtable.TableExistsError, match="another schema"):
+            client.create_table("t", pa.schema([("w", pa.int64())]), if_not_exists=True)
+        assert issubclass(pushtable.TableExistsError, ValueError)
+        client.close()
+    finally:
+        server.stop()
+
+
+def test_a_request_the_server_cannot_honour_is_invalid_request_error() -> None:
+    """A server-side ValueError (a durable topic where no data dir is) crosses as
+    InvalidRequestError (a ValueError) naming the cause, not a bare RemoteError."""
+    import pyarrow as pa
+    import pytest
+
+    from pushtable.flight import Server, connect
+
+    server = Server()
+    try:
+        client = connect(server.location)
+        with pytest.raises(pushtable.InvalidRequestError, match="--data-dir"):
+            client.create_topic("t", pa.schema([("v", pa.int64())]), durable=True)
+        client.close()
+    finally:
+        server.stop()

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pytest
 
 from pushtable import ServerStoppedError, ServerUnavailableError
 from pushtable.flight import connect
@@ -73,7 +74,9 @@ def test_idempotent_producers_ride_out_a_sigterm_and_restart(tmp_path: Path) -> 
     with _server(data, port):
         # each idempotent producer goes on where it stopped: three more batches each
         wait_until(
-            lambda: all(p.written >= b + 3 or p.error for p, b in zip(producers, before)),
+            lambda: all(
+                p.written >= b + 3 or p.error for p, b in zip(producers, before, strict=True)
+            ),
             "writes after the restart",
         )
         for p in producers:
@@ -92,3 +95,20 @@ def test_idempotent_producers_ride_out_a_sigterm_and_restart(tmp_path: Path) -> 
         reader.close()
         for p in [*producers, plain]:
             p.client.close()
+
+
+def test_closing_a_sink_after_the_server_stopped_says_it_stopped(tmp_path: Path) -> None:
+    port = _free_port()
+    uri = f"grpc://127.0.0.1:{port}"
+    with _server(tmp_path / "data", port) as proc:
+        client = connect(uri, timeout=WAIT)
+        client.create_table("t", SCHEMA, 4)
+        sink = client.sink("t")
+        sink.write(pa.record_batch({"v": [1]}, schema=SCHEMA))
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(WAIT)
+    with pytest.raises(ServerStoppedError, match="stopped"):  # the stream heard the stop
+        sink.write(pa.record_batch({"v": [2]}, schema=SCHEMA))
+    with pytest.raises(ServerStoppedError, match="stopped"):  # not "unreachable"
+        sink.close()
+    client.close()

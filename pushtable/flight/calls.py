@@ -105,8 +105,10 @@ def wire_errors() -> Iterator[None]:
         if isinstance(exc, PushTableError):
             raise protocol.server_error(exc) from exc
         raise protocol.server_error(ValueError(f"the request lacks the field {exc}")) from exc
-    except (PushTableError, ValueError, TypeError, pa.ArrowInvalid) as exc:
+    except PushTableError as exc:
         raise protocol.server_error(exc) from exc
+    except (ValueError, TypeError, pa.ArrowInvalid) as exc:  # the request is wrong: say so
+        raise protocol.server_error(errors.InvalidRequestError(str(exc))) from exc
     except OSError as exc:  # pyarrow's IPC reader: the client sent malformed Arrow data
         raise protocol.server_error(
             errors.InvalidBatchError(f"malformed Arrow IPC data: {exc}")

@@ -23,6 +23,7 @@ import pyarrow.flight as flight
 from pushtable.errors import (
     PushTableError,
     ServerStoppedError,
+    ServerUnavailableError,
     SinkClosedError,
     StreamEndedError,
     WriteTimeoutError,
@@ -248,6 +249,7 @@ class RemoteSink(ProducerScope):
         self._sent = 0
         self._acked = 0
         self._closed = False
+        self._stopped = False  # a stream of it heard the server say it stops
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -267,6 +269,7 @@ class RemoteSink(ProducerScope):
         if put is not None:
             self._acked += put.acked
             self._sent += put.sent
+            self._stopped |= isinstance(put.error, ServerStoppedError)
             put.abandon()  # its error was raised already
 
     def _end_stream(self) -> None:
@@ -362,10 +365,19 @@ class RemoteSink(ProducerScope):
             self._closed = True
             put, self._put = self._put, None
             if put is not None:
+                self._stopped |= isinstance(put.error, ServerStoppedError)
                 put.finish()
                 self._sent += put.sent
                 self._acked += put.acked
-        self._transport.action("close", {"name": self.name})
+        try:
+            self._transport.action("close", {"name": self.name})
+        except ServerUnavailableError as exc:
+            if self._stopped:  # the server said it stopped: that, not "unreachable"
+                raise ServerStoppedError(
+                    f"the pushtable server stopped before the close of '{self.name}' reached "
+                    "it: the table was failed with the stop, not closed"
+                ) from exc
+            raise
 
     async def aclose(self) -> None:
         """Asyncio counterpart of :meth:`close`, run in a worker thread."""

@@ -103,7 +103,11 @@ class Tables:
             if existing is not None:
                 if if_not_exists and existing.schema.equals(schema):
                     return existing
-                raise ValueError(f"a table named {name!r} already exists on this server")
+                raise errors.TableExistsError(
+                    f"a table named {name!r} already exists on this server"
+                    + (" with another schema" if if_not_exists else "")
+                    + "; create_table(..., if_not_exists=True) returns an existing one"
+                )
             if durable:
                 producer: TableSink | Topic = self._durable_topic(name, schema, options)
             elif topic:
