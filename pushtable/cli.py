@@ -67,7 +67,10 @@ def parser() -> argparse.ArgumentParser:
     from pushtable.demo import DEFAULT_SQL
 
     top = argparse.ArgumentParser(
-        prog="pushtable", description="Run SQL over live Arrow data. See docs/index.md."
+        prog="pushtable",
+        description="Run SQL over live Arrow data. `pushtable <command> --help` says how each "
+        "command runs; `python -m pydoc pushtable` documents the library (an installed wheel "
+        "carries no docs/ folder: it is in the project's source).",
     )
     commands = top.add_subparsers(dest="command", required=True, metavar="{demo,bench,serve}")
 

@@ -41,7 +41,7 @@ def _adopt(result: Any) -> Any:
     return result
 
 
-def _translating(method: Callable[..., Any]) -> Callable[..., Any]:
+def _translating(method: Callable[..., Any], source: Any = None) -> Callable[..., Any]:
     @functools.wraps(method)
     def call(*args: Any, **kwargs: Any) -> Any:
         try:
@@ -50,9 +50,23 @@ def _translating(method: Callable[..., Any]) -> Callable[..., Any]:
             if (public := _translated(exc)) is None:
                 raise
             raise public from public.__cause__
-        return _adopt(result)
+        return _keyed(source, _adopt(result))
 
     return call
+
+
+def _keyed(source: Any, result: Any) -> Any:
+    """``result`` with ``source``'s ``upsert_key`` while it keeps every key column.
+
+    A DataFrame derived from an updating query (``.filter``, ``.select``…) is still keyed
+    by the same columns, under the same names.
+    """
+    key = getattr(source, "upsert_key", None)
+    if key is None or not isinstance(result, DataFrame) or result is source:
+        return result
+    if result.upsert_key is None and set(key) <= set(result.schema().names):
+        result.upsert_key = list(key)
+    return result
 
 
 class DataFrame(datafusion.DataFrame):
@@ -88,7 +102,7 @@ class DataFrame(datafusion.DataFrame):
         attr = object.__getattribute__(self, name)
         if name.startswith("__") or not callable(attr):
             return attr
-        return _translating(attr)
+        return _translating(attr, source=self)
 
     def __iter__(self) -> Any:
         return iter(self.execute_stream())

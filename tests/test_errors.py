@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 from pathlib import Path
+from typing import Any
 
 import pushtable
 import pushtable.errors as errors
@@ -119,6 +120,58 @@ def test_a_request_the_server_cannot_honour_is_invalid_request_error() -> None:
         client = connect(server.location)
         with pytest.raises(pushtable.InvalidRequestError, match="--data-dir"):
             client.create_topic("t", pa.schema([("v", pa.int64())]), durable=True)
+        client.close()
+    finally:
+        server.stop()
+
+
+def test_sql_over_a_topic_says_it_is_read_through_a_subscription() -> None:
+    import pyarrow as pa
+    import pytest
+
+    from pushtable.flight import Server, connect
+
+    server = Server()
+    try:
+        client = connect(server.location)
+        client.create_topic("ticks", pa.schema([("v", pa.int64())]))
+        with pytest.raises(pushtable.UnknownTableError, match=r"'ticks' is a topic.*subscribe"):
+            client.sql("SELECT * FROM ticks").read_all()
+        client.close()
+    finally:
+        server.stop()
+
+
+def test_a_table_outside_the_tokens_scope_is_permission_denied_everywhere() -> None:
+    """SQL, schema(), stats() and a sink name the same refusal; a listing leaves it out; a
+    name in scope that does not exist is UnknownTableError."""
+    import pyarrow as pa
+    import pytest
+
+    from pushtable.flight import Grant, Server, connect
+
+    tokens = {
+        "admin-t": Grant("admin", roles={"admin"}),
+        "reader-t": Grant("reader", roles={"read", "write"}, tables=("ev*",)),
+    }
+    server = Server(tokens=tokens)
+    try:
+        connect(server.location, token="admin-t").create_table(
+            "secret", pa.schema([("v", pa.int64())])
+        )
+        client = connect(server.location, token="reader-t")
+        calls: dict[str, Any] = {
+            "sql": lambda: client.sql("SELECT * FROM secret").read_all(),
+            "schema": lambda: client.schema("secret"),
+            "stats": lambda: client.stats("secret"),
+            "sink": lambda: client.sink("secret").write(pa.record_batch({"v": [1]})),
+        }
+        for call in calls.values():
+            with pytest.raises(pushtable.PermissionDeniedError, match="outside its scope"):
+                call()
+        assert [t["name"] for t in client.tables()] == []
+        with pytest.raises(pushtable.UnknownTableError, match="'events'"):
+            client.schema("events")
         client.close()
     finally:
         server.stop()

@@ -207,8 +207,10 @@ def test_the_audit_log_names_the_token_never_its_secret(
     caplog.set_level(logging.INFO, logger="pushtable.audit")
     with as_(secured, ADMIN) as ops:
         ops.create_table("events", SCHEMA)
-    with as_(secured, INGEST) as ingest, ingest.sink("events") as sink:
-        sink.write(batch(5))
+        result = ops.sql("SELECT count(*) AS n FROM events")
+        with as_(secured, INGEST) as ingest, ingest.sink("events") as sink:
+            sink.write(batch(5))
+        assert result.read_all().to_pydict() == {"n": [5]}
     with as_(secured, DASH) as dash, pytest.raises(PermissionDeniedError):
         push(dash, "events", batch(1))
     raw = flight.FlightClient(secured.location)
@@ -225,6 +227,8 @@ def test_the_audit_log_names_the_token_never_its_secret(
     assert put[0]["rows"] == 5
     assert put[0]["peer"].startswith("ipv4:127.0.0.1:")
     assert put[0]["duration_s"] >= 0
+    (query,) = [r for r in records if r["action"] == "do_get"]
+    assert (query["table"], query["token"], query["rows"]) == ("events", "ops", 1)
     created = [r for r in records if r["action"] == "create_table"]
     assert created == [created[0]]
     assert created[0]["token"] == "ops"

@@ -393,3 +393,23 @@ def test_the_dashboard_example_runs() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert "requests_seen_late" in done.stdout
     assert "     worst 00:00:00: {'worst_ms'" in done.stdout
+
+
+def test_a_servers_listing_shows_subscriptions_with_their_topic() -> None:
+    from pushtable.flight import Server, connect
+
+    server = Server()
+    try:
+        client = connect(server.location)
+        schema = pa.schema([("v", pa.int64())])
+        client.create_topic("ticks", schema)
+        client.subscribe("ticks", "ticks_live", capacity=4)
+        listed = {t["name"]: t for t in client.tables()}
+        assert listed["ticks"]["topic"]
+        assert listed["ticks"].get("subscription_of") is None
+        assert listed["ticks_live"]["subscription_of"] == "ticks"
+        assert listed["ticks_live"]["bound_batches"] == 4
+        assert client.schema("ticks_live") == schema
+        client.close()
+    finally:
+        server.stop()

@@ -164,6 +164,19 @@ def test_the_result_says_which_columns_key_its_changes(sql: str, key: list[str] 
     sink.close()
 
 
+def test_a_dataframe_derived_from_an_updating_query_keeps_its_key_while_it_keeps_the_columns() -> (
+    None
+):
+    ctx, sink = live()
+    df = ctx.sql("SELECT k, n, count(*) AS c FROM ev GROUP BY k, n")
+    assert df.upsert_key == ["k", "n"]
+    derived: list[Any] = [df.filter(datafusion.col("c") > 1), df.select("n", "k", "c")]
+    assert [d.upsert_key for d in derived] == [["k", "n"], ["k", "n"]]
+    narrowed: Any = df.select("k", "c")
+    assert narrowed.upsert_key is None  # a key column is gone: no key to upsert by
+    sink.close()
+
+
 def test_distinct_and_a_whole_input_aggregate_answer_as_rows_arrive() -> None:
     ctx, sink = live()
     distinct = Changes(ctx, "SELECT DISTINCT k FROM ev")

@@ -142,7 +142,7 @@ ACTIONS: dict[str, Action] = {
     "subscribe": Action(ADMIN, "subscribe to", Subscribe),
     "close": Action(WRITE, "close", Named),
     "fail": Action(WRITE, "fail", Fail),
-    "stats": Action((READ, WRITE), "read the stats of", Named),
+    "stats": Action((READ, WRITE), "see", Named),
     "tables": Action((READ, WRITE), "list tables", Listing),
     "publish": Action(ADMIN, "publish an epoch to", Publish),
     "published": Action(ADMIN, "read the published epoch of", Epochs),

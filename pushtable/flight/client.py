@@ -178,7 +178,8 @@ class Client:
         """The server's tables and topics: ``name``, ``topic``, ``schema`` and bound of each.
 
         The bound is the queue's: ``bound_batches`` and ``bound_bytes`` (capacity and
-        max_bytes, a topic's retain).
+        max_bytes, a topic's retain). A topic's subscriptions (what SQL reads) are listed
+        too, each with ``subscription_of`` naming its topic.
         """
         out = self._action("tables")
         for t in out:
@@ -212,10 +213,16 @@ class Client:
         return RemoteResult(self._transport.do_get(ticket))
 
     def schema(self, name: str) -> pa.Schema:
-        """The schema of table or topic ``name`` on the server; raises UnknownTableError if none."""
+        """The schema of table or topic ``name`` on the server.
+
+        Raises :class:`~pushtable.UnknownTableError` if there is none, and
+        :class:`~pushtable.PermissionDeniedError` if ``name`` is outside the token's scope (as
+        SQL and every other call naming a table do; listings leave such tables out).
+        """
         for t in self.tables():
             if t["name"] == name:
                 return t["schema"]
+        self._action("stats", {"name": name})  # the server's verdict: out of scope, or none
         raise UnknownTableError(f"no table named {name!r} on the server at {self.uri}")
 
     # -- producing and querying ---------------------------------------------------------

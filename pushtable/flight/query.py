@@ -26,12 +26,18 @@ import pyarrow.flight as flight
 
 from pushtable import _native, metrics
 from pushtable.context import SessionContext
-from pushtable.errors import ResourceLimitError, StatementRefusedError, UnsupportedCallError
+from pushtable.errors import (
+    ResourceLimitError,
+    StatementRefusedError,
+    UnknownTableError,
+    UnsupportedCallError,
+)
 from pushtable.flight import catalog, parameters, sql
 from pushtable.flight.auth import READ, caller
 from pushtable.flight.calls import POLL_S, Calls, audit, query_error, wire_errors
 from pushtable.flight.limits import Slot
 from pushtable.flight.tables import Tables
+from pushtable.topic import Topic
 
 
 @dataclass
@@ -79,6 +85,13 @@ class Queries:
             if refused is not None:
                 self._calls.usage.refused("statement")
                 raise refused from None
+            topics = [t for t in tables if isinstance(self._tables.find(t), Topic)]
+            if topics and "not found" in str(exc):
+                raise UnknownTableError(
+                    f"{topics[0]!r} is a topic, which SQL reads through a subscription: "
+                    f"client.subscribe({topics[0]!r}, 'its_name'), then SELECT ... FROM its_name "
+                    "(one subscription per query: each is a single-scan table)"
+                ) from exc
             raise query_error(exc) from exc
 
     def get_flight_info(self, context: Any, descriptor: Any) -> Any:
@@ -146,6 +159,8 @@ class Queries:
             query = body["sql"]
             if not isinstance(query, str):
                 raise ValueError(f'a DoGet ticket\'s "sql" is the query text, not {query!r}')
+        # the audit line names the tables the query reads (a query may read several)
+        call.record.table = ",".join(_native.table_references(query)) or None
         df = self._plan(context, query, params)
         schema = _described(df)
         slot = call.held.enter_context(self._calls.usage.query())

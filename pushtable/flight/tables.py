@@ -49,6 +49,8 @@ class Tables:
         self._lock = threading.Lock()
         self._tables: dict[str, TableSink | Topic] = {}
         self._budget: DataBudget | None = None
+        #: subscriptions registered in the session: name -> (topic, capacity)
+        self._subscriptions: dict[str, tuple[str, int]] = {}
         if data_dir is not None:  # every durable topic is back before calls arrive
             data_dir.mkdir(parents=True, exist_ok=True)
             self._budget = DataBudget(data_dir, usage.limits.max_data_bytes, usage)
@@ -197,7 +199,10 @@ class Tables:
             self._usage.refused("table_options")
             raise
         options["start"] = protocol.start_value(options.get("start", "now"))
-        topic.subscribe(self._ctx, options.pop("name"), **options)
+        name = options.pop("name")
+        topic.subscribe(self._ctx, name, **options)
+        with self._lock:
+            self._subscriptions[name] = (topic.name, options.get("capacity", 16))
         return {}
 
     def offsets(self, req: actions.Named, grant: Grant) -> Any:
@@ -243,6 +248,22 @@ class Tables:
                         "schema": protocol.schema_bytes(producer.schema),
                         "bound_batches": report.bound_batches,  # for a queue's fill
                         "bound_bytes": report.bound_bytes,
+                    }
+                )
+        with self._lock:
+            subscriptions = list(self._subscriptions.items())
+        for name, (topic, capacity) in subscriptions:
+            if grant.covers(name) and self._ctx.table_exist(name):
+                schema = self._ctx.table(name).schema()
+                out.append(
+                    {
+                        "name": name,
+                        "topic": False,
+                        "durable": False,
+                        "subscription_of": topic,  # read with SQL, as a single-scan table
+                        "schema": protocol.schema_bytes(schema),
+                        "bound_batches": capacity,
+                        "bound_bytes": None,
                     }
                 )
         return out

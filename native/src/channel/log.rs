@@ -106,7 +106,8 @@ pub(super) struct Cursor {
     pub(super) next: u64,
     pub(super) limits: Limits,
     pub(super) state: ReaderState,
-    /// The scan's idle partitions (one waker each; a table's scan may read with several).
+    /// The scan's idle partitions (one waker each; a table's scan may read with several):
+    /// every change wakes them all.
     pub(super) wakers: Vec<Waker>,
     /// The end-of-stream error (failure or detachment) was handed to a partition.
     pub(super) error_delivered: bool,

@@ -234,11 +234,14 @@ impl Channel {
                         if let Some(t) = token {
                             t.written.fetch_add(1, Ordering::SeqCst);
                         }
-                        // One idle partition of each reader is enough to take the batch.
+                        // Every waker a reader parked: one of its idle partitions takes the
+                        // batch, the others park again. Waking one only could wake a stale
+                        // waker (a stream polled from a new task keeps its old one parked too)
+                        // and leave the stream that waits asleep for good.
                         break Ok(st
                             .cursors
                             .iter_mut()
-                            .filter_map(|c| c.wakers.pop())
+                            .flat_map(|c| c.wakers.drain(..))
                             .collect());
                     }
                     Room::No(d) => due = d,
