@@ -20,12 +20,23 @@ from typing import Any
 import datafusion
 
 from pushtable import _native
-from pushtable.errors import InvalidQueryError, UnboundedQueryError, UnsupportedTableError
+from pushtable.errors import (
+    InvalidQueryError,
+    UnboundedQueryError,
+    UnsupportedTableError,
+    query_error,
+)
 
 __all__ = ["TableSources", "engine_threads", "plan_live", "split_emit_changes"]
 
 #: Spark's window functions, which only the engine has
 _SPARK_WINDOWS = re.compile(r"\b(session_)?window\s*\(", re.IGNORECASE)
+#: Spark's field access on a window, ``window(ts, '10 seconds').start`` (DataFusion's parser
+#: takes ``.start`` after a call for a column name): the arguments hold no parentheses
+#: deeper than one level (``INTERVAL`` literals, ``CAST(...)``)
+_WINDOW_FIELD = re.compile(
+    r"(\b(?:session_)?window\s*\((?:[^()]|\([^()]*\))*\))\s*\.\s*(start|end)\b", re.IGNORECASE
+)
 _EMIT_CHANGES = re.compile(r"\s+EMIT\s+CHANGES\s*;?\s*\Z", re.IGNORECASE)
 
 
@@ -174,6 +185,7 @@ def plan_live(
     argument of Spark's window functions or ``EMIT CHANGES`` over no live table.
     """
     sql, changes = split_emit_changes(sql)
+    sql = _WINDOW_FIELD.sub(lambda m: f"{m.group(1)}['{m.group(2).lower()}']", sql)
     names = _native.table_references(sql)
     live = [n for n in names if n in sources.live]
     if not live:
@@ -201,9 +213,14 @@ def plan_live(
         refused = UnboundedQueryError(why)
         refused.operator = operator
         raise refused from None
-    except RuntimeError:  # DataFusion's planning error (any other error is a bug: raised)
+    except RuntimeError as exc:  # DataFusion's planning error (any other error is a bug)
         if changes:
             raise
+        if _SPARK_WINDOWS.search(sql):  # only the engine knows them: its error is the answer
+            public = query_error(exc)
+            if public is not None:
+                raise public from None
+            raise InvalidQueryError(str(exc)) from None
         if unsupported and any(sources.live[n].ordered for n in live):
             name, what = next(iter(unsupported.items()))
             raise UnsupportedTableError(

@@ -65,14 +65,14 @@ def check(case: Case) -> None:
 HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large]
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=HEALTH)
+@settings(max_examples=300, deadline=None, suppress_health_check=HEALTH)
 @given(cases())
 def test_live_answers_equal_datafusions(case: Case) -> None:
     check(case)
 
 
 @pytest.mark.slow
-@settings(max_examples=3000, deadline=None, suppress_health_check=HEALTH)
+@settings(max_examples=5000, deadline=None, suppress_health_check=HEALTH)
 @given(cases())
 def test_live_answers_equal_datafusions_sweep(case: Case) -> None:
     check(case)

@@ -596,3 +596,40 @@ def test_remote_tables_take_arrival_time_and_bounded_disorder() -> None:
             assert stamped["k"].to_pylist() == [1, 2]
     finally:
         server.stop()
+
+
+def test_sparks_field_access_on_a_window_reads_its_start_and_end() -> None:
+    """``window(ts, '10 seconds').start`` as Spark writes it (DataFusion's parser takes
+    ``.start`` after a call for a column name): the same as ``window(...)['start']``."""
+    from pushtable import SessionContext
+
+    schema = pa.schema([("ts", pa.timestamp("us", tz="UTC")), ("v", pa.int64())])
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table("ev", schema, order_by="ts")
+    t0 = datetime(2026, 11, 26, tzinfo=timezone.utc)
+    df = ctx.sql(
+        "SELECT window(ts, '10 seconds').start AS w, window(ts,'10 seconds') . END AS e, "
+        "count(*) AS n FROM ev GROUP BY window(ts, '10 seconds')"
+    )
+    sink.write(
+        pa.record_batch({"ts": [t0, t0 + timedelta(seconds=12)], "v": [1, 2]}, schema=schema)
+    )
+    sink.close()
+    got = df.to_pydict()
+    assert got["w"] == [t0, t0 + timedelta(seconds=10)]
+    assert got["e"] == [t0 + timedelta(seconds=10), t0 + timedelta(seconds=20)]
+    assert got["n"] == [1, 1]
+
+
+def test_a_spark_window_query_the_engine_refuses_names_why_not_an_unknown_function() -> None:
+    """A windowed GROUP BY sorted by its count on an unbounded table: the sort's refusal,
+    at ctx.sql and from explain_live, never datafusion-python's "Invalid function 'window'"."""
+    from pushtable import SessionContext, UnboundedQueryError, explain_live
+
+    schema = pa.schema([("ts", pa.timestamp("us", tz="UTC")), ("v", pa.int64())])
+    ctx = SessionContext()
+    ctx.register_streaming_table("ev", schema, order_by="ts", unbounded=True)
+    sql = "SELECT window(ts, '10 seconds') AS w, count(*) AS n FROM ev GROUP BY 1 ORDER BY n DESC"
+    with pytest.raises(UnboundedQueryError, match="SortExec"):
+        ctx.sql(sql)
+    assert explain_live(ctx, sql).mode == "rejected"
