@@ -311,3 +311,25 @@ def test_stop_ends_the_page_s_query_on_the_server(tmp_path: Path) -> None:
         wait_until(lambda: server.metrics_report().queries == 0, "the server's query to end")
         assert browser.find_element(By.ID, "run").is_enabled()
         assert not browser.find_element(By.ID, "stop").is_enabled()
+
+
+def test_the_page_draws_a_window_by_its_start_and_nested_values_as_text() -> None:
+    """What the page receives for Spark's window struct, decimals, times, lists and structs
+    (the browser tests need Chromium; this is the server's half, always run)."""
+    from datetime import datetime, timezone
+    from decimal import Decimal
+
+    import pyarrow as pa
+
+    from pushtable.flight.ui import _display_type, _json_value
+
+    t0 = datetime(2026, 11, 26, 12, tzinfo=timezone.utc)
+    window = pa.struct(
+        [("start", pa.timestamp("us", tz="UTC")), ("end", pa.timestamp("us", tz="UTC"))]
+    )
+    assert _display_type(window) == "timestamp[us, tz=UTC]"
+    assert _display_type(pa.decimal128(10, 2)) == "double"
+    assert _json_value({"start": t0, "end": t0}) == "2026-11-26T12:00:00+00:00"
+    assert _json_value(Decimal("2.25")) == 2.25
+    assert _json_value({"a": 1, "b": None}) == "{a: 1, b: None}"
+    assert _json_value([1, None]) == "[1, None]"

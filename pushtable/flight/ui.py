@@ -19,6 +19,8 @@ import json
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
+from datetime import date, datetime, time
+from decimal import Decimal
 from importlib import resources
 from pathlib import Path
 from socketserver import ThreadingMixIn
@@ -63,11 +65,34 @@ def _static(name: str) -> bytes:
 
 
 def _json_value(value: Any) -> Any:
+    """A value as the page shows it: a window by its start, ISO times, numbers as numbers."""
     if isinstance(value, (int, float, str, bool)) or value is None:
         return value
     if isinstance(value, bytes):
         return value.hex()
-    return str(value)  # timestamps, decimals, dates: ISO-like text the chart can parse
+    if isinstance(value, Decimal):
+        return float(value)  # a chart's axis; the grid shows it as a number too
+    if isinstance(value, (datetime, date, time)):
+        return value.isoformat()  # Plotly reads ISO dates on a time axis
+    if isinstance(value, dict):
+        if _WINDOW.issubset(value):  # Spark's window struct<start, end>: by its start
+            return _json_value(value["start"])
+        return "{" + ", ".join(f"{k}: {_json_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):  # lists, and maps (a list of key/value pairs)
+        return "[" + ", ".join(str(_json_value(v)) for v in value) + "]"
+    return str(value)
+
+
+_WINDOW = {"start", "end"}
+
+
+def _display_type(t: pa.DataType) -> str:
+    """The type the page draws a column as (a window struct as its start, a decimal as a number)."""
+    if pa.types.is_struct(t) and {t.field(i).name for i in range(t.num_fields)} == _WINDOW:
+        return str(t.field("start").type)
+    if pa.types.is_decimal(t):
+        return "double"
+    return str(t)
 
 
 def _rows(batch: pa.RecordBatch) -> list[list[Any]]:
@@ -165,7 +190,10 @@ class UiApp:
             except Exception as exc:  # noqa: BLE001 - the page shows the server's message
                 yield _line({"error": str(exc)})
                 return
-            head: dict[str, Any] = {"columns": schema.names, "types": [str(f.type) for f in schema]}
+            head: dict[str, Any] = {
+                "columns": schema.names,
+                "types": [_display_type(f.type) for f in schema],
+            }
             key = (schema.metadata or {}).get(UPSERT_KEY)
             if key is not None:  # an updating aggregate: the page replaces rows by key
                 head["key"] = [schema.names.index(name) for name in json.loads(key)]

@@ -136,7 +136,9 @@ function drawChart() {
       for (const i of ys) {
         if (traces.length >= MAX_SERIES) break;
         const name = !keys.length ? columns[i] : ys.length > 1 ? `${key} · ${columns[i]}` : key;
-        traces.push({ x: rs.map((r) => r[0]), y: rs.map((r) => r[i]), name, mode: "lines+markers", type: "scatter", hovertemplate: "%{x}<br>%{y:,.4~f}<extra>%{fullData.name}</extra>" });
+        // Categories on the x axis (GROUP BY level) read as bars; times and numbers as lines.
+        const shape = textual(types[0]) ? { type: "bar" } : { mode: "lines+markers", type: "scatter" };
+        traces.push({ x: rs.map((r) => r[0]), y: rs.map((r) => r[i]), name, ...shape, hovertemplate: "%{x}<br>%{y:,.4~f}<extra>%{fullData.name}</extra>" });
       }
     }
     const by = keys.length ? ` per ${keys.map((i) => columns[i]).join(", ")}` : "";
