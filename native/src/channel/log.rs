@@ -106,9 +106,10 @@ pub(super) struct Cursor {
     pub(super) next: u64,
     pub(super) limits: Limits,
     pub(super) state: ReaderState,
-    /// The scan's idle partitions (one waker each; a table's scan may read with several):
-    /// every change wakes them all.
-    pub(super) wakers: Vec<Waker>,
+    /// The scan's idle partitions, one waker each, by stream (a table's scan may read with
+    /// several): a stream polled again with another waker replaces its own, so no stale
+    /// waker is ever the one a new batch wakes.
+    pub(super) wakers: Vec<(u64, Waker)>,
     /// The end-of-stream error (failure or detachment) was handed to a partition.
     pub(super) error_delivered: bool,
     /// Since when a producer has been waiting for this cursor without it reading.
@@ -273,7 +274,7 @@ impl State {
         c.state = ReaderState::Behind(message);
         c.next = self.first + self.log.len() as u64;
         self.stats.detached += 1;
-        for w in c.wakers.drain(..) {
+        for (_, w) in c.wakers.drain(..) {
             w.wake();
         }
     }

@@ -200,7 +200,7 @@ impl Channel {
     fn take_all_wakers(st: &mut State) -> Vec<Waker> {
         st.cursors
             .iter_mut()
-            .flat_map(|c| c.wakers.drain(..))
+            .flat_map(|c| c.wakers.drain(..).map(|(_, w)| w))
             .collect()
     }
 

@@ -234,14 +234,12 @@ impl Channel {
                         if let Some(t) = token {
                             t.written.fetch_add(1, Ordering::SeqCst);
                         }
-                        // Every waker a reader parked: one of its idle partitions takes the
-                        // batch, the others park again. Waking one only could wake a stale
-                        // waker (a stream polled from a new task keeps its old one parked too)
-                        // and leave the stream that waits asleep for good.
+                        // One idle partition of each reader is enough to take the batch (each
+                        // stream parks one waker, its newest: none of them is stale).
                         break Ok(st
                             .cursors
                             .iter_mut()
-                            .flat_map(|c| c.wakers.drain(..))
+                            .filter_map(|c| c.wakers.pop().map(|(_, w)| w))
                             .collect());
                     }
                     Room::No(d) => due = d,

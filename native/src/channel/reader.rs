@@ -144,6 +144,8 @@ impl Markers {
 /// empty batch, after every batch written before it and before any written after it.
 #[derive(Debug)]
 pub struct ReaderStream {
+    /// This stream's own key among its cursor's parked wakers.
+    id: u64,
     reader: Arc<Reader>,
     done: bool,
     markers: Option<Markers>,
@@ -153,7 +155,9 @@ pub struct ReaderStream {
 
 impl ReaderStream {
     pub fn new(reader: Arc<Reader>, markers: Option<Markers>) -> Self {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         Self {
+            id: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             reader,
             done: false,
             markers,
@@ -284,8 +288,12 @@ impl Stream for ReaderStream {
             crate::clock::wake_at(self.next_clock, cx.waker().clone());
         }
         let c = st.cursor(id).expect("cursor present");
-        if !c.wakers.iter().any(|w| w.will_wake(cx.waker())) {
-            c.wakers.push(cx.waker().clone());
+        let stream = self.id;
+        match c.wakers.iter_mut().find(|(s, _)| *s == stream) {
+            // Polled again, perhaps from another task: the newest waker replaces its own.
+            Some((_, w)) if !w.will_wake(cx.waker()) => *w = cx.waker().clone(),
+            Some(_) => {}
+            None => c.wakers.push((stream, cx.waker().clone())),
         }
         Poll::Pending
     }
