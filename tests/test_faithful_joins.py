@@ -149,6 +149,9 @@ JOINS = [
     "SELECT k FROM a WHERE k NOT IN (SELECT k FROM b)",
     "SELECT a.k, b.k AS bk FROM a JOIN b ON a.k < b.k",
     "SELECT count(*) AS n FROM a CROSS JOIN b",
+    # DataFusion 54 answers a scalar subquery whole before it executes its main input: found
+    # hanging by the differential check (the main input's table was not read meanwhile)
+    "SELECT k, v FROM a WHERE k > (SELECT avg(k) FROM b)",
 ]
 
 

@@ -9,12 +9,14 @@
 //! it as soon as it is raised.
 
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll};
 
 use datafusion::common::{DataFusionError, Result};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
+use futures::task::AtomicWaker;
 use futures::{Stream, StreamExt};
 
 use arrow::array::RecordBatch;
@@ -22,13 +24,11 @@ use arrow::array::RecordBatch;
 /// The abort cell of one engine session (a `SessionConfig` extension).
 #[derive(Debug, Default)]
 pub struct Abort {
-    state: Mutex<AbortState>,
-}
-
-#[derive(Debug, Default)]
-struct AbortState {
-    error: Option<Arc<DataFusionError>>,
-    waker: Option<Waker>,
+    /// Set once an error is raised: read without a lock on every poll.
+    raised: AtomicBool,
+    error: Mutex<Option<Arc<DataFusionError>>>,
+    /// The query's output stream, parked while its input has nothing.
+    waker: AtomicWaker,
 }
 
 impl Abort {
@@ -37,32 +37,23 @@ impl Abort {
         context.session_config().get_extension::<Abort>()
     }
 
-    fn state(&self) -> std::sync::MutexGuard<'_, AbortState> {
-        // A panic elsewhere cannot leave the cell half-changed: recover it.
-        self.state.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
     /// End the query with `error` (the first error raised wins); returns it, shared.
     pub fn raise(&self, error: DataFusionError) -> DataFusionError {
-        let mut st = self.state();
-        let error = Arc::clone(st.error.get_or_insert_with(|| Arc::new(error)));
-        let waker = st.waker.take();
-        drop(st);
-        if let Some(w) = waker {
-            w.wake();
-        }
+        // A panic elsewhere cannot leave the cell half-changed: recover it.
+        let mut held = self.error.lock().unwrap_or_else(|p| p.into_inner());
+        let error = Arc::clone(held.get_or_insert_with(|| Arc::new(error)));
+        drop(held);
+        self.raised.store(true, Ordering::Release);
+        self.waker.wake();
         DataFusionError::Shared(error)
     }
 
-    fn poll_error(&self, cx: &Context<'_>) -> Option<DataFusionError> {
-        let mut st = self.state();
-        match &st.error {
-            Some(e) => Some(DataFusionError::Shared(Arc::clone(e))),
-            None => {
-                st.waker = Some(cx.waker().clone());
-                None
-            }
+    fn error(&self) -> Option<DataFusionError> {
+        if !self.raised.load(Ordering::Acquire) {
+            return None;
         }
+        let held = self.error.lock().unwrap_or_else(|p| p.into_inner());
+        held.as_ref().map(|e| DataFusionError::Shared(Arc::clone(e)))
     }
 }
 
@@ -87,11 +78,24 @@ pub fn abortable(inner: SendableRecordBatchStream, abort: Arc<Abort>) -> Sendabl
             if self.done {
                 return Poll::Ready(None);
             }
-            if let Some(e) = self.abort.poll_error(cx) {
+            if let Some(e) = self.abort.error() {
                 self.done = true;
                 return Poll::Ready(Some(Err(e)));
             }
-            self.inner.poll_next_unpin(cx)
+            match self.inner.poll_next_unpin(cx) {
+                Poll::Pending => {
+                    // Parked, then checked again: a raise in between wakes this waker.
+                    self.abort.waker.register(cx.waker());
+                    match self.abort.error() {
+                        Some(e) => {
+                            self.done = true;
+                            Poll::Ready(Some(Err(e)))
+                        }
+                        None => Poll::Pending,
+                    }
+                }
+                ready => ready,
+            }
         }
     }
     let schema = inner.schema();

@@ -24,6 +24,8 @@ use datafusion::physical_plan::{
 use futures::StreamExt;
 
 use super::abort::{abortable, Abort};
+use super::readahead::ReadAheadExec;
+use super::shared_scan::SharedScanExec;
 use crate::plan::one_partition;
 use crate::provider::{exact_pushdown, filtered, plan_predicate, Predicate};
 
@@ -162,8 +164,10 @@ impl ExecutionPlan for QueryScanExec {
         _context: Arc<TaskContext>,
     ) -> Result<SendableRecordBatchStream> {
         let plan = self.once.take()?;
+        let reads_ahead = reads_ahead(&plan);
+        start_read_aheads(&plan, &self.once.task)?;
         let mut inner = plan.execute(0, Arc::clone(&self.once.task))?;
-        if let Some(abort) = Abort::of(&self.once.task) {
+        if let (true, Some(abort)) = (reads_ahead, Abort::of(&self.once.task)) {
             inner = abortable(inner, abort);
         }
         // Watermark markers stay inside the engine.
@@ -189,4 +193,24 @@ impl ExecutionPlan for QueryScanExec {
             (None, None) => stream,
         })
     }
+}
+
+/// Whether `plan` reads ahead of its operators somewhere (a read-ahead below a join, a shared
+/// scan): only there can a failure come that no operator above asks for (see [`Abort`]).
+fn reads_ahead(plan: &Arc<dyn ExecutionPlan>) -> bool {
+    plan.is::<ReadAheadExec>()
+        || plan.is::<SharedScanExec>()
+        || plan.children().into_iter().any(reads_ahead)
+}
+
+
+/// Starts every read-ahead of `plan` as the query starts: each reads its table from now on,
+/// whenever the operator above it executes it.
+fn start_read_aheads(plan: &Arc<dyn ExecutionPlan>, task: &Arc<TaskContext>) -> Result<()> {
+    if let Some(read_ahead) = plan.downcast_ref::<ReadAheadExec>() {
+        read_ahead.start(task)?;
+    }
+    plan.children()
+        .into_iter()
+        .try_for_each(|child| start_read_aheads(child, task))
 }

@@ -15,17 +15,36 @@ use datafusion::common::{DataFusionError, Result};
 use datafusion::execution::memory_pool::MemoryConsumer;
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
-use datafusion::physical_plan::{DisplayAs, DisplayFormatType, ExecutionPlan, PlanProperties};
+use datafusion::physical_plan::{
+    DisplayAs, DisplayFormatType, ExecutionPlan, ExecutionPlanProperties, PlanProperties,
+};
 use futures::StreamExt;
 
 /// Reads `input` eagerly into a queue (see the module's docs); same output, same order.
 pub struct ReadAheadExec {
     input: Arc<dyn ExecutionPlan>,
+    /// Started when the query starts ([`ReadAheadExec::start`]), by partition: an operator
+    /// above may execute its input only later (DataFusion's `ScalarSubqueryExec` runs its
+    /// subqueries to their end first), and the table's producer must be read meanwhile.
+    started: Mutex<Vec<Option<SendableRecordBatchStream>>>,
 }
 
 impl ReadAheadExec {
     pub fn new(input: Arc<dyn ExecutionPlan>) -> Self {
-        Self { input }
+        Self {
+            input,
+            started: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Start reading every partition now; `execute` then hands each one out.
+    pub fn start(&self, context: &Arc<TaskContext>) -> Result<()> {
+        let n = self.input.output_partitioning().partition_count();
+        let streams = (0..n)
+            .map(|p| self.read(p, Arc::clone(context)).map(Some))
+            .collect::<Result<Vec<_>>>()?;
+        *self.started.lock().unwrap_or_else(|p| p.into_inner()) = streams;
+        Ok(())
     }
 }
 
@@ -66,6 +85,26 @@ impl ExecutionPlan for ReadAheadExec {
     }
 
     fn execute(
+        &self,
+        partition: usize,
+        context: Arc<TaskContext>,
+    ) -> Result<SendableRecordBatchStream> {
+        let started = self
+            .started
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get_mut(partition)
+            .and_then(Option::take);
+        match started {
+            Some(stream) => Ok(stream),
+            None => self.read(partition, context),
+        }
+    }
+}
+
+impl ReadAheadExec {
+    /// Partition `partition` of the input, read by a task of its own into a queue.
+    fn read(
         &self,
         partition: usize,
         context: Arc<TaskContext>,
