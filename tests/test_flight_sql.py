@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from pushtable.flight import Client, Server, connect, sql
 from pushtable.flight.auth import Grant
+from pushtable.flight.catalog import sql_type_name
 from tests.conftest import SCHEMA, Background, batch, wait_until
 
 
@@ -143,6 +144,9 @@ def test_get_objects_at_each_depth_with_filters(browsed: Server) -> None:
         found = columns.to_pylist()[0]["catalog_db_schemas"][0]["db_schema_tables"]
         assert [t["table_name"] for t in found] == ["events"]
         assert [c["column_name"] for c in found[0]["table_columns"]] == ["k", "s", "ts"]
+        type_names = [c["xdbc_type_name"] for c in found[0]["table_columns"]]
+        assert type_names == [sql_type_name(f.type) for f in EVENTS]
+        assert None not in type_names
         none = conn.adbc_get_objects(depth="tables", catalog_filter="elsewhere").read_all()
         assert none.to_pylist() == []
         assert conn.adbc_get_table_schema("events").equals(EVENTS)

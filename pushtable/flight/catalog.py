@@ -308,9 +308,45 @@ def _tables(cmd: Command, tables: Sequence[tuple[str, pa.Schema]], version: str)
                 "table_type": TABLE_TYPE,
             }
             if cmd.flag(5):
-                row["table_schema"] = table_schema.serialize().to_pybytes()
+                row["table_schema"] = _typed(table_schema).serialize().to_pybytes()
             rows.append(row)
     return pa.Table.from_pylist(rows, schema=result_schema(cmd))
+
+
+#: Flight SQL's column metadata that ADBC's ``get_objects`` reads as ``xdbc_type_name``
+TYPE_NAME = b"ARROW:FLIGHT:SQL:TYPE_NAME"
+
+
+def sql_type_name(t: pa.DataType) -> str:
+    """How SQL names an Arrow type (the names of ``CommandGetXdbcTypeInfo``)."""
+    if pa.types.is_dictionary(t):
+        return sql_type_name(t.value_type)
+    checks = [
+        (pa.types.is_boolean, "BOOLEAN"),
+        (lambda x: pa.types.is_int8(x) or pa.types.is_uint8(x), "TINYINT"),
+        (lambda x: pa.types.is_int16(x) or pa.types.is_uint16(x), "SMALLINT"),
+        (lambda x: pa.types.is_int32(x) or pa.types.is_uint32(x), "INTEGER"),
+        (lambda x: pa.types.is_int64(x) or pa.types.is_uint64(x), "BIGINT"),
+        (pa.types.is_float32, "REAL"),
+        (pa.types.is_float64, "DOUBLE"),
+        (pa.types.is_decimal, "DECIMAL"),
+        (lambda x: pa.types.is_string(x) or pa.types.is_large_string(x), "VARCHAR"),
+        (lambda x: x == pa.string_view(), "VARCHAR"),
+        (lambda x: pa.types.is_binary(x) or pa.types.is_large_binary(x), "VARBINARY"),
+        (pa.types.is_date, "DATE"),
+        (pa.types.is_time, "TIME"),
+        (pa.types.is_timestamp, "TIMESTAMP"),
+    ]
+    return next((name for check, name in checks if check(t)), str(t).upper())
+
+
+def _typed(schema: pa.Schema) -> pa.Schema:
+    """``schema`` with each field's SQL type name in its Flight SQL metadata."""
+    fields = [
+        f.with_metadata({**(f.metadata or {}), TYPE_NAME: sql_type_name(f.type).encode()})
+        for f in schema
+    ]
+    return pa.schema(fields, metadata=schema.metadata)
 
 
 def _no_keys(cmd: Command, tables: Sequence[tuple[str, pa.Schema]], version: str) -> pa.Table:
