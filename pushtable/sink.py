@@ -54,8 +54,22 @@ def _public_error(exc: _native.NativeError) -> PushTableError:
     return public
 
 
-# Producers woken while the interpreter finalizes must not re-enter it (they park instead).
-atexit.register(_native.interpreter_finalizing)
+def _at_exit() -> None:
+    """Keep the interpreter's exit from aborting the process.
+
+    On Python < 3.14 a thread that takes the GIL once the interpreter finalizes is ended
+    with ``pthread_exit``, which aborts a process whose thread is inside native code
+    (``FATAL: exception not rethrown``). From here on native code parks any thread that
+    enters or leaves it, and the scans yield nothing more. The short pause lets threads
+    already waiting for the GIL take it *before* finalizing begins: they go on into native
+    code and park there, instead of being ended on the way back.
+    """
+    _native.interpreter_finalizing()
+    if threading.active_count() > 1:
+        time.sleep(0.05)
+
+
+atexit.register(_at_exit)
 
 
 def _on_main_thread() -> bool:

@@ -266,6 +266,59 @@ def test_interpreter_exits_cleanly_with_blocked_daemon_producers() -> None:
     assert "panic" not in done.stderr, done.stderr
 
 
+MID_POLL_SCRIPT = textwrap.dedent(
+    """
+    import sys, threading
+    import pyarrow as pa
+    from pushtable import SessionContext
+
+    schema = pa.schema([("x", pa.int64())])
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table("t", schema, capacity=2)
+    df = ctx.sql(sys.argv[1])
+    flowing = threading.Event()
+
+    def consume():
+        for _ in df.execute_stream():
+            flowing.set()
+
+    def produce():
+        i = 0
+        while True:
+            sink.write(pa.record_batch([pa.array([i, i + 1])], schema=schema))
+            i += 2
+
+    threading.Thread(target=consume, daemon=True).start()
+    threading.Thread(target=produce, daemon=True).start()
+    print("flowing", flowing.wait(30), flush=True)
+    # The interpreter exits with the query mid-poll and the producer mid-write.
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "sql",
+    ["SELECT x FROM t", "SELECT x % 3 AS k, count(*) AS n FROM t GROUP BY x % 3 EMIT CHANGES"],
+    ids=["scan", "updating"],
+)
+def test_interpreter_exits_cleanly_with_a_query_mid_poll_and_a_producer_mid_write(
+    sql: str,
+) -> None:
+    # Python < 3.14 ends a thread that takes the GIL while the interpreter finalizes with
+    # pthread_exit; inside native code that aborted the process ("FATAL: exception not
+    # rethrown", every run of three before the fix). Three runs, each must exit with 0.
+    for _ in range(3):
+        done = subprocess.run(
+            [sys.executable, "-c", MID_POLL_SCRIPT, sql],
+            capture_output=True,
+            text=True,
+            timeout=WAIT,
+        )
+        assert done.stdout.strip() == "flowing True", done.stdout + done.stderr
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert "FATAL" not in done.stderr, done.stderr[-2000:]
+
+
 # --- errors raised inside queries ---------------------------------------------------------
 
 

@@ -20,6 +20,7 @@ mod channel;
 mod clock;
 mod ctrl_c;
 mod engine;
+mod finalizing;
 mod import;
 mod order;
 mod provider;
@@ -167,7 +168,7 @@ fn batch_bytes(batch: Bound<'_, PyAny>) -> PyResult<usize> {
 /// Called once from an `atexit` hook: producers woken after this never re-enter Python.
 #[pyfunction]
 fn interpreter_finalizing() {
-    channel::set_finalizing();
+    finalizing::set();
 }
 
 /// Create a streaming table: returns `(sink, provider)`; register the provider with a

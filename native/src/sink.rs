@@ -135,11 +135,11 @@ impl Sink {
         };
         if self.full_check {
             // Every value (UTF-8, offsets, dictionary keys): work per byte, so without the GIL.
-            py.detach(|| check_values(&batch))
+            crate::finalizing::detach(py, || check_values(&batch))
                 .map_err(|(column, e)| invalid_column(name, &column, &e))?;
         }
         let channel = &self.channel;
-        let result = py.detach(|| {
+        let result = crate::finalizing::detach(py, || {
             // Only Python's main thread receives Ctrl-C: other producers never take the GIL
             // while they wait.
             let mut check = || Python::attach(ctrl_c::check);

@@ -28,6 +28,8 @@
 mod log;
 mod push;
 mod reader;
+#[cfg(test)]
+mod tests;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::Waker;
@@ -39,7 +41,7 @@ use crate::reorder::Reorder;
 
 use log::{Cursor, ReaderState, State};
 pub use log::{CursorStats, Limits, OnSlow, Retention, Start, Stats};
-pub use push::{set_finalizing, CancelToken, PushError};
+pub use push::{CancelToken, PushError};
 pub use reader::{CursorWatch, Markers, Prelude, Reader, ReaderStream, WatermarkCell};
 
 /// Whether a channel backs one table or a topic.

@@ -17,15 +17,6 @@ use crate::sizing::batch_bytes;
 /// How often a blocked *interruptible* producer (Python's main thread) checks for Ctrl-C.
 const TICK: Duration = Duration::from_millis(50);
 
-/// Set when the interpreter is finalizing: a producer woken after that never returns to
-/// Python (re-attaching a thread to a finalizing interpreter is undefined behaviour).
-static FINALIZING: AtomicBool = AtomicBool::new(false);
-
-/// Mark the interpreter as finalizing (called from an `atexit` hook).
-pub fn set_finalizing() {
-    FINALIZING.store(true, Ordering::SeqCst);
-}
-
 /// Why a push did not enqueue its batch.
 #[derive(Debug)]
 pub enum PushError<E> {
@@ -282,13 +273,11 @@ impl Channel {
                 }
                 None => waiter.wake.wait(st).unwrap_or_else(|p| p.into_inner()),
             };
-            if FINALIZING.load(Ordering::SeqCst) && tick.is_none() {
+            if tick.is_none() && crate::finalizing::is() {
                 // A daemon producer woken while the interpreter finalizes must not go back
-                // to Python: park it for good; the process is about to exit.
+                // to Python (see `finalizing`).
                 drop(st);
-                loop {
-                    std::thread::park();
-                }
+                crate::finalizing::park_forever();
             }
         };
         if let Some(me) = &me {

@@ -204,6 +204,11 @@ impl Stream for ReaderStream {
         if self.done {
             return Poll::Ready(None);
         }
+        if crate::finalizing::is() {
+            // The interpreter is exiting: the thread waiting on this query must stay in its
+            // wait, not return to Python (see `finalizing`). Never woken, by design.
+            return Poll::Pending;
+        }
         if let Some(item) = self.prelude_next() {
             if item.is_err() {
                 self.done = true;

@@ -53,7 +53,8 @@ impl Abort {
             return None;
         }
         let held = self.error.lock().unwrap_or_else(|p| p.into_inner());
-        held.as_ref().map(|e| DataFusionError::Shared(Arc::clone(e)))
+        held.as_ref()
+            .map(|e| DataFusionError::Shared(Arc::clone(e)))
     }
 }
 

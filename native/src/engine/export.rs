@@ -203,7 +203,6 @@ fn reads_ahead(plan: &Arc<dyn ExecutionPlan>) -> bool {
         || plan.children().into_iter().any(reads_ahead)
 }
 
-
 /// Starts every read-ahead of `plan` as the query starts: each reads its table from now on,
 /// whenever the operator above it executes it.
 fn start_read_aheads(plan: &Arc<dyn ExecutionPlan>, task: &Arc<TaskContext>) -> Result<()> {

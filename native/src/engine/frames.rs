@@ -17,9 +17,7 @@ use std::sync::Arc;
 use datafusion::common::{Result, ScalarValue};
 use datafusion::logical_expr::{WindowFrame, WindowFrameBound, WindowFrameUnits};
 use datafusion::physical_expr::expressions::Column;
-use datafusion::physical_expr::window::{
-    PlainAggregateWindowExpr, StandardWindowExpr, WindowExpr,
-};
+use datafusion::physical_expr::window::{PlainAggregateWindowExpr, StandardWindowExpr, WindowExpr};
 use datafusion::physical_expr::PhysicalExpr;
 use datafusion::physical_plan::coalesce_partitions::CoalescePartitionsExec;
 use datafusion::physical_plan::coop::CooperativeExec;
@@ -129,10 +127,7 @@ fn unique_key(plan: &Arc<dyn ExecutionPlan>) -> Option<HashSet<usize>> {
         let key = unique_key(filter.input())?;
         return match filter.projection() {
             None => Some(key),
-            Some(p) => key
-                .iter()
-                .map(|k| p.iter().position(|i| i == k))
-                .collect(),
+            Some(p) => key.iter().map(|k| p.iter().position(|i| i == k)).collect(),
         };
     }
     if let Some(projection) = plan.downcast_ref::<ProjectionExec>() {

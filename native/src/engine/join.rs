@@ -191,10 +191,9 @@ impl ExecutionPlan for LookupJoinExec {
         let build_input = self.build.execute(0, context)?;
         let keys: Vec<PhysicalExprRef> = self.on.iter().map(|(l, _)| Arc::clone(l)).collect();
         let nulls_match = self.null_equality == NullEquality::NullEqualsNull;
-        let building = async move {
-            BuildTable::collect(build_input, keys, nulls_match, reservation).await
-        }
-        .boxed();
+        let building =
+            async move { BuildTable::collect(build_input, keys, nulls_match, reservation).await }
+                .boxed();
         let stream = JoinStream {
             probe,
             state: State::Building(building),

@@ -228,7 +228,8 @@ fn uses_of_order(plan: &Arc<dyn ExecutionPlan>, out: &mut Vec<String>) -> bool {
             join_kind(&join.join_type()),
             null_rule(join.null_equality()),
             match read_ahead {
-                true => ", once its bounded live side has closed (the other side is read \
+                true =>
+                    ", once its bounded live side has closed (the other side is read \
                          ahead meanwhile, in the session's memory pool)",
                 false => "",
             }
@@ -447,7 +448,7 @@ impl PyEngine {
         let ctx = Arc::clone(&self.ctx);
         let text = sql.to_string();
         let runtime = runtime()?;
-        let planned = py.detach(move || {
+        let planned = crate::finalizing::detach(py, move || {
             runtime.block_on(async move {
                 let options = SQLOptions::new()
                     .with_allow_ddl(false)
@@ -484,7 +485,12 @@ impl PyEngine {
                 },
             }
         })?;
-        let names: Vec<String> = plan.schema().fields().iter().map(|f| f.name().clone()).collect();
+        let names: Vec<String> = plan
+            .schema()
+            .fields()
+            .iter()
+            .map(|f| f.name().clone())
+            .collect();
         let plan = with_unique_names(plan, &names, &qualified).map_err(py_err)?;
         let mut reasons = Vec::new();
         uses_of_order(&plan, &mut reasons);

@@ -198,7 +198,11 @@ impl fmt::Debug for SharedScanExec {
 
 impl DisplayAs for SharedScanExec {
     fn fmt_as(&self, t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
-        write!(f, "SharedScanExec: scan {} of a shared read, ", self.slot + 1)?;
+        write!(
+            f,
+            "SharedScanExec: scan {} of a shared read, ",
+            self.slot + 1
+        )?;
         self.scan.fmt_as(t, f)
     }
 }

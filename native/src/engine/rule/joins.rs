@@ -33,8 +33,8 @@ use datafusion::physical_plan::joins::{
     CrossJoinExec, HashJoinExec, NestedLoopJoinExec, PartitionMode, PiecewiseMergeJoinExec,
     SortMergeJoinExec, StreamJoinPartitionMode, SymmetricHashJoinExec,
 };
-use datafusion::physical_plan::scalar_subquery::ScalarSubqueryExec;
 use datafusion::physical_plan::projection::ProjectionExec;
+use datafusion::physical_plan::scalar_subquery::ScalarSubqueryExec;
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 
 use super::order::{leading_order_column, watermark_source};
@@ -95,7 +95,10 @@ fn scalar_subqueries(node: &Arc<dyn ExecutionPlan>) -> Result<Option<Arc<dyn Exe
     if live.iter().filter(|l| **l).count() < 2 {
         return Ok(None);
     }
-    if children[1..].iter().any(|c| reads_live(c) && c.boundedness().is_unbounded()) {
+    if children[1..]
+        .iter()
+        .any(|c| reads_live(c) && c.boundedness().is_unbounded())
+    {
         return plan_err!(
             "{REFUSED}ScalarSubqueryExec: a scalar subquery is answered whole before the query \
              reads a row, and this one reads an unbounded live table, which never ends; read \
@@ -206,7 +209,11 @@ enum Swap {
 
 /// `join` as a [`LookupJoinExec`] probing with its right input (its left after `Swap::Yes`),
 /// read ahead when `read_ahead`; DataFusion's join (swapped) where the lookup cannot run it.
-fn lookup(join: &HashJoinExec, swap: Swap, read_ahead: bool) -> Result<Option<Arc<dyn ExecutionPlan>>> {
+fn lookup(
+    join: &HashJoinExec,
+    swap: Swap,
+    read_ahead: bool,
+) -> Result<Option<Arc<dyn ExecutionPlan>>> {
     if join.null_aware {
         return Ok(None);
     }

@@ -72,17 +72,16 @@ impl PhysicalOptimizerRule for EmitOnWindowClose {
             .transform_up(|node| {
                 let new = match windows::window_aggregate(&node)? {
                     Some(new) => Some(new),
-                    None => match changelog::updating_aggregate(
-                        &node,
-                        self.changes,
-                        self.state_limit,
-                    )? {
-                        Some(new) => Some(new),
-                        None => match joins::join(&node)? {
+                    None => {
+                        match changelog::updating_aggregate(&node, self.changes, self.state_limit)?
+                        {
                             Some(new) => Some(new),
-                            None => windows::refit_window_function(&node)?,
-                        },
-                    },
+                            None => match joins::join(&node)? {
+                                Some(new) => Some(new),
+                                None => windows::refit_window_function(&node)?,
+                            },
+                        }
+                    }
                 };
                 Ok(match new {
                     Some(new) => Transformed::yes(new),

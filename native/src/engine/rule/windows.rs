@@ -30,7 +30,9 @@ use crate::engine::spark_windows::{
 };
 use crate::engine::window::{WindowAggregateExec, WINDOW_START};
 
-pub(super) fn window_aggregate(node: &Arc<dyn ExecutionPlan>) -> Result<Option<Arc<dyn ExecutionPlan>>> {
+pub(super) fn window_aggregate(
+    node: &Arc<dyn ExecutionPlan>,
+) -> Result<Option<Arc<dyn ExecutionPlan>>> {
     let Some(raw) = raw_aggregate(node) else {
         return Ok(None);
     };
@@ -263,7 +265,9 @@ pub(super) fn check_spark_windows_placed(plan: &Arc<dyn ExecutionPlan>) -> Resul
 
 /// A window function over an input whose order changed (a window aggregate below it now
 /// declares its output order): planned again to fit that order instead of sorting.
-pub(super) fn refit_window_function(node: &Arc<dyn ExecutionPlan>) -> Result<Option<Arc<dyn ExecutionPlan>>> {
+pub(super) fn refit_window_function(
+    node: &Arc<dyn ExecutionPlan>,
+) -> Result<Option<Arc<dyn ExecutionPlan>>> {
     let (exprs, input, keys) = if let Some(w) = node.downcast_ref::<BoundedWindowAggExec>() {
         (w.window_expr(), w.input(), w.partition_keys())
     } else if let Some(w) = node.downcast_ref::<WindowAggExec>() {
