@@ -32,7 +32,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -311,17 +311,19 @@ def upkeep(
     older_than: timedelta | None = None,
     compact: bool = True,
     exclude: Callable[[lance.LanceDataset], list[int]] | None = None,
+    floor: int | None = None,
     storage_options: dict[str, str] | None = None,
 ) -> None:
     """Compact small fragments, move the tags of ``keep``, then remove old versions and files.
 
     Compaction runs if ``compact``; each tag of ``keep`` moves to its version; then versions
-    older than ``older_than`` (never a tagged one) and the files no version needs are
-    removed. Commits may run meanwhile: Lance rebases them over the compaction; a compaction
-    that meets one it cannot rebase over (a deletion of the same fragments) is dropped, and
-    cleanup still runs. ``exclude`` names fragments compaction must leave alone (those a
-    retention delete may take meanwhile: the files of a compaction that lost to it would stay
-    on disk until Lance's 7-day sweep of unreferenced files).
+    older than ``older_than`` (never a tagged one, nor one at or above ``floor``: a reader
+    holds it) and the files no version needs are removed. Commits may run meanwhile: Lance
+    rebases them over the compaction; a compaction that meets one it cannot rebase over (a
+    deletion of the same fragments) is dropped, and cleanup still runs. ``exclude`` names
+    fragments compaction must leave alone (those a retention delete may take meanwhile: the
+    files of a compaction that lost to it would stay on disk until Lance's 7-day sweep of
+    unreferenced files).
     """
     ds = open_dataset(uri, storage_options)
     if ds is None:
@@ -338,5 +340,23 @@ def upkeep(
     ds = open_dataset(uri, storage_options) or ds
     for tag, version in (keep or {}).items():
         move_tag(ds, tag, version)
-    if older_than is not None:
+    if older_than is None:
+        return
+    if floor is None:
         ds.cleanup_old_versions(older_than=older_than, error_if_tagged_old_versions=False)
+    else:
+        held = floor
+        cutoff = datetime.now() - older_than  # Lance lists naive local times
+        old = [
+            int(v["version"])
+            for v in ds.versions()
+            if int(v["version"]) < held and _naive(v["timestamp"]) < cutoff
+        ]
+        if old:
+            ds.cleanup_old_versions(versions=old, error_if_tagged_old_versions=False)
+
+
+def _naive(when: Any) -> datetime:
+    """A version's ``timestamp`` as Lance lists it (a naive local time), naive and local."""
+    assert isinstance(when, datetime), when
+    return when if when.tzinfo is None else when.astimezone().replace(tzinfo=None)

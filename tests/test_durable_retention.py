@@ -9,6 +9,9 @@ with strace on the server process, on and off.
 
 from __future__ import annotations
 
+import gc
+import json
+import os
 import shutil
 import subprocess
 import time
@@ -22,7 +25,7 @@ import pyarrow as pa
 import pytest
 
 from pushtable import OffsetOutOfRangeError, SessionContext, Topic
-from pushtable.durable.store import OFFSET, LogStore, Stamp, StoredBatch
+from pushtable.durable.store import OFFSET, LogStore, Stamp, StoredBatch, directory_bytes
 from pushtable.flight import Client, connect
 from tests.conftest import WAIT
 from tests.test_durable_crash import Serve, free_port
@@ -71,7 +74,11 @@ def write_committed(client: Client, n: int, first: int = 0) -> None:
 
 def fragment_bytes(data_dir: Path) -> list[int]:
     """The bytes of each fragment of the topic's dataset, as Lance reports them."""
-    ds = lance.dataset(str(data_dir / "events.lance"))
+    return fragment_bytes_at(data_dir / "events.lance")
+
+
+def fragment_bytes_at(path: Path) -> list[int]:
+    ds = lance.dataset(str(path))
     return [sum(f.file_size_bytes or 0 for f in fr.metadata.files) for fr in ds.get_fragments()]
 
 
@@ -144,6 +151,82 @@ def test_retention_by_age_deletes_while_the_topic_is_idle(tmp_path: Path) -> Non
         assert again.durable.retention == timedelta(milliseconds=300)  # stored with the topic
     finally:
         again.close()
+
+
+def data_files(path: Path) -> set[str]:
+    return set(os.listdir(path / "data"))
+
+
+def test_retention_by_bytes_bounds_the_disk_not_only_the_history(tmp_path: Path) -> None:
+    """Deleted fragments leave the disk at once (not when their versions age out), and the
+    history stays within one commit of the bound: it is held after every commit."""
+    keep = 40_000
+    path = tmp_path / "events.lance"
+    topic = Topic("events", SCHEMA, persist=path, retention_bytes=keep, upkeep_interval=None)
+    try:
+        worst_history = worst_disk = biggest = 0
+        for i in range(60):
+            topic.write(batch(i))
+            topic.flush()  # one commit per batch: ten times the bound in all
+            sizes = fragment_bytes_at(path)
+            biggest = max(biggest, *sizes)
+            worst_history = max(worst_history, sum(sizes))
+            worst_disk = max(worst_disk, directory_bytes(path))
+        assert topic.offsets()["earliest"] > 50  # about four 10 KB fragments kept
+        assert worst_history <= keep + biggest, (worst_history, keep, biggest)
+        # What is not data: the few manifests and transaction files left (a few KB).
+        assert worst_disk <= keep + biggest + 32_000, (worst_disk, keep, biggest)
+    finally:
+        topic.close()
+
+
+def test_a_reader_keeps_the_version_it_reads_until_it_is_done(tmp_path: Path) -> None:
+    path = tmp_path / "events.lance"
+    keep = 120_000  # about twelve batches
+    topic = Topic("events", SCHEMA, persist=path, retention_bytes=keep, upkeep_interval=None)
+    log = topic.durable
+    assert log is not None
+    try:
+        for i in range(10):
+            topic.write(batch(i))
+            topic.flush()
+        reader = log.read(0, 10)  # not read yet: it holds the version it was opened at
+        held = data_files(path)
+        for i in range(10, 50):
+            topic.write(batch(i))
+            topic.flush()
+        assert topic.offsets()["earliest"] > 10  # retention deleted what the reader reads
+        assert held <= data_files(path)  # ... and kept the files for it
+        got = reader.read_all()
+        assert got.equals(pa.Table.from_batches([batch(i) for i in range(10)]))
+        del reader, got
+        gc.collect()
+        topic.write(batch(50))
+        topic.flush()  # the next deletion's cleanup is no longer held back
+        assert not held & data_files(path)
+        assert directory_bytes(path) <= keep + max(fragment_bytes_at(path)) + 32_000
+    finally:
+        topic.close()
+
+
+def test_a_data_dir_budget_near_the_retention_bound_is_not_used_up(tmp_path: Path) -> None:
+    """``max_data_bytes`` counts what is on disk, which retention now bounds: a topic written
+    at ten times its bound on a server whose budget is three times that bound is never
+    refused (the deleted fragments' files left the disk as they went)."""
+    config = tmp_path / "server.json"
+    config.write_text(json.dumps({"limits": {"max_data_bytes": 400_000}}))
+    port = free_port()
+    server = Serve(tmp_path / "data", port, "--config", str(config))
+    try:
+        client = connect(server.location)
+        client.create_topic("events", SCHEMA, durable=True, retention_bytes=120_000)
+        write_committed(client, 120)  # about 1.2 MB in all
+        offsets = client.offsets("events")
+        assert offsets["committed"] == 120
+        assert offsets["earliest"] > 100
+        assert directory_bytes(tmp_path / "data") <= 400_000
+    finally:
+        server.stop()
 
 
 def test_upkeep_does_not_compact_past_the_room_it_is_given(tmp_path: Path) -> None:

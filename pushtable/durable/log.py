@@ -368,7 +368,10 @@ class DurableLog:
                 continue
             self._took.append(time.monotonic() - started)
             self._succeeded(entries, stored, version)
-            if time.monotonic() - self._expired_at >= self._retention_check:
+            # A bound in bytes is held after every commit (the history stays within one
+            # commit of it); a bound in age at its own pace.
+            due = time.monotonic() - self._expired_at >= self._retention_check
+            if self.retention_bytes is not None or due:
                 with self._cond:
                     stamp = self._stamp()
                 self._expire(stamp)
@@ -377,17 +380,16 @@ class DurableLog:
 
     @property
     def _retention_check(self) -> float:
-        """Seconds between two retention checks: a tenth of the age kept, 0.1 s to 5 s.
+        """Seconds between two checks of a retention by age: a tenth of the age, 0.1 s to 5 s.
 
-        At most 0.5 s with a bound in bytes (a fast producer fills it quickly).
+        (A bound in bytes is checked after every commit: only a commit adds bytes.)
         """
-        every = 5.0 if self.retention_bytes is None else 0.5
         if self.retention is None:
-            return every
-        return min(every, max(0.1, self.retention.total_seconds() / 10))
+            return 5.0
+        return min(5.0, max(0.1, self.retention.total_seconds() / 10))
 
     def _retention_wait(self) -> float | None:
-        if self.retention is None and self.retention_bytes is None:
+        if self.retention is None:  # idle, only age moves on
             return None
         return max(0.0, self._expired_at + self._retention_check - time.monotonic())
 
@@ -420,6 +422,22 @@ class DurableLog:
             while self._tail and self._tail[0].offset < self._earliest:
                 self._tail_bytes -= self._tail.popleft().nbytes
             self.expirations += 1
+        self._release()
+
+    def _release(self) -> None:
+        """Remove the versions below the newest stamped commit that no reader holds.
+
+        Their files (fragments retention deleted, those a compaction replaced) leave the disk
+        now; a failure is logged, and upkeep's cleanup removes them later.
+        """
+        with self._cond:  # readers pin their version under this lock: none takes an older one
+            pinned = self.store.oldest_pinned()
+            stamped = self._version
+        floor = stamped if pinned is None else min(pinned, stamped)
+        try:
+            self.store.release(floor, stamped)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("cleanup of durable topic '%s' failed: %s", self.name, exc)
 
     def _gather(self) -> tuple[list[_Entry], dict[str, int], dict[str, int], int]:
         """Wait for the commit's moment, then take what it stores (holding ``_cond``).
@@ -496,6 +514,8 @@ class DurableLog:
         room = None if self.room is None else self.room()
         retained = self.retention is not None or self.retention_bytes is not None
         self.store.upkeep(self._keep_versions, room, spare_oldest=retained)
+        if retained:  # history is bounded by retention, not kept by version: free the rest
+            self._release()
 
     # -- reading ------------------------------------------------------------------------
 
@@ -530,6 +550,21 @@ class DurableLog:
             nxt, version, committed = self._next, self._version, self._committed
             recent = [*self._tail, *self._pending]
             earliest = self._earliest
+            pin = self.store.pin(version)
+        try:
+            return self._start_offset(start, nxt, version, committed, recent, earliest)
+        finally:
+            pin.release()
+
+    def _start_offset(
+        self,
+        start: Start,
+        nxt: int,
+        version: int,
+        committed: int,
+        recent: list[_Entry],
+        earliest: int,
+    ) -> int:
         if start == "earliest":
             return earliest
         if start in ("latest", "now"):
@@ -571,14 +606,19 @@ class DurableLog:
         with self._cond:  # the caller holds _order: no append moves these meanwhile
             committed, version, nxt = self._committed, self._version, self._next
             memory = [e for e in (*self._tail, *self._pending) if e.offset >= first]
+            from_store = first < nxt and not (memory and memory[0].offset == first)
+            # Held from here, under the lock retention's cleanup takes its floor under.
+            pin = self.store.pin(version) if from_store else None
         if first >= nxt:
             return None
         if first < self._earliest:  # retention deleted it between start_offset and here
+            if pin is not None:
+                pin.release()
             raise self._out_of_range(f"offset {first}", self._earliest, nxt)
         # The tail ends where the pending batches begin: memory is contiguous up to nxt.
         stored: pa.RecordBatchReader | None = None
-        if not (memory and memory[0].offset == first):
-            stored = self.store.read(first, committed, version)
+        if pin is not None:
+            stored = self.store.read(first, committed, version, pin)
             memory = [e for e in memory if e.offset >= committed]
 
         def batches() -> Iterator[pa.RecordBatch]:
@@ -592,16 +632,17 @@ class DurableLog:
     def read(self, start: int, end: int) -> pa.RecordBatchReader:
         """Committed offsets ``[start, end)``: the same rows each time they are read."""
         with self._cond:
-            committed, version = self._committed, self._version
+            committed, version, earliest = self._committed, self._version, self._earliest
             tail = [e for e in self._tail if start <= e.offset < end]
-        if not self._earliest <= start <= end <= committed:
-            raise self._out_of_range(
-                f"offsets [{start}, {end})", self._earliest, committed, "committed"
-            )
-        if tail and tail[0].offset == start and len(tail) == end - start:
+            in_memory = bool(tail) and tail[0].offset == start and len(tail) == end - start
+            ok = earliest <= start <= end <= committed
+            pin = self.store.pin(version) if ok and not in_memory else None
+        if not ok:
+            raise self._out_of_range(f"offsets [{start}, {end})", earliest, committed, "committed")
+        if pin is None:
             arrays = [pa.RecordBatch.from_arrays(e.batch.columns, schema=self.schema) for e in tail]
             return pa.RecordBatchReader.from_batches(self.schema, arrays)
-        return self.store.read(start, end, version)
+        return self.store.read(start, end, version, pin)
 
     def _out_of_range(
         self, what: str, earliest: int, end: int, kind: str = "the next batch's"

@@ -10,6 +10,7 @@ restart reads it back without scanning any data.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import json
@@ -17,7 +18,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+import weakref
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -105,6 +107,22 @@ class _Bounds:
     nbytes: int
 
 
+class Pin:
+    """A reader's hold on a version of the dataset (see :meth:`LogStore.pin`)."""
+
+    def __init__(self, store: LogStore, version: int) -> None:
+        self._store: LogStore | None = store
+        self.version = version
+        self._lock = threading.Lock()
+
+    def release(self) -> None:
+        """Let cleanup remove the version (idempotent)."""
+        with self._lock:
+            store, self._store = self._store, None
+        if store is not None:
+            store._unpin(self.version)
+
+
 class LogStore:
     """Appends, reads and upkeep of one durable topic's Lance dataset.
 
@@ -146,6 +164,11 @@ class LogStore:
         #: in flight had Lance rebase the compaction over it, and the rows came out of
         #: offset order (the rebased compaction's fragment after the appended ones).
         self._committing = threading.Lock()
+        #: versions readers hold (version -> readers): cleanup never removes them
+        self._pins: collections.Counter[int] = collections.Counter()
+        self._pins_lock = threading.Lock()
+        #: every version below this is removed (a lower bound: cleanup may have done more)
+        self._cleaned_below = 1
         ds = self._open()
         if ds is None:
             stamps = [pa.field(OFFSET, pa.int64(), False), pa.field(TIMESTAMP, _TIME_TYPE, False)]
@@ -320,10 +343,14 @@ class LogStore:
 
     # -- reading ------------------------------------------------------------------------
 
-    def read(self, start: int, end: int, version: int | None = None) -> pa.RecordBatchReader:
+    def read(
+        self, start: int, end: int, version: int | None = None, pin: Pin | None = None
+    ) -> pa.RecordBatchReader:
         """The rows of offsets ``[start, end)`` as of ``version``, in offset order.
 
-        Only the topic's columns are returned.
+        Only the topic's columns are returned. ``pin`` (from :meth:`pin`, taken where the
+        version was chosen) is released once the reader is exhausted, closed or collected:
+        until then :meth:`release` keeps the version's files.
         """
         ds = self._at(version)
         scanner = ds.scanner(
@@ -334,7 +361,39 @@ class LogStore:
         reader = scanner.to_reader()
         if not reader.schema.equals(self.schema):
             reader = reader.cast(self.schema)
-        return reader
+        if pin is None:
+            return reader
+
+        def batches() -> Iterator[pa.RecordBatch]:
+            try:
+                yield from reader
+            finally:
+                pin.release()
+
+        rows = batches()
+        weakref.finalize(rows, pin.release)  # a reader dropped unread
+        return pa.RecordBatchReader.from_batches(self.schema, rows)
+
+    def pin(self, version: int) -> Pin:
+        """Hold ``version``: :meth:`release` keeps it (and its files) until the pin is released.
+
+        Take it where the version is chosen, under the lock that orders it with the commit
+        after which :meth:`release` runs, so no release falls between the choice and the pin.
+        """
+        with self._pins_lock:
+            self._pins[version] += 1
+        return Pin(self, version)
+
+    def _unpin(self, version: int) -> None:
+        with self._pins_lock:
+            self._pins[version] -= 1
+            if self._pins[version] <= 0:
+                del self._pins[version]
+
+    def oldest_pinned(self) -> int | None:
+        """The oldest version a reader holds (None: none)."""
+        with self._pins_lock:
+            return min(self._pins, default=None)
 
     def offset_at(self, when: datetime, version: int | None = None) -> int | None:
         """The first offset that arrived at or after ``when`` (None: none stored)."""
@@ -350,6 +409,29 @@ class LogStore:
         return lance.dataset(self.uri, version=version, storage_options=self.storage_options)
 
     # -- upkeep -------------------------------------------------------------------------
+
+    def release(self, floor: int, stamped: int) -> int:
+        """Remove every version below ``floor``, and the files only they hold.
+
+        Called after retention deleted fragments (their files leave the disk now, not when
+        versions age out) and after upkeep compacted a topic with retention (the files it
+        replaced). ``floor`` is the oldest version still needed (the newest commit's,
+        or an older one a reader holds); ``stamped`` is a stamped version (the commit of the
+        deletion), which the restart tag moves to first, as a tagged version is never removed.
+        Returns the bytes removed.
+        """
+        with self._committing:  # one at a time, and not beside a compaction or a commit
+            if floor <= self._cleaned_below:
+                return 0
+            ds = self._open()  # its own handle: upkeep calls this too
+            assert ds is not None
+            lance_commits.move_tag(ds, TAG, stamped)
+            stats = ds.cleanup_old_versions(
+                versions=list(range(self._cleaned_below, floor)),
+                error_if_tagged_old_versions=False,
+            )
+            self._cleaned_below = floor
+        return int(stats.bytes_removed)
 
     def upkeep(
         self, keep_versions: timedelta, room: int | None = None, spare_oldest: bool = False
@@ -378,6 +460,7 @@ class LogStore:
                 exclude=_oldest_half if spare_oldest else None,
                 keep={TAG: self.recover().version},
                 older_than=keep_versions,
+                floor=self.oldest_pinned(),
                 storage_options=self.storage_options,
             )
 
