@@ -1,0 +1,103 @@
+"""The server a user would write instead of ``pushtable serve --data-dir``: a bench peer.
+
+A pyarrow Flight server whose DoPut appends the stream to a Lance dataset named by the
+descriptor's path (``<dir>/<name>.lance``): a committer thread takes every batch received
+since its last commit, writes them with ``lance.fragment.write_fragments``, commits one
+``Append`` and fsyncs both as a durable topic's commit is, then acknowledges the batches stored
+so far on the stream's metadata (their count, as text). Receiving overlaps the commit in flight,
+as a competent hand-rolled server would; it validates nothing beyond what pyarrow's reader
+does, stamps nothing, sequences no producers and serves no readers.
+
+Run as ``python -m pushtable.bench.lance_flight --dir D``: it prints its location and serves
+until killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import lance
+import pyarrow as pa
+import pyarrow.flight as flight
+
+from pushtable.lance_commits import sync_commit, sync_fragments
+
+#: batches the receiving side may hold ahead of the committer (then it waits)
+QUEUED = 1024
+
+
+class LanceFlightServer(flight.FlightServerBase):  # type: ignore[misc]
+    """DoPut: group-commit the stream into a Lance dataset, acknowledging each commit."""
+
+    def __init__(self, location: str, root: Path) -> None:
+        super().__init__(location)
+        self.root = root
+
+    def do_put(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
+        """Append the stream to ``<root>/<path>.lance``; acknowledge after each commit."""
+        uri = str(self.root / f"{descriptor.path[0].decode()}.lance")
+        ds = lance.write_dataset(reader.schema.empty_table(), uri, mode="create")
+        pending: queue.Queue[pa.RecordBatch | None] = queue.Queue(QUEUED)
+        failed: list[BaseException] = []
+
+        def commit_loop() -> None:
+            nonlocal ds
+            stored = 0
+            end = False
+            while not end:
+                group = [pending.get()]
+                while True:
+                    try:
+                        group.append(pending.get_nowait())
+                    except queue.Empty:
+                        break
+                end = group[-1] is None
+                batches = [b for b in group if b is not None]
+                if not batches:
+                    continue
+                try:
+                    table = pa.Table.from_batches(batches)
+                    fragments = lance.fragment.write_fragments(table, uri, schema=ds.schema)
+                    sync_fragments(uri, fragments)
+                    before = time.time_ns()
+                    op = lance.LanceOperation.Append(fragments)
+                    ds = lance.LanceDataset.commit(ds, lance.Transaction(ds.version, op))
+                    sync_commit(ds, before)
+                except BaseException as exc:  # noqa: BLE001 (reported to the client below)
+                    failed.append(exc)
+                    return
+                stored += len(batches)
+                writer.write(pa.py_buffer(str(stored).encode()))
+
+        committer = threading.Thread(target=commit_loop, daemon=True)
+        committer.start()
+        while not failed:
+            try:
+                chunk = reader.read_chunk()
+            except StopIteration:
+                break
+            pending.put(chunk.data)
+        pending.put(None)
+        committer.join()
+        if failed:
+            raise flight.FlightServerError(f"commit failed: {failed[0]}")
+
+
+def main() -> None:
+    """Serve on a free loopback port until stopped; print the address."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", required=True, type=Path)
+    args = parser.parse_args()
+    args.dir.mkdir(parents=True, exist_ok=True)
+    server = LanceFlightServer("grpc://127.0.0.1:0", args.dir)
+    print(f"lance flight: listening on grpc://127.0.0.1:{server.port}", flush=True)
+    server.serve()
+
+
+if __name__ == "__main__":
+    main()
