@@ -28,7 +28,7 @@ from pushtable.errors import (
 )
 from pushtable.flight import Limits, Server, connect, protocol
 from pushtable.flight.auth import Grant
-from pushtable.flight.idempotent import IdempotentSink
+from pushtable.flight.idempotent import DURABLE_WINDOW, IdempotentSink
 from tests.conftest import WAIT, Background
 
 SCHEMA = pa.schema([("k", pa.int64()), ("s", pa.string())])
@@ -335,7 +335,7 @@ def test_a_durable_producer_keeps_at_most_window_bytes_in_flight(durable_server:
     batch = rows(0, 1000)
     sink = client.sink("t", producer_id="p", window_bytes=2 * batch.get_total_buffer_size() + 1)
     assert isinstance(sink, IdempotentSink)
-    assert sink.window == 32  # the count bound is far
+    assert sink.window == DURABLE_WINDOW == 256  # the count bound is far
     for i in range(6):
         sink.write(rows(1000 * i, 1000), timeout=WAIT)
         assert sink.unacknowledged <= 3  # the one just sent and two before it at most

@@ -32,6 +32,7 @@ import numpy as np
 import pyarrow as pa
 
 from pushtable import SessionContext, Topic
+from pushtable.durable.store import STORAGE_VERSION
 from pushtable.lance_commits import sync_commit, sync_fragments
 
 SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.float64()), ("s", pa.string())])
@@ -96,7 +97,9 @@ def _remote(durable: bool, data: list[pa.RecordBatch], count: int, where: Path) 
         return elapsed
 
 
-def _peer(data: list[pa.RecordBatch], count: int, where: Path) -> float:
+def _peer(
+    data: list[pa.RecordBatch], count: int, where: Path, storage_version: str | None = None
+) -> float:
     """The hand-rolled server (:mod:`pushtable.bench.lance_flight`) in its own process.
 
     One DoPut of the same batches through pyarrow's own client, timed to the last
@@ -107,7 +110,8 @@ def _peer(data: list[pa.RecordBatch], count: int, where: Path) -> float:
     from pushtable.bench.flight import server_process
 
     root = str(where / f"p{time.monotonic_ns()}")
-    with server_process("pushtable.bench.lance_flight", "--dir", root) as uri:
+    version = () if storage_version is None else ("--storage-version", storage_version)
+    with server_process("pushtable.bench.lance_flight", "--dir", root, *version) as uri:
         client = flight.FlightClient(uri)
         started = time.perf_counter()
         writer, acks = client.do_put(flight.FlightDescriptor.for_path("t"), SCHEMA)
@@ -130,7 +134,7 @@ def _lance(data: list[pa.RecordBatch], count: int, where: Path, stored: bool = F
     """Lance's own write of the same batches in one process.
 
     ``write_fragments`` of all of them, then one commit, each fsync'd as a durable topic's
-    commit is. With ``stored``, the batches carry the two columns a topic stores with each
+    commit is, in a dataset of the Lance file version a topic's has (``STORAGE_VERSION``). With ``stored``, the batches carry the two columns a topic stores with each
     row (``_offset``, ``_timestamp``), made before the clock starts: the table as stored.
     """
     uri = str(where / f"l{time.monotonic_ns()}.lance")
@@ -152,7 +156,7 @@ def _lance(data: list[pa.RecordBatch], count: int, where: Path, stored: bool = F
             )
             for i, b in enumerate(given)
         ]
-    ds = lance.write_dataset(schema.empty_table(), uri)
+    ds = lance.write_dataset(schema.empty_table(), uri, data_storage_version=STORAGE_VERSION)
     started = time.perf_counter()
     reader = pa.RecordBatchReader.from_batches(schema, iter(given))
     fragments = lance.fragment.write_fragments(reader, uri, schema=ds.schema)
@@ -176,7 +180,7 @@ def ingest(quick: bool, where: Path) -> list[dict[str, Any]]:
         data = batches(rows)
         count = max(16, (4_000_000 if quick else 20_000_000) // rows)
         local: dict[str, list[float]] = {"memory": [], "durable": [], "lance": [], "stored": []}
-        remote: dict[str, list[float]] = {"memory": [], "durable": [], "peer": []}
+        remote: dict[str, list[float]] = {"memory": [], "durable": [], "peer": [], "peer21": []}
         for _ in range(rounds):
             local["memory"].append(_local(False, data, count, where))
             local["durable"].append(_local(True, data, count, where))
@@ -185,6 +189,7 @@ def ingest(quick: bool, where: Path) -> list[dict[str, Any]]:
             remote["memory"].append(_remote(False, data, count, where))
             remote["durable"].append(_remote(True, data, count, where))
             remote["peer"].append(_peer(data, count, where))
+            remote["peer21"].append(_peer(data, count, where, STORAGE_VERSION))
 
         def rate(times: list[float], total: int = count * rows) -> float:
             return total / statistics.median(times) / 1e6
@@ -215,6 +220,8 @@ def ingest(quick: bool, where: Path) -> list[dict[str, Any]]:
                 "durable_m_rows_s": rate(remote["durable"]),
                 "ratio": rate(remote["durable"]) / rate(remote["memory"]),
                 "peer_m_rows_s": rate(remote["peer"]),
+                "peer_same_format_m_rows_s": rate(remote["peer21"]),
+                "vs_peer_same_format": rate(remote["durable"]) / rate(remote["peer21"]),
                 "yardstick_m_rows_s": rate(remote["peer"]),
                 "vs_yardstick": rate(remote["durable"]) / rate(remote["peer"]),
                 "goal": 1.0,
@@ -487,6 +494,11 @@ def table(result: dict[str, Any]) -> str:
             lines.append(
                 f"{'':<11} Lance without the two columns {r['lance_m_rows_s']:.1f} M rows/s: "
                 f"they cost {r['columns_cost']:.0%} of its rate"
+            )
+        else:
+            lines.append(
+                f"{'':<11} the peer with a topic's Lance file version ({STORAGE_VERSION}): "
+                f"{r['peer_same_format_m_rows_s']:.1f} M rows/s ({r['vs_peer_same_format']:.2f}x)"
             )
     for mode, a in result["ack"].items():
         lines.append(

@@ -5,11 +5,13 @@ descriptor's path (``<dir>/<name>.lance``): a committer thread takes every batch
 since its last commit, writes them with ``lance.fragment.write_fragments``, commits one
 ``Append`` and fsyncs both as a durable topic's commit is, then acknowledges the batches stored
 so far on the stream's metadata (their count, as text). Receiving overlaps the commit in flight,
-as a competent hand-rolled server would; it validates nothing beyond what pyarrow's reader
-does, stamps nothing, sequences no producers and serves no readers.
+as a competent hand-rolled server would. Buffers the network left unaligned (Lance's writer
+panics on them) are copied with the same copy-only-what-is-off helper a durable topic uses. It
+validates nothing beyond what pyarrow's reader does, stamps nothing, sequences no producers and
+serves no readers.
 
-Run as ``python -m pushtable.bench.lance_flight --dir D``: it prints its location and serves
-until killed.
+Run as ``python -m pushtable.bench.lance_flight --dir D [--storage-version 2.1]``: it prints
+its location and serves until killed.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from pushtable.lance_commits import sync_commit, sync_fragments
+from pushtable.lance_epochs import aligned
 
 #: batches the receiving side may hold ahead of the committer (then it waits)
 QUEUED = 1024
@@ -34,14 +37,21 @@ QUEUED = 1024
 class LanceFlightServer(flight.FlightServerBase):  # type: ignore[misc]
     """DoPut: group-commit the stream into a Lance dataset, acknowledging each commit."""
 
-    def __init__(self, location: str, root: Path) -> None:
+    def __init__(self, location: str, root: Path, storage_version: str | None = None) -> None:
         super().__init__(location)
         self.root = root
+        #: the Lance file version of the datasets it creates (None: Lance's default)
+        self.storage_version = storage_version
 
     def do_put(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
         """Append the stream to ``<root>/<path>.lance``; acknowledge after each commit."""
         uri = str(self.root / f"{descriptor.path[0].decode()}.lance")
-        ds = lance.write_dataset(reader.schema.empty_table(), uri, mode="create")
+        ds = lance.write_dataset(
+            reader.schema.empty_table(),
+            uri,
+            mode="create",
+            data_storage_version=self.storage_version,  # type: ignore[arg-type]
+        )
         pending: queue.Queue[pa.RecordBatch | None] = queue.Queue(QUEUED)
         failed: list[BaseException] = []
 
@@ -61,7 +71,7 @@ class LanceFlightServer(flight.FlightServerBase):  # type: ignore[misc]
                 if not batches:
                     continue
                 try:
-                    table = pa.Table.from_batches(batches)
+                    table = aligned(pa.Table.from_batches(batches))
                     fragments = lance.fragment.write_fragments(table, uri, schema=ds.schema)
                     sync_fragments(uri, fragments)
                     before = time.time_ns()
@@ -92,9 +102,10 @@ def main() -> None:
     """Serve on a free loopback port until stopped; print the address."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", required=True, type=Path)
+    parser.add_argument("--storage-version", help="Lance file version (default: Lance's)")
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
-    server = LanceFlightServer("grpc://127.0.0.1:0", args.dir)
+    server = LanceFlightServer("grpc://127.0.0.1:0", args.dir, args.storage_version)
     print(f"lance flight: listening on grpc://127.0.0.1:{server.port}", flush=True)
     server.serve()
 

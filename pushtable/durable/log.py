@@ -22,6 +22,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -29,7 +30,7 @@ from typing import Any
 
 import pyarrow as pa
 
-from pushtable.durable.store import LogStore, Stamp, StoredBatch, micros, now_us
+from pushtable.durable.store import LogStore, Stamp, StoredBatch, Written, micros, now_us
 from pushtable.errors import (
     CommitFailedError,
     OffsetOutOfRangeError,
@@ -101,6 +102,23 @@ class _Entry:
     nbytes: int
     producer: str | None
     sequence: int | None
+
+
+#: groups whose fragments are written at once while the group before them commits
+ENCODERS = 2
+
+
+@dataclass
+class _Group:
+    """One group commit in the pipeline.
+
+    Its batches, the producer sequences its stamp records, and the write of its fragments.
+    """
+
+    entries: list[_Entry]
+    stored: dict[str, int]
+    written: Future[Written]
+    started: float
 
 
 class DurableLog:
@@ -334,40 +352,57 @@ class DurableLog:
     # -- the committer ------------------------------------------------------------------
 
     def _commit_loop(self) -> None:
+        """Group commits, pipelined.
+
+        While one group commits here, the fragments of the next :data:`ENCODERS` groups are
+        written on threads of their own (Lance's encoder releases the GIL): groups are taken
+        once due (their oldest batch waited ``commit_interval``, or a producer waits), so a
+        saturated topic keeps every stage busy, and a slower one commits once per interval
+        as before. Commits land in offset order.
+        """
+        encoder = ThreadPoolExecutor(ENCODERS, thread_name_prefix=f"pushtable-encode-{self.name}")
+        try:
+            self._commit_groups(encoder)
+        finally:
+            encoder.shutdown(wait=True)
+
+    def _commit_groups(self, encoder: ThreadPoolExecutor) -> None:
+        ahead: deque[_Group] = deque()  # gathered and being written, not yet committed
         while True:
-            with self._cond:
-                while not self._pending and not self._closing:
-                    if not self._cond.wait(self._retention_wait()):
-                        break
-                if not self._pending and self._closing:
-                    return  # closing with nothing left
-                idle = None if self._pending else self._stamp()
-                if idle is None:
-                    entries, stored, consumers, earliest = self._gather()
-            if idle is not None:  # nothing to commit: retention still deletes what ages out
-                self._expire(idle)
-                continue
-            for e in entries:
-                if e.producer is not None:
-                    assert e.sequence is not None
-                    stored[e.producer] = e.sequence
-            started = time.monotonic()
+            if not ahead:
+                with self._cond:
+                    while not self._pending and not self._closing:
+                        if not self._cond.wait(self._retention_wait()):
+                            break
+                    if not self._pending and self._closing:
+                        return  # closing with nothing left
+                    idle = None if self._pending else self._stamp()
+                    if idle is None:
+                        ahead.append(self._group(encoder, self._gather(), dict(self._stored)))
+                if idle is not None:  # nothing to commit: retention still deletes what ages out
+                    self._expire(idle)
+                    continue
+            current = ahead.popleft()
+            self._take_due(encoder, current, ahead)
             try:
-                version = self.store.append(
-                    [StoredBatch(e.offset, e.time_us, e.batch) for e in entries],
-                    Stamp(entries[-1].offset + 1, stored, consumers, earliest),
-                )
+                written = current.written.result()
+                with self._cond:  # as of now: retention or a consumer may have moved meanwhile
+                    consumers, earliest = dict(self._consumers), self._earliest
+                last = current.entries[-1].offset
+                stamp = Stamp(last + 1, current.stored, consumers, earliest)
+                version = self.store.commit_written(written, stamp)
             except BaseException as exc:  # I/O, a full disk, a read-only dir, a Lance panic
                 if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                     raise
-                self._failed(entries, exc)
+                ahead.clear()  # written after a group not stored: gathered again, from it
+                self._failed(current.entries, exc)
                 with self._cond:  # retry after an interval (sooner if a producer waits)
                     self._cond.wait_for(lambda: self._closed or self._urgent, self.commit_interval)
                     if self._closed:
                         return
                 continue
-            self._took.append(time.monotonic() - started)
-            self._succeeded(entries, stored, version)
+            self._took.append(time.monotonic() - current.started)
+            self._succeeded(current.entries, current.stored, version)
             # A bound in bytes is held after every commit (the history stays within one
             # commit of it); a bound in age at its own pace.
             due = time.monotonic() - self._expired_at >= self._retention_check
@@ -375,6 +410,31 @@ class DurableLog:
                 with self._cond:
                     stamp = self._stamp()
                 self._expire(stamp)
+
+    def _take_due(self, encoder: ThreadPoolExecutor, current: _Group, ahead: deque[_Group]) -> None:
+        """Hand the encoder what is due beyond the groups in flight, while ``current`` commits."""
+        with self._cond:
+            if len(ahead) >= ENCODERS:
+                return
+            flight = len(current.entries) + sum(len(g.entries) for g in ahead)
+            more = list(self._pending)[flight:]
+            now = time.monotonic()
+            if more and (self._urgent or self._closing or self._due(more[0]) <= now):
+                self._urgent = False
+                base = ahead[-1].stored if ahead else current.stored
+                ahead.append(self._group(encoder, more, base))
+
+    def _group(
+        self, encoder: ThreadPoolExecutor, entries: list[_Entry], stored: dict[str, int]
+    ) -> _Group:
+        """``entries`` handed to the encoder; ``stored`` is what the commit before says."""
+        stored = dict(stored)
+        for e in entries:
+            if e.producer is not None:
+                assert e.sequence is not None
+                stored[e.producer] = e.sequence
+        batches = [StoredBatch(e.offset, e.time_us, e.batch) for e in entries]
+        return _Group(entries, stored, encoder.submit(self.store.write, batches), time.monotonic())
 
     # -- retention ----------------------------------------------------------------------
 
@@ -439,20 +499,23 @@ class DurableLog:
         except Exception as exc:  # noqa: BLE001
             log.warning("cleanup of durable topic '%s' failed: %s", self.name, exc)
 
-    def _gather(self) -> tuple[list[_Entry], dict[str, int], dict[str, int], int]:
+    def _gather(self) -> list[_Entry]:
         """Wait for the commit's moment, then take what it stores (holding ``_cond``).
 
         The oldest waiting batch is to be stored one interval after it arrived: the commit
         starts early by what recent commits took (their slowest of 8).
         """
-        lead = min(max(self._took, default=0.0), self.commit_interval)
-        waited = time.time() - self._pending[0].time_us / 1e6
-        due = time.monotonic() + max(0.0, self.commit_interval - lead - waited)
+        due = self._due(self._pending[0])
         while not (self._urgent or self._closing) and time.monotonic() < due:
             self._cond.wait(max(0.0, due - time.monotonic()))
         self._urgent = False
-        entries = list(self._pending)
-        return entries, dict(self._stored), dict(self._consumers), self._earliest
+        return list(self._pending)
+
+    def _due(self, oldest: _Entry) -> float:
+        """When a group whose oldest batch is ``oldest`` is to start (monotonic seconds)."""
+        lead = min(max(self._took, default=0.0), self.commit_interval)
+        waited = time.time() - oldest.time_us / 1e6
+        return time.monotonic() + max(0.0, self.commit_interval - lead - waited)
 
     def _failed(self, entries: list[_Entry], exc: BaseException) -> None:
         error = CommitFailedError(

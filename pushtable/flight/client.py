@@ -242,7 +242,7 @@ class Client:
 
         With ``producer_id`` (a durable topic), an :class:`IdempotentSink`: its batches are
         numbered, kept until stored, and sent again after an outage of up to ``retry``
-        seconds without being stored twice. Its window defaults to 32 batches and 64 MiB
+        seconds without being stored twice. Its window defaults to 256 batches and 64 MiB
         (``window_bytes``): a durable topic acknowledges a batch once a group commit stores it.
         """
         sink: RemoteSink

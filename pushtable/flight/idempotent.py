@@ -30,8 +30,10 @@ from pushtable.producer import arrow_batches, check_timeout
 
 __all__ = ["DURABLE_WINDOW", "DURABLE_WINDOW_BYTES", "IdempotentSink"]
 
-#: A durable producer's default window: batches in flight...
-DURABLE_WINDOW = 32
+#: A durable producer's default window: batches in flight... (wide enough that the next group
+#: commits fill while one is written: with 32, a topic of 8,192-row batches over Flight
+#: committed in groups of 32 and its encoder waited for them; docs/benchmarks.md)
+DURABLE_WINDOW = 256
 #: ...and their bytes (Arrow buffer sizes), whichever bound is reached first.
 DURABLE_WINDOW_BYTES = 64 * 1024 * 1024
 
@@ -85,7 +87,9 @@ class IdempotentSink(RemoteSink):
         self.retry = check_timeout(retry)
         last = transport.action("producer", {"name": name, "producer_id": producer_id})
         self._next_sequence = int(last["sequence"]) + 1
-        self._unacked: collections.deque[tuple[int, pa.RecordBatch]] = collections.deque()
+        #: (sequence, batch, its bytes), oldest first; ``_unacked_bytes`` is their total
+        self._unacked: collections.deque[tuple[int, pa.RecordBatch, int]] = collections.deque()
+        self._unacked_bytes = 0
         self._first = 0  # the sequence of the open stream's first batch
         self._sent_upto = -1  # the last sequence sent on the open stream
 
@@ -115,7 +119,20 @@ class IdempotentSink(RemoteSink):
         if self._put is not None:
             done = self._first + self._put.acked
             while self._unacked and self._unacked[0][0] < done:
-                self._unacked.popleft()
+                self._unacked_bytes -= self._unacked.popleft()[2]
+
+    def _unsent(self) -> list[tuple[int, pa.RecordBatch, int]]:
+        """The batches the open stream has not carried yet (the newest), oldest first.
+
+        O(unsent), not O(window): a write sends one.
+        """
+        out = []
+        for item in reversed(self._unacked):
+            if item[0] <= self._sent_upto:
+                break
+            out.append(item)
+        out.reverse()
+        return out
 
     def _pump(self, most_unacked: int | None, deadline: float | None) -> None:
         """Send what the open stream has not carried yet, then wait for acknowledgements.
@@ -128,9 +145,7 @@ class IdempotentSink(RemoteSink):
         while True:
             try:
                 put = self._stream()
-                for sequence, batch in list(self._unacked):
-                    if sequence <= self._sent_upto:
-                        continue
+                for sequence, batch, _ in self._unsent():
                     room = self.window - 1
                     if not put.wait(room, deadline) or not self._bytes_fit(put, batch, deadline):
                         raise WriteTimeoutError(
@@ -172,9 +187,7 @@ class IdempotentSink(RemoteSink):
         size = batch.get_total_buffer_size()
         while put.sent > put.acked:
             self._trim()
-            in_flight = sum(
-                b.get_total_buffer_size() for seq, b in self._unacked if seq <= self._sent_upto
-            )
+            in_flight = self._unacked_bytes - sum(b for _, _, b in self._unsent())
             if in_flight + size <= self.window_bytes:
                 return True
             if not put.wait(put.sent - put.acked - 1, deadline):
@@ -186,7 +199,7 @@ class IdempotentSink(RemoteSink):
         super()._drop_stream()
 
     def _unavailable(self, exc: BaseException) -> ServerUnavailableError:
-        seqs = [s for s, _ in self._unacked]
+        seqs = [s for s, _, _ in self._unacked]
         what = f"sequences {seqs[0]}..{seqs[-1]}" if seqs else "nothing"
         return ServerUnavailableError(
             f"producer {self.producer_id!r} of topic '{self.name}': the server stayed "
@@ -202,7 +215,9 @@ class IdempotentSink(RemoteSink):
             self._refuse_closed()
             for written, data_batch in enumerate(arrow_batches(data)):
                 batch = protocol.to_wire(self.name, self.schema, self._wire_schema, data_batch)
-                self._unacked.append((self._next_sequence, batch))
+                size = batch.get_total_buffer_size()
+                self._unacked.append((self._next_sequence, batch, size))
+                self._unacked_bytes += size
                 self._next_sequence += 1
                 try:
                     self._pump(None, deadline)
