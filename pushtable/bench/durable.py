@@ -134,8 +134,9 @@ def _lance(data: list[pa.RecordBatch], count: int, where: Path, stored: bool = F
     """Lance's own write of the same batches in one process.
 
     ``write_fragments`` of all of them, then one commit, each fsync'd as a durable topic's
-    commit is, in a dataset of the Lance file version a topic's has (``STORAGE_VERSION``). With ``stored``, the batches carry the two columns a topic stores with each
-    row (``_offset``, ``_timestamp``), made before the clock starts: the table as stored.
+    commit is, in a dataset of the Lance file version a topic's has (``STORAGE_VERSION``).
+    With ``stored``, the batches carry the two columns a topic stores with each row
+    (``_offset``, ``_timestamp``), made before the clock starts: the table as stored.
     """
     uri = str(where / f"l{time.monotonic_ns()}.lance")
     given = [data[i % len(data)] for i in range(count)]
