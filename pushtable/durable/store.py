@@ -30,6 +30,7 @@ import numpy as np
 import pyarrow as pa
 
 from pushtable import lance_commits
+from pushtable.errors import OffsetOutOfRangeError
 from pushtable.lance_commits import open_dataset
 from pushtable.lance_epochs import write_fragments
 
@@ -221,14 +222,7 @@ class LogStore:
         ds = self._open()  # its own handle: upkeep calls this beside the committer
         if ds is None:
             return Recovered(0, {}, 0)
-        found = lance_commits.newest_stamp(ds, lambda props: NEXT_KEY in props)
-        if found is None:  # cleaned up past the newest stamp: upkeep tagged it
-            tagged = lance_commits.read_tag(ds, TAG)
-            props = None if tagged is None else lance_commits.props_at(ds, tagged)
-            if tagged is None or props is None or NEXT_KEY not in props:
-                return Recovered(0, {}, ds.version)
-            found = tagged, props
-        return _recovered(found[1], found[0])
+        return stamp_of(ds)
 
     # -- writing ------------------------------------------------------------------------
 
@@ -387,15 +381,7 @@ class LogStore:
         version was chosen) is released once the reader is exhausted, closed or collected:
         until then :meth:`release` keeps the version's files.
         """
-        ds = self._at(version)
-        scanner = ds.scanner(
-            columns=self.schema.names,
-            filter=f"{OFFSET} >= {int(start)} AND {OFFSET} < {int(end)}",
-            scan_in_order=True,
-        )
-        reader = scanner.to_reader()
-        if not reader.schema.equals(self.schema):
-            reader = reader.cast(self.schema)
+        reader = _scan(self._at(version), self.schema, start, end)
         if pin is None:
             return reader
 
@@ -502,6 +488,69 @@ class LogStore:
     def disk_bytes(self) -> int:
         """Bytes the dataset's files take on disk now (local datasets)."""
         return directory_bytes(Path(self.uri))
+
+
+def _scan(ds: lance.LanceDataset, schema: pa.Schema, start: int, end: int) -> pa.RecordBatchReader:
+    """The topic columns of offsets ``[start, end)`` of ``ds``, in offset order."""
+    scanner = ds.scanner(
+        columns=schema.names,
+        filter=f"{OFFSET} >= {int(start)} AND {OFFSET} < {int(end)}",
+        scan_in_order=True,
+    )
+    reader = scanner.to_reader()
+    return reader if reader.schema.equals(schema) else reader.cast(schema)
+
+
+def stamp_of(ds: lance.LanceDataset) -> Recovered:
+    """What the newest stamped commit of ``ds`` (as of its version) says is stored.
+
+    A compaction's commit carries no stamp: the walk passes it; if cleanup removed the
+    stamped version, the tag that upkeep and cleanup move to it is read instead.
+    """
+    found = lance_commits.newest_stamp(ds, lambda props: NEXT_KEY in props)
+    if found is None:  # cleaned up past the newest stamp: it is tagged
+        tagged = lance_commits.read_tag(ds, TAG)
+        props = None if tagged is None else lance_commits.props_at(ds, tagged)
+        if tagged is None or props is None or NEXT_KEY not in props:
+            return Recovered(0, {}, ds.version)
+        found = tagged, props
+    return _recovered(found[1], found[0])
+
+
+def read_offsets(
+    uri: str | Path,
+    start: int,
+    end: int,
+    storage_options: dict[str, str] | None = None,
+) -> pa.RecordBatchReader:
+    """Offsets ``[start, end)`` of the topic stored at ``uri``, read from its dataset directly.
+
+    For a reader that can open the dataset (an executor on the server's machine, or with the
+    same object store): no server in the way. The rows are those a read through the server
+    gives, in the same order: one version is opened, and its newest stamp must hold the
+    whole range, or :class:`~pushtable.OffsetOutOfRangeError` says which offsets can be read
+    (``earliest`` as retention left it, ``committed``).
+
+    Example:
+        >>> import tempfile, pyarrow as pa
+        >>> uri = tempfile.mkdtemp() + "/t.lance"
+        >>> store = LogStore(uri, pa.schema([("v", pa.int64())]))
+        >>> batch = StoredBatch(0, 0, pa.record_batch({"v": [1, 2]}))
+        >>> _ = store.append([batch], Stamp(1, {}, {}, 0))
+        >>> read_offsets(uri, 0, 1).read_all().to_pydict()
+        {'v': [1, 2]}
+    """
+    ds = open_dataset(str(uri), storage_options)
+    stamp = stamp_of(ds) if ds is not None else Recovered(0, {}, 0)
+    if ds is None or not stamp.earliest <= start <= end <= stamp.next_offset:
+        error = OffsetOutOfRangeError(
+            f"offsets [{start}, {end}) cannot be read from the topic at {uri}: offsets "
+            f"{stamp.earliest}..{stamp.next_offset} (committed) can be"
+            + (f"; retention has deleted those below {stamp.earliest}" if stamp.earliest else "")
+        )
+        error.earliest = stamp.earliest  # type: ignore[attr-defined]
+        raise error
+    return _scan(ds, describe(ds)[0], start, end)
 
 
 def _oldest_half(ds: lance.LanceDataset) -> list[int]:

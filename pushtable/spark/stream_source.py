@@ -11,13 +11,16 @@ What runs where:
   server for the topic's committed offsets, caps a micro-batch at ``maxBatchesPerTrigger``,
   splits its range into contiguous pieces, and tells the server what the query has consumed.
 - **executors** (``read``, one task per piece): read offsets ``[start, end)`` from the server
-  (its memory tail or the Lance dataset, whichever holds them), in offset order.
+  (its memory tail or the Lance dataset, whichever holds them), in offset order; or, with
+  the ``dataset`` option, from the topic's Lance dataset directly.
 
 Options: ``uri``, ``topic`` (required); ``token``, ``tls_root_certs``; ``startingOffsets``
 (``earliest`` (default), ``latest`` or an offset: where a new query starts; a restarted one
 starts from its checkpoint); ``maxBatchesPerTrigger`` (offsets per micro-batch); ``partitions``
 (read tasks per micro-batch, default 2); ``consumer`` (the name the server reports the
-query's position under, default ``spark``).
+query's position under, default ``spark``); ``dataset`` (the topic's Lance dataset as the
+executors can open it, e.g. ``<data-dir>/<topic>.lance``: they read their ranges there, the
+driver still asks the server for offsets).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from pyspark.sql.streaming.datasource import (
     SupportsTriggerAvailableNow,
 )
 
+from pushtable.durable.store import describe, read_offsets
 from pushtable.flight.client import Client, connect
 from pushtable.spark.options import Options
 
@@ -72,6 +76,24 @@ def _check_durable(client: Client, topic: str) -> None:
         )
 
 
+def _check_dataset(uri: str, schema: pa.Schema, topic: str) -> None:
+    """Refuse a ``dataset`` option that is not this topic's dataset (as far as the driver sees)."""
+    try:
+        have = describe(uri)[0]
+    except Exception as exc:  # any failure to open it: say which and why
+        raise ValueError(
+            f'format("pushtable") source: option "dataset" {uri!r} cannot be opened as a '
+            f"Lance dataset ({type(exc).__name__}: {exc}); give the path of topic {topic!r}'s "
+            "dataset as the executors see it (<data-dir>/<topic>.lance), or leave the option "
+            "out to read through the server"
+        ) from exc
+    if not have.equals(schema):
+        raise ValueError(
+            f'format("pushtable") source: option "dataset" {uri!r} holds a topic of schema '
+            f"{have}, not topic {topic!r}'s: {schema}"
+        )
+
+
 @dataclass(frozen=True)
 class OffsetRange(InputPartition):
     """One read task's offsets ``[start, end)``."""
@@ -97,9 +119,13 @@ class PushTableStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
             raise ValueError('option "maxBatchesPerTrigger" must be >= 1')
         self.partition_count: int = options.number("partitions") or 2
         self.consumer = options.text("consumer") or "spark"
+        #: the topic's Lance dataset, when the executors can open it: read there directly
+        self.dataset = options.text("dataset") or None
         self._client: Client | None = None
         self._until: int | None = None  # Trigger.AvailableNow: the end fixed at the start
         _check_durable(self.client(), self.topic)
+        if self.dataset is not None:
+            _check_dataset(self.dataset, self.client().schema(self.topic), self.topic)
 
     def client(self) -> Client:
         """This process's connection to the server, opened on first use."""
@@ -176,8 +202,15 @@ class PushTableStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
     # -- executors --------------------------------------------------------------------------
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        """The committed batches of one offset range (on an executor, its own connection)."""
+        """The committed batches of one offset range, on an executor.
+
+        From the topic's dataset when the ``dataset`` option names it (no server in the way),
+        else through the server on a connection of its own.
+        """
         assert isinstance(partition, OffsetRange)
+        if self.dataset is not None:
+            yield from read_offsets(self.dataset, partition.start, partition.end)
+            return
         with connect(**self.settings) as client:
             yield from client.read(self.topic, partition.start, partition.end)
 
