@@ -490,12 +490,18 @@ class LogStore:
         return directory_bytes(Path(self.uri))
 
 
+#: Rows per batch a read of stored history yields (Lance's default is 8,192): fewer, larger
+#: batches for whoever takes them next (Flight messages, a Spark Python worker's Arrow stream).
+SCAN_BATCH_ROWS = 65_536
+
+
 def _scan(ds: lance.LanceDataset, schema: pa.Schema, start: int, end: int) -> pa.RecordBatchReader:
     """The topic columns of offsets ``[start, end)`` of ``ds``, in offset order."""
     scanner = ds.scanner(
         columns=schema.names,
         filter=f"{OFFSET} >= {int(start)} AND {OFFSET} < {int(end)}",
         scan_in_order=True,
+        batch_size=SCAN_BATCH_ROWS,
     )
     reader = scanner.to_reader()
     return reader if reader.schema.equals(schema) else reader.cast(schema)

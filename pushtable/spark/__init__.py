@@ -19,17 +19,44 @@ The bridges go from a Structured Streaming query to live tables and Lance.
 
 from __future__ import annotations
 
-from pushtable.spark.arrow import UnsupportedSparkTypeError, arrow_schema
-from pushtable.spark.bridge import (
-    EpochReport,
-    ForeachBatchBridge,
-    IncompatibleSinkError,
-    SlowReaderError,
-    StreamingQueryFailedError,
-)
-from pushtable.spark.datasource import PushTableDataSource, register
-from pushtable.spark.remote import RemoteBridge, query_id_from_checkpoint
-from pushtable.spark.session import WorkerPythonError, local_spark, spark_log_path
+from typing import TYPE_CHECKING
+
+from pushtable.lazy import lazy_names
+
+if TYPE_CHECKING:
+    from pushtable.spark.arrow import UnsupportedSparkTypeError, arrow_schema
+    from pushtable.spark.bridge import (
+        EpochReport,
+        ForeachBatchBridge,
+        IncompatibleSinkError,
+        SlowReaderError,
+        StreamingQueryFailedError,
+    )
+    from pushtable.spark.datasource import PushTableDataSource, register
+    from pushtable.spark.remote import RemoteBridge, query_id_from_checkpoint
+    from pushtable.spark.session import WorkerPythonError, local_spark, spark_log_path
+
+#: Names loaded on first use: a Spark Python worker that runs the data source (its schema, a
+#: stream reader, a read task) imports ``pushtable.spark.datasource`` without the bridges
+#: and Lance (0.43 -> 0.2 s of start-up per worker).
+_LAZY = {
+    "UnsupportedSparkTypeError": "pushtable.spark.arrow",
+    "arrow_schema": "pushtable.spark.arrow",
+    "EpochReport": "pushtable.spark.bridge",
+    "ForeachBatchBridge": "pushtable.spark.bridge",
+    "IncompatibleSinkError": "pushtable.spark.bridge",
+    "SlowReaderError": "pushtable.spark.bridge",
+    "StreamingQueryFailedError": "pushtable.spark.bridge",
+    "PushTableDataSource": "pushtable.spark.datasource",
+    "register": "pushtable.spark.datasource",
+    "RemoteBridge": "pushtable.spark.remote",
+    "query_id_from_checkpoint": "pushtable.spark.remote",
+    "WorkerPythonError": "pushtable.spark.session",
+    "local_spark": "pushtable.spark.session",
+    "spark_log_path": "pushtable.spark.session",
+}
+
+__getattr__, __dir__ = lazy_names("pushtable.spark", _LAZY, globals())
 
 __all__ = [
     "EpochReport",

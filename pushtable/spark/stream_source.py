@@ -38,7 +38,6 @@ from pyspark.sql.streaming.datasource import (
     SupportsTriggerAvailableNow,
 )
 
-from pushtable.durable.store import describe, read_offsets
 from pushtable.flight.client import Client, connect
 from pushtable.spark.options import Options
 
@@ -78,6 +77,8 @@ def _check_durable(client: Client, topic: str) -> None:
 
 def _check_dataset(uri: str, schema: pa.Schema, topic: str) -> None:
     """Refuse a ``dataset`` option that is not this topic's dataset (as far as the driver sees)."""
+    from pushtable.durable.store import describe  # Lance: only when the option is given
+
     try:
         have = describe(uri)[0]
     except Exception as exc:  # any failure to open it: say which and why
@@ -209,6 +210,8 @@ class PushTableStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         """
         assert isinstance(partition, OffsetRange)
         if self.dataset is not None:
+            from pushtable.durable.store import read_offsets  # Lance: only where it is read
+
             yield from read_offsets(self.dataset, partition.start, partition.end)
             return
         with connect(**self.settings) as client:
