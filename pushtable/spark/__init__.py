@@ -21,6 +21,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+# Eager and light: importing pushtable.spark points Spark's Python workers at this
+# interpreter (PYSPARK_PYTHON) unless the user set them, before any session exists.
+import pushtable.spark.session  # noqa: F401
 from pushtable.lazy import lazy_names
 
 if TYPE_CHECKING:
