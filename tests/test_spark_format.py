@@ -169,10 +169,14 @@ def test_source_reads_a_durable_topic_exactly_once_across_restarts(
 
 
 def read_batches(
-    spark: SparkSession, location: str, chk: Path, per_batch: int | None
+    spark: SparkSession,
+    location: str,
+    chk: Path,
+    per_batch: int | None,
+    dataset: Path | None = None,
 ) -> list[list[tuple[int, int, str]]]:
     """Each micro-batch of the source as Spark read it: its rows as ``(input partition, k,
-    name)``, sorted (``partitions`` = 3)."""
+    name)``, sorted (``partitions`` = 3); with ``dataset``, read from it directly."""
     from pyspark.sql import DataFrame
     from pyspark.sql import functions as F
 
@@ -184,6 +188,8 @@ def read_batches(
     )
     if per_batch is not None:
         reader = reader.option("maxBatchesPerTrigger", str(per_batch))
+    if dataset is not None:
+        reader = reader.option("dataset", str(dataset))
     batches: list[list[tuple[int, int, str]]] = []
 
     def seen(df: DataFrame, batch_id: int) -> None:
@@ -240,6 +246,44 @@ def test_spark_reads_a_range_in_contiguous_partitions_the_same_from_memory_and_f
     assert [pieces(b) for b in two_a_batch] == [
         [(0, 20 * b, 20 * b + 9, 10), (1, 20 * b + 10, 20 * b + 19, 10)] for b in range(5)
     ] + [[(0, 100, 109, 10)]]
+
+
+@pytest.mark.spark
+def test_a_server_process_and_its_dataset_give_each_partition_the_same_rows(
+    pushtable_spark: SparkSession, tmp_path: Path
+) -> None:
+    """``pushtable serve`` in a process of its own, as deployed: the executors read their
+    offset ranges through it, or (``dataset``) from the topic's Lance dataset directly; the
+    same rows land in the same partitions either way, and a ``dataset`` that is not the
+    topic's is refused naming it."""
+    from tests.test_durable_crash import Serve, free_port
+
+    data = tmp_path / "data"
+    served = Serve(data, free_port())
+    try:
+        with connect(served.location) as client:
+            client.create_topic("ticks", TICKS, durable=True)
+            client.create_topic("other", pa.schema([("x", pa.float64())]), durable=True)
+            write_ticks(client, 0, 11)
+        through = read_batches(pushtable_spark, served.location, tmp_path / "c1", 4)
+        direct = read_batches(
+            pushtable_spark, served.location, tmp_path / "c2", 4, data / "ticks.lance"
+        )
+        reader = (
+            pushtable_spark.readStream.format("pushtable")
+            .option("uri", served.location)
+            .option("topic", "ticks")
+        )
+        with pytest.raises(AnalysisException, match="holds a topic of schema"):
+            reader.option("dataset", str(data / "other.lance")).load()
+        with pytest.raises(AnalysisException, match="cannot be opened as a Lance dataset"):
+            reader.option("dataset", str(tmp_path / "nowhere.lance")).load()
+    finally:
+        served.stop()
+    # 4 offsets a batch in 3 pieces ([0, 2), [2, 3), [3, 4) ...): each row once, in order
+    assert pieces(through[0]) == [(0, 0, 19, 20), (1, 20, 29, 10), (2, 30, 39, 10)]
+    assert sorted(k for b in through for _, k, _ in b) == list(range(110))
+    assert direct == through
 
 
 @pytest.mark.spark

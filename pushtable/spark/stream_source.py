@@ -50,12 +50,17 @@ __all__ = ["OffsetRange", "PushTableStreamReader", "topic_schema"]
 def topic_schema(options: Options) -> pa.Schema:
     """The durable topic's schema, as the server has it.
 
-    A topic that is not durable, or absent, is refused with the reason.
+    A topic that is not durable, or absent, is refused with the reason, and so is a
+    ``dataset`` option that does not hold it.
     """
     topic = options.required("topic", "ticks")
     with connect(**options.connection()) as client:
         _check_durable(client, topic)
-        return client.schema(topic)
+        schema = client.schema(topic)
+    dataset = options.text("dataset")
+    if dataset:
+        _check_dataset(dataset, schema, topic)
+    return schema
 
 
 def _check_durable(client: Client, topic: str) -> None:
