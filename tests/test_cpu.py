@@ -58,12 +58,14 @@ def test_a_checkout_without_the_built_core_says_to_build_it(tmp_path: Path) -> N
 
 
 def test_the_remote_client_loads_neither_datafusion_nor_the_native_core() -> None:
-    """A Spark executor's remote producer imports the client only: the engine stays out."""
+    """A Spark executor's remote producer (or an asyncio service) imports the client only:
+    the engine stays out."""
     import subprocess
     import sys
 
     code = (
         "import sys, pushtable.flight.client as c, pushtable.flight.idempotent;"
+        "import pushtable.flight.aio;"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('datafusion', 'lance')"
         " or m == 'pushtable._native'))"
     )

@@ -15,6 +15,7 @@ from pushtable.errors import ServerStoppedError
 from pushtable.lazy import lazy_names
 
 if TYPE_CHECKING:
+    from pushtable.flight.aio import AsyncClient
     from pushtable.flight.auth import Grant, Tokens
     from pushtable.flight.client import Client, RemoteResult, connect
     from pushtable.flight.limits import Limits
@@ -23,6 +24,7 @@ if TYPE_CHECKING:
 
 #: Names loaded on first use: the client's modules load neither the server nor DataFusion.
 _LAZY = {
+    "AsyncClient": "pushtable.flight.aio",
     "Grant": "pushtable.flight.auth",
     "Tokens": "pushtable.flight.auth",
     "Client": "pushtable.flight.client",
@@ -39,6 +41,7 @@ _LAZY = {
 __getattr__, __dir__ = lazy_names("pushtable.flight", _LAZY, globals())
 
 __all__ = [
+    "AsyncClient",
     "Client",
     "Grant",
     "Limits",
