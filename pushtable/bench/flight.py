@@ -12,6 +12,9 @@
   (:mod:`pushtable.bench.raw_flight`); ``remote/raw`` is pushtable's share of the wire.
 - **latency**: a remote producer writes one-row batches at 100/s; a remote ``SELECT k`` stamps
   each row as it arrives: write -> result time p50 / p99 / max.
+- **asyncio**: the same live ``SELECT`` while one producer writes, through the asyncio face
+  (:mod:`pushtable.flight.aio`, one event loop) against the sync client, alternating; and
+  write -> result latency through it.
 - **spark**: 1,000,000-row epochs on ``local[2]``: :class:`~pushtable.spark.RemoteBridge`
   with ``push="executors"`` vs ``push="driver"`` into a server table drained by a query, without
   and with Lance; and Spark's floors for each path (``toArrow``, a no-op ``mapInArrow``).
@@ -19,6 +22,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -236,6 +240,81 @@ def latency(client: Client, name: str, samples: int, rate: float) -> dict[str, f
     }
 
 
+def sql_stream_async(uri: str, name: str, rows: int, batches: int) -> float:
+    """:func:`sql_stream` through the asyncio face.
+
+    One event loop writes (an ``AsyncSink``) and reads (``async for`` over ``client.sql``).
+    """
+    from pushtable.flight.aio import AsyncClient
+
+    data = _batches(rows, batches, 1)
+
+    async def main() -> float:
+        async with await AsyncClient.connect(uri) as client:
+            await client.create_table(name, SCHEMA, capacity=16)
+            received = 0
+
+            async def read() -> None:
+                nonlocal received
+                async for batch in client.sql(f"SELECT k, v FROM {name}"):
+                    received += batch.num_rows
+
+            async def write() -> None:
+                sink = await client.sink(name)
+                for b in data:
+                    await sink.write(b)
+                await sink.close()
+
+            started = time.perf_counter()
+            await asyncio.gather(read(), write())
+            elapsed = time.perf_counter() - started
+            assert received == rows * batches, received
+            return elapsed
+
+    return asyncio.run(main())
+
+
+def latency_async(uri: str, name: str, samples: int, rate: float) -> dict[str, float]:
+    """:func:`latency` through the asyncio face.
+
+    One loop writes one-row batches at ``rate``/s (``await sink.write``) and stamps each row
+    as ``async for`` hands it over.
+    """
+    from pushtable.flight.aio import AsyncClient
+
+    async def main() -> list[float]:
+        async with await AsyncClient.connect(uri) as client:
+            await client.create_table(name, SCHEMA, capacity=16)
+            delays: list[float] = []
+
+            async def read() -> None:
+                async for batch in client.sql(f"SELECT k FROM {name}"):
+                    now = time.perf_counter_ns()
+                    delays.extend((now - k) / 1e6 for k in batch.column(0).to_pylist())
+
+            async def write() -> None:
+                sink = await client.sink(name, window=1)
+                for _ in range(samples):
+                    stamp = time.perf_counter_ns()
+                    one = pa.record_batch([pa.array([stamp]), pa.array([0.0])], schema=SCHEMA)
+                    await sink.write(one)
+                    await asyncio.sleep(1 / rate)
+                await sink.close()
+
+            await asyncio.wait_for(asyncio.gather(read(), write()), 120)
+            return delays
+
+    delays = asyncio.run(main())
+    assert len(delays) == samples, len(delays)
+    ordered = sorted(delays)
+    return {
+        "samples": samples,
+        "p50_ms": ordered[len(ordered) // 2],
+        "p99_ms": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))],
+        "max_ms": ordered[-1],
+    }
+
+
 def _drain_into(result: Any, out: dict[str, Any]) -> None:
     out.update(result.read_all().to_pydict())
 
@@ -383,7 +462,22 @@ def run(quick: bool) -> dict[str, Any]:
                     "filled_vs_raw": raw_secs / full,
                 }
             )
+        # The asyncio face against the sync one: a live SELECT while one producer writes,
+        # alternating, then write -> result latency at 100 batches/s.
+        sync_s, async_s = [], []
+        for _ in range(repeats):
+            n += 1
+            sync_s.append(sql_stream(client, f"ys{n}", 8_192, total_rows // 8_192))
+            async_s.append(sql_stream_async(uri, f"ya{n}", 8_192, total_rows // 8_192))
+        moved = 8_192 * (total_rows // 8_192)
+        out["asyncio"] = {
+            "batch_rows": 8_192,
+            "sync_rows_per_s": moved / statistics.median(sync_s),
+            "async_rows_per_s": moved / statistics.median(async_s),
+            "async_vs_sync": statistics.median(sync_s) / statistics.median(async_s),
+        }
         out["latency"] = latency(client, "lat", 50 if quick else 300, 100.0)
+        out["asyncio"]["latency"] = latency_async(uri, "alat", 50 if quick else 300, 100.0)
         out["spark"] = spark_epochs(uri, 1 if quick else 3, 200_000 if quick else 1_000_000)
     return out
 
@@ -414,6 +508,16 @@ def table(results: dict[str, Any]) -> str:
         f"remote write -> remote result, 1-row batches at 100/s: p50 {lat['p50_ms']:.2f} ms, "
         f"p99 {lat['p99_ms']:.2f} ms, max {lat['max_ms']:.2f} ms ({lat['samples']} samples)"
     )
+    if "asyncio" in results:
+        a = results["asyncio"]
+        al = a["latency"]
+        lines.append(
+            f"asyncio face (pushtable.flight.aio), live SELECT while writing "
+            f"{a['batch_rows']:,}-row batches: {a['async_rows_per_s'] / 1e6:.1f} M rows/s "
+            f"against sync {a['sync_rows_per_s'] / 1e6:.1f} ({a['async_vs_sync']:.2f}x); "
+            f"write -> result at 100/s: p50 {al['p50_ms']:.2f} ms, p99 {al['p99_ms']:.2f} ms, "
+            f"max {al['max_ms']:.2f} ms"
+        )
     sp = results["spark"]
     for suffix, label in (("", "live table"), ("+lance", "live table + Lance")):
         d, x = sp["driver" + suffix], sp["executors" + suffix]
