@@ -11,9 +11,9 @@ so an event loop awaits them, and memory never depends on how fast either side i
   (``break``, ``async with``'s end, ``aclose()``) or cancelling the task that waits stops the
   server's query, as :meth:`RemoteResult.cancel` does.
 - :meth:`AsyncClient.sink` gives an :class:`AsyncSink`: ``await sink.write(batch)`` hands the
-  batch to the sink's writer thread through a one-slot queue, which sends it under the sync
-  sink's own window (and, with ``producer_id``, its resends): a slow server makes the awaiting
-  task wait, never a buffer grow. ``await sink.flush()`` returns once everything written is
+  batch to the sink's writer thread through a queue of :data:`SINK_QUEUED` batches; the
+  thread sends it under the sync sink's own window (and, with ``producer_id``, its resends):
+  a slow server makes the awaiting task wait, never a buffer grow. ``await sink.flush()`` returns once everything written is
   acknowledged (stored, for a durable topic).
 - Every other call (``create_table``, ``publish``, ``offsets``, ...) runs the sync client's
   call on a worker thread.
@@ -62,6 +62,9 @@ T = TypeVar("T")
 
 #: batches a result's reader thread may hold ahead of the loop
 MAX_QUEUED = 8
+#: batches a sink's writer thread may have waiting beyond the one it sends (then ``write``
+#: waits): enough that the loop and the thread do not take turns batch by batch
+SINK_QUEUED = 4
 
 
 class _End:
@@ -197,9 +200,10 @@ class _Call:
 class AsyncSink:
     """A remote producer an event loop awaits: ``write``, ``flush``, ``close``.
 
-    ``await write(batch)`` returns once the sink's writer thread has the batch; that thread
-    sends it under the sync sink's window, so the next ``write`` waits while the window is full
-    (a slow server holds the task, never a growing buffer). An error the thread meets (the
+    ``await write(batch)`` returns once the batch is in the writer thread's queue (at most
+    :data:`SINK_QUEUED` batches); that thread sends under the sync sink's window, so ``write``
+    waits while the window and the queue are full (a slow server holds the task, never a
+    growing buffer). An error the thread meets (the
     server refused a batch, it stopped) is raised by the next ``write``, ``flush`` or
     ``close``, with ``batches_written`` counting the batches sent before it. ``flush`` and
     ``close`` wait for every batch written before them.
@@ -209,7 +213,7 @@ class AsyncSink:
         #: the sync sink this one drives (its stats, its window)
         self.sync = sync
         self._loop = loop
-        self._queue: janus.Queue[pa.RecordBatch | _Call | None] = janus.Queue(1)
+        self._queue: janus.Queue[pa.RecordBatch | _Call | None] = janus.Queue(SINK_QUEUED)
         self._error: BaseException | None = None
         self._sent = 0
         self._closed = False
