@@ -13,8 +13,8 @@ so an event loop awaits them, and memory never depends on how fast either side i
 - :meth:`AsyncClient.sink` gives an :class:`AsyncSink`: ``await sink.write(batch)`` hands the
   batch to the sink's writer thread through a queue of :data:`SINK_QUEUED` batches; the
   thread sends it under the sync sink's own window (and, with ``producer_id``, its resends):
-  a slow server makes the awaiting task wait, never a buffer grow. ``await sink.flush()`` returns once everything written is
-  acknowledged (stored, for a durable topic).
+  a slow server makes the awaiting task wait, never a buffer grow. ``await sink.flush()``
+  returns once everything written is acknowledged (stored, for a durable topic).
 - Every other call (``create_table``, ``publish``, ``offsets``, ...) runs the sync client's
   call on a worker thread.
 
