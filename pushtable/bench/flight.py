@@ -465,7 +465,7 @@ def run(quick: bool) -> dict[str, Any]:
         # The asyncio face against the sync one: a live SELECT while one producer writes,
         # alternating, then write -> result latency at 100 batches/s.
         sync_s, async_s = [], []
-        for _ in range(repeats):
+        for _ in range(2 if quick else 7):  # half a second each: more rounds, a steadier median
             n += 1
             sync_s.append(sql_stream(client, f"ys{n}", 8_192, total_rows // 8_192))
             async_s.append(sql_stream_async(uri, f"ya{n}", 8_192, total_rows // 8_192))
@@ -475,6 +475,8 @@ def run(quick: bool) -> dict[str, Any]:
             "sync_rows_per_s": moved / statistics.median(sync_s),
             "async_rows_per_s": moved / statistics.median(async_s),
             "async_vs_sync": statistics.median(sync_s) / statistics.median(async_s),
+            "sync_runs_s": sync_s,
+            "async_runs_s": async_s,
         }
         out["latency"] = latency(client, "lat", 50 if quick else 300, 100.0)
         out["asyncio"]["latency"] = latency_async(uri, "alat", 50 if quick else 300, 100.0)
