@@ -23,7 +23,9 @@ from pushtable import (
     PermissionDeniedError,
     PushTableError,
     ReaderGoneError,
+    ServerStoppedError,
     ServerUnavailableError,
+    StreamFailedError,
     TableExistsError,
     UnknownTableError,
 )
@@ -186,24 +188,35 @@ async def test_a_slow_consumer_holds_the_stream_within_its_queue(
     assert deepest <= 2
 
 
-async def test_a_server_killed_mid_stream_makes_the_waiting_task_raise(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    ("sig", "error", "says"),
+    [
+        (signal.SIGKILL, ServerUnavailableError, "unavailable|reach"),
+        # A stopping server fails its tables: the query says so, naming the stop.
+        (signal.SIGTERM, StreamFailedError, "ServerStoppedError: the pushtable server stopped"),
+    ],
+    ids=["killed", "stopped"],
+)
+async def test_a_server_killed_or_stopped_mid_stream_makes_the_waiting_task_raise(
+    tmp_path: Path, sig: signal.Signals, error: type[Exception], says: str
 ) -> None:
     with serve_process({}, tmp_path) as (proc, location):
         client = await AsyncClient.connect(location)
-        await client.create_table("t", SCHEMA)
-        rows = client.sql("SELECT k FROM t")
-        sink = await client.sink("t")
-        await sink.write(batch(0))
-        got = await asyncio.wait_for(rows.__anext__(), WAIT)
-        assert got.num_rows == 100
-        waiting = asyncio.create_task(rows.__anext__())
-        proc.send_signal(signal.SIGKILL)
-        with pytest.raises(ServerUnavailableError):
-            await asyncio.wait_for(waiting, WAIT)
-        with pytest.raises(ServerUnavailableError):  # the sink's next call says it too
-            await asyncio.wait_for(write_on(sink), WAIT)
-        await client.aclose()
+        try:
+            await client.create_table("t", SCHEMA)
+            rows = client.sql("SELECT k FROM t")
+            sink = await client.sink("t")
+            await sink.write(batch(0))
+            got = await asyncio.wait_for(rows.__anext__(), WAIT)
+            assert got.num_rows == 100
+            waiting = asyncio.create_task(rows.__anext__())
+            proc.send_signal(sig)
+            with pytest.raises(error, match=says):
+                await asyncio.wait_for(waiting, WAIT)
+            with pytest.raises((ServerStoppedError, ServerUnavailableError)):  # the sink's too
+                await asyncio.wait_for(write_on(sink), WAIT)
+        finally:
+            await client.aclose()
     assert aio_threads() == []
 
 
@@ -247,3 +260,20 @@ async def test_a_durable_producer_awaits_its_commits(served: tuple[Any, str]) ->
         got = await client.read("ticks", 0, 5).read_all()
         assert got.equals(pa.Table.from_batches([batch(i * 100) for i in range(5)]))
         await sink.aclose()
+
+
+async def test_a_subscription_to_a_topic_streams_to_the_loop(served: tuple[Any, str]) -> None:
+    _, location = served
+    async with await AsyncClient.connect(location) as client:
+        await client.create_topic("ticks", SCHEMA)
+        await client.subscribe("ticks", "mine")
+        async with client.sql("SELECT k, amount, tags FROM mine") as rows:
+            sink = await client.sink("ticks")
+            await sink.write(batch(0))
+            first = await asyncio.wait_for(rows.__anext__(), WAIT)
+            await sink.write(batch(100))
+            await sink.close()  # the topic ends: so does the subscription's query
+            rest = [b async for b in rows]
+    got = pa.Table.from_batches([first, *rest])
+    want = pa.Table.from_batches([batch(0), batch(100)]).select(["k", "amount", "tags"])
+    assert got.equals(want)
