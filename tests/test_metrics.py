@@ -8,7 +8,7 @@ import urllib.request
 import pyarrow as pa
 from prometheus_client.parser import text_string_to_metric_families
 
-from pushtable import SessionContext, metrics
+from pushtable import ResourceLimitError, SessionContext, metrics
 from pushtable.flight import Limits, Server, connect, serve
 from tests.conftest import SCHEMA, WAIT, Background, batch, wait_until
 
@@ -64,7 +64,9 @@ def test_refusals_are_counted_by_reason() -> None:
     server = Server(limits=Limits(max_capacity=4))
     try:
         with connect(server.location, timeout=WAIT) as client:
-            Background(lambda: client.create_table("t", SCHEMA, capacity=5)).join_error()
+            refused = Background(lambda: client.create_table("t", SCHEMA, capacity=5)).join_error()
+            assert isinstance(refused, ResourceLimitError), refused
+            assert "max_capacity" in str(refused)
         from prometheus_client import generate_latest
 
         text = generate_latest(metrics.REGISTRY).decode()

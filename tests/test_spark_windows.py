@@ -136,14 +136,28 @@ def same_as_spark(spark: Any, query: str, rows: Sequence[tuple[int, str | None]]
     return theirs
 
 
-def streamed(ctx: SessionContext, query: str) -> queue.Queue[Any]:
+class Streamed(queue.Queue[Any]):
+    """Result batches as they come, then None; an error of the query is raised by ``get``."""
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any:
+        item = super().get(block, timeout)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
+def streamed(ctx: SessionContext, query: str) -> Streamed:
     """The result batches of ``query`` as they come (then None), read by a background thread."""
-    out: queue.Queue[Any] = queue.Queue()
+    out = Streamed()
     stream = ctx.sql(query).execute_stream()
 
     def read() -> None:
-        for b in stream:
-            out.put(b.to_pyarrow())
+        try:
+            for b in stream:
+                out.put(b.to_pyarrow())
+        except BaseException as exc:  # noqa: BLE001 - raised by the test's next get
+            out.put(exc)
+            return
         out.put(None)
 
     threading.Thread(target=read, daemon=True).start()
@@ -161,10 +175,10 @@ def written_while_read(window: str, rows: list[Any], per: int) -> Any:
     ctx, sink = live()
     result = Background(lambda: ctx.sql(sql(window)).to_arrow_table())
     data = [events(rows[i : i + per]) for i in range(0, len(rows), per)]
-    threading.Thread(
-        target=lambda: ([sink.write(b, timeout=WAIT) for b in data], sink.close()), daemon=True
-    ).start()
-    return as_rows(result.join())
+    producer = Background(lambda: ([sink.write(b, timeout=WAIT) for b in data], sink.close()))
+    got = result.join()
+    producer.join()  # its error, if any, is the test's
+    return as_rows(got)
 
 
 @pytest.mark.parametrize(
@@ -213,8 +227,11 @@ def test_advance_closes_the_windows_the_watermark_passes() -> None:
     sink.advance(T0 + timedelta(seconds=12))  # past [0, 10): it closes, [5, 15) stays open
     (row,) = out.get(timeout=WAIT).to_pylist()
     assert (row["w"]["start"], row["w"]["end"], row["n"]) == (T0, T0 + timedelta(seconds=10), 2)
-    assert out.empty()
-    sink.close()
+    sink.close()  # end of stream: [5, 15) comes out now, once, and nothing else
+    rest = []
+    while (b := out.get(timeout=WAIT)) is not None:
+        rest += b.to_pylist()
+    assert [(r["w"]["start"], r["n"]) for r in rest] == [(T0 + timedelta(seconds=5), 1)]
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -9,7 +9,7 @@ once the other side has moved past its bound, or at the end).
 
 from __future__ import annotations
 
-import threading
+import functools
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 from typing import Any
@@ -148,6 +148,11 @@ def test_a_full_join_emits_both_sides_unmatched_rows_on_watermarks() -> None:
     assert results.finish() == []
 
 
+def write_all(sink: Any, data: list[pa.RecordBatch]) -> None:
+    for x in data:
+        sink.write(x, timeout=WAIT)
+
+
 @pytest.mark.parametrize("kind", ["JOIN", "LEFT JOIN", "RIGHT JOIN", "FULL JOIN"])
 @pytest.mark.parametrize("unbounded", [False, True], ids=["bounded", "unbounded"])
 def test_two_producers_give_the_rows_of_the_whole_input(kind: str, unbounded: bool) -> None:
@@ -155,15 +160,9 @@ def test_two_producers_give_the_rows_of_the_whole_input(kind: str, unbounded: bo
     da = [a_rows([(k % 5, 300 * i + k) for k in range(4)]) for i in range(30)]
     db = [b_rows([(k % 5, 300 * i + 7 * k) for k in range(3)]) for i in range(30)]
     result = Background(lambda: ctx.sql(sql(kind)).to_arrow_table())
-    writers = [
-        threading.Thread(target=lambda s=s, d=d: [s.write(x, timeout=WAIT) for x in d] and None)
-        for s, d in ((a, da), (b, db))
-    ]
+    writers = [Background(functools.partial(write_all, s, d)) for s, d in ((a, da), (b, db))]
     for w in writers:
-        w.start()
-    for w in writers:
-        w.join(WAIT)
-        assert not w.is_alive(), "a producer was blocked for good"
+        w.join()  # a producer blocked for good fails here; its error is raised here
     a.close()
     b.close()
     assert rows(result.join()) == whole(sql(kind), da, db)
@@ -292,9 +291,11 @@ def test_any_batches_give_the_rows_of_the_whole_input(
                 sink.advance(x.column("ts")[-1].as_py())
         sink.close()
 
-    for sink, data in ((a, da), (b, db)):
-        threading.Thread(target=produce, args=(sink, data), daemon=True).start()
-    assert rows(result.join()) == whole(sql(kind), da, db)
+    producers = [Background(functools.partial(produce, s, d)) for s, d in ((a, da), (b, db))]
+    got = result.join()
+    for p in producers:
+        p.join()  # its error, if any, is the test's
+    assert rows(got) == whole(sql(kind), da, db)
 
 
 def test_a_long_join_keeps_its_state_within_the_time_bound() -> None:

@@ -15,8 +15,8 @@ import pyarrow as pa
 import pytest
 
 from pushtable import (
-    PushTableError,
     ReaderGoneError,
+    SchemaMismatchError,
     SessionContext,
     SinkClosedError,
     TableSink,
@@ -169,7 +169,7 @@ def test_write_and_table_schema_mismatch_under_contention(ctx: SessionContext) -
         for j in range(30):
             try:
                 sink.write(bad if j % 3 == 0 else batch(1, i * 100 + j), timeout=WAIT)
-            except PushTableError as exc:
+            except SchemaMismatchError as exc:  # the bad batch's error, and only that one
                 errors.append(exc)
 
     workers = [Background(functools.partial(mixed, i)) for i in range(8)]
@@ -178,3 +178,4 @@ def test_write_and_table_schema_mismatch_under_contention(ctx: SessionContext) -
     sink.close()
     assert reader.join() == {"n": [8 * 20]}
     assert len(errors) == 8 * 10
+    assert all("'t'" in str(e) for e in errors)
