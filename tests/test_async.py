@@ -35,6 +35,12 @@ async def test_many_async_producers_every_row_once(ctx: SessionContext) -> None:
     assert reader.join() == {"n": [1600], "d": [1600]}
 
 
+async def until(condition: Callable[[], bool]) -> None:
+    """Poll ``condition`` on the loop (the caller bounds the wait)."""
+    while not condition():
+        await asyncio.sleep(0.001)
+
+
 async def test_awrite_suspends_instead_of_blocking_the_loop(ctx: SessionContext) -> None:
     sink = ctx.register_streaming_table("t", SCHEMA, capacity=1)
     await sink.awrite(batch(1))
@@ -43,11 +49,11 @@ async def test_awrite_suspends_instead_of_blocking_the_loop(ctx: SessionContext)
     watchdog.start()
     try:
         pending = asyncio.create_task(sink.awrite(batch(1, 1), timeout=WAIT))
-        for _ in range(20):  # the loop keeps running while the write waits for room
-            await asyncio.sleep(0.01)
+        # The loop keeps running (this poll is on it) until the write is seen waiting for
+        # room: the event that shows the writer blocked, not a sleep that hopes it is.
+        await asyncio.wait_for(until(lambda: sink.stats.waiting_writers == 1), WAIT)
         assert not sink.stats.closed, "the loop was blocked until the watchdog fired"
         assert not pending.done()
-        assert sink.stats.waiting_writers == 1
         reader = query(ctx, "SELECT count(*) AS n FROM t")
         await asyncio.wait_for(pending, WAIT)
         await sink.aclose()

@@ -101,15 +101,20 @@ def test_acknowledgements_come_once_per_half_window_and_flush_asks_for_the_rest(
 def test_backpressure_reaches_the_client(server: Server, client: Client) -> None:
     client.create_table("t", SCHEMA, capacity=2)
     sink = client.sink("t", window=1)
-    sent = 0
+    table = server.table("t")
+    for i in range(2):  # the table's capacity
+        sink.write(batch(1, start=i), timeout=WAIT)
+    wait_until(lambda: table.stats.queued_batches == 2, "the table to fill")
+    sent = 2
+    # The table is full (seen above): the next write is held by the server, the one after
+    # waits for its acknowledgement and times out.
     with pytest.raises(WriteTimeoutError, match="unacknowledged"):
-        for i in range(20):
+        for i in range(2, 20):
             sink.write(batch(1, start=i), timeout=0.5)
             sent += 1
     # What is in flight is bounded: the table's capacity, the one batch the server is
     # writing, and the client's window.
-    assert sent <= 2 + 1 + 1
-    table = server.table("t")
+    assert sent == 2 + 1
     assert table.stats.queued_batches == 2
     reader = remote_ks(client, "SELECT k FROM t")
     for i in range(sent, 20):
@@ -177,7 +182,9 @@ def test_remote_results_stream_while_data_arrives(server: Server, client: Client
     assert list(result) == []
 
 
-def test_result_batches_that_queued_up_go_out_together_and_an_error_after_them_comes_last() -> None:
+def test_result_batches_that_queued_up_go_out_together_and_an_error_after_them_comes_last(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The DoGet side of remote SQL, through a real server and client: batches the query
     produced while a message was going out leave in one message (up to GROUP_ROWS rows), and
     an error raised after them is raised only once they are out. The first message is too big
@@ -189,6 +196,15 @@ def test_result_batches_that_queued_up_go_out_together_and_an_error_after_them_c
     from pushtable.flight import protocol
     from pushtable.flight.query import GROUP_ROWS, HANDOFF
 
+    workers: list[threading.Thread] = []
+
+    class Recorded(threading.Thread):
+        def start(self) -> None:
+            super().start()
+            if self.name == "pushtable-sql":
+                workers.append(self)
+
+    monkeypatch.setattr(threading, "Thread", Recorded)  # the module query.py starts it from
     server = Server(ctx=SessionContext(SessionConfig().with_target_partitions(1)))
     try:
         schema = pa.schema([("k", pa.int64())])
@@ -202,10 +218,11 @@ def test_result_batches_that_queued_up_go_out_together_and_an_error_after_them_c
         raw = flight.FlightClient(server.location)
         ticket = flight.Ticket(json.dumps({"sql": "SELECT k, 10 / k AS q FROM t"}).encode())
         reader = raw.do_get(ticket)
-        wait_until(
-            lambda: not any(t.name == "pushtable-sql" for t in threading.enumerate()),
-            "the query's worker to queue everything",
-        )
+        # The worker is seen to start, then to end (it has queued everything): events, not
+        # the absence of a thread that may not have started yet.
+        wait_until(lambda: bool(workers), "the query's worker to start")
+        workers[0].join(WAIT)
+        assert not workers[0].is_alive(), "the query's worker did not queue everything"
         assert reader.read_chunk().data.num_rows == first
         assert reader.read_chunk().data.num_rows == 2 * big  # two queued batches: at the cap
         assert reader.read_chunk().data.num_rows == big  # the last one before the error
