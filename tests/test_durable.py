@@ -29,7 +29,7 @@ from pushtable.errors import (
 from pushtable.flight import Limits, Server, connect, protocol
 from pushtable.flight.auth import Grant
 from pushtable.flight.idempotent import DURABLE_WINDOW, IdempotentSink
-from tests.conftest import WAIT, Background
+from tests.conftest import WAIT, Background, wait_until
 
 SCHEMA = pa.schema([("k", pa.int64()), ("s", pa.string())])
 
@@ -154,8 +154,7 @@ def test_a_subscription_taken_while_writers_write_sees_no_gap_and_no_duplicate(
 
     producer = Background(produce)
     ctx = SessionContext()
-    while len(written) < 20:  # subscribe mid-stream, from an offset inside the history
-        threading.Event().wait(0.001)
+    wait_until(lambda: len(written) >= 20, "20 batches written")  # subscribe mid-stream
     topic.subscribe(ctx, "mid", start=10)
     reading = Background(lambda: ctx.sql("SELECT k FROM mid").to_pydict()["k"])
     stop.set()

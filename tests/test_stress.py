@@ -21,7 +21,7 @@ from pushtable import (
     SinkClosedError,
     TableSink,
 )
-from tests.conftest import SCHEMA, WAIT, Background, batch, query
+from tests.conftest import SCHEMA, WAIT, Background, batch, query, wait_until
 
 
 def test_16_threads_and_asyncio_producers_deliver_every_row_once(ctx: SessionContext) -> None:
@@ -68,6 +68,8 @@ def test_close_racing_blocked_writers_loses_nothing_accepted(seed: int) -> None:
     writers = [
         Background(functools.partial(_writer, sink, i * 1000, 50, written)) for i in range(6)
     ]
+    # No reader yet: the table fills and writers block (the event the race needs).
+    wait_until(lambda: sink.stats.waiting_writers >= 1, "a writer to block")
     reader = query(ctx, "SELECT k FROM t")
     threading.Event().wait(rng.uniform(0, 0.02))
     sink.close()
@@ -86,6 +88,8 @@ def test_fail_racing_blocked_writers_never_hangs(seed: int) -> None:
     writers = [
         Background(functools.partial(_writer, sink, i * 1000, 50, written)) for i in range(6)
     ]
+    # No reader yet: the table fills and writers block (the event the race needs).
+    wait_until(lambda: sink.stats.waiting_writers >= 1, "a writer to block")
     reader = query(ctx, "SELECT count(*) FROM t")
     threading.Event().wait(rng.uniform(0, 0.02))
     sink.fail(RuntimeError(f"race {seed}"))
