@@ -90,3 +90,47 @@ def test_sinks_close_only_when_the_last_query_of_the_bridge_ends() -> None:
     assert live.closed
     bridge._on_terminated("q2", "late duplicate event")  # an ended query is not watched
     assert not live.stats.failed
+
+
+def test_a_bridge_of_two_real_queries_fails_its_sinks_when_one_fails(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    """docs/spark.md: a bridge used by several queries closes its sinks only when the last
+    ends, and fails them when one fails. Two real queries through one bridge at once: the
+    first ends cleanly while the second runs (the sinks stay open); then a file that makes
+    the second fail arrives, and the sinks fail with Spark's error."""
+    from pyspark.sql.functions import udf
+
+    write_epochs(tmp_path / "a", 2)
+    write_epochs(tmp_path / "b", 1, start=10)  # ids 50..54: clean
+    ctx = SessionContext()
+    live = ctx.register_streaming_table("live", ARROW)
+    reader = query(ctx, "SELECT count(*) AS n FROM live")
+    bridge = ForeachBatchBridge(sinks=[live])
+
+    @udf("long", useArrow=False)
+    def boom_at_7(i: int) -> int:
+        if i == 7:
+            raise ValueError("query two fails at id 7")
+        return i
+
+    second = (  # runs until it fails: a file trigger, not availableNow
+        stream(spark, tmp_path / "b")
+        .withColumn("id", boom_at_7("id"))
+        .writeStream.foreachBatch(bridge)
+        .option("checkpointLocation", str(tmp_path / "chk-b"))
+        .trigger(processingTime="100 milliseconds")
+        .start()
+    )
+    first = start(stream(spark, tmp_path / "a"), bridge, tmp_path / "chk-a")
+    assert first.awaitTermination(QUERY_WAIT)
+    assert first.exception() is None
+    assert second.isActive
+    assert not live.closed  # one query ended; the other still feeds the bridge
+    write_epochs(tmp_path / "b", 1, start=1)  # ids 5..9: 7 fails the second query
+    with pytest.raises(StreamingQueryException, match="query two fails at id 7"):
+        second.awaitTermination(QUERY_WAIT)
+    error = reader.join_error(QUERY_WAIT)
+    assert isinstance(error, StreamFailedError)
+    assert isinstance(error.error, StreamingQueryFailedError)
+    assert "query two fails at id 7" in str(error)
