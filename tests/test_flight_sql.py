@@ -92,6 +92,32 @@ def test_statement_queries_decode_and_other_descriptors_are_refused(
     raw.close()
 
 
+@pytest.mark.parametrize(
+    "kind",
+    ["CommandStatementSubstraitPlan", *sql.REFUSED_ACTIONS],
+)
+def test_substrait_transactions_and_cancel_query_are_refused_by_name(
+    server: Server, kind: str
+) -> None:
+    """docs/network.md: Substrait plans, transactions and ``CancelQuery`` are refused with an
+    error that names the command, by class (``UnsupportedCallError``)."""
+    from pushtable import UnsupportedCallError
+    from pushtable.flight import protocol
+
+    raw = flight.FlightClient(server.location)
+    with pytest.raises(flight.FlightServerError) as refused:
+        if kind.startswith("Command"):
+            raw.get_flight_info(flight.FlightDescriptor.for_command(sql.encode_command(kind)))
+        else:
+            list(raw.do_action(flight.Action(kind, b"")))
+    raw.close()
+    error = protocol.client_error(refused.value)
+    assert isinstance(error, UnsupportedCallError), error
+    assert f"Flight SQL {'command' if kind.startswith('Command') else 'action'} {kind}" in str(
+        error
+    )
+
+
 # -- the catalog, as tools browse it ---------------------------------------------------------
 
 EVENTS = pa.schema([("k", pa.int64()), ("s", pa.string()), ("ts", pa.timestamp("us", tz="UTC"))])

@@ -24,7 +24,7 @@ import pyarrow.flight as flight
 
 from pushtable import metrics
 from pushtable.context import SessionContext
-from pushtable.errors import ServerStoppedError
+from pushtable.errors import ServerStoppedError, UnsupportedCallError
 from pushtable.flight import actions, sql
 from pushtable.flight.auth import BearerAuth, Grant, Tokens, caller
 from pushtable.flight.calls import POLL_S, Calls, audit, table_named, wire_errors
@@ -228,6 +228,12 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
         with wire_errors(), audit(context, str(action.type)) as record:
             if action.type in sql.ACTIONS:
                 result = self._queries.sql_action(context, action)
+            elif action.type in sql.REFUSED_ACTIONS:
+                raise UnsupportedCallError(
+                    f"pushtable serve does not implement the Flight SQL action {action.type} "
+                    "(read-only SQL: no transactions or Substrait plans; a query is cancelled "
+                    "by ending its DoGet; see docs/network.md)"
+                )
             else:
                 try:
                     body = json.loads(action.body.to_pybytes() or b"{}")

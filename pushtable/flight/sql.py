@@ -35,6 +35,16 @@ STATEMENT_QUERY = "CommandStatementQuery"
 PREPARED_QUERY = "CommandPreparedStatementQuery"
 #: The DoAction types of prepared statements (the only actions of Flight SQL served).
 ACTIONS = ("CreatePreparedStatement", "ClosePreparedStatement")
+#: Flight SQL's other actions: refused by name (no transactions, no Substrait, no cancel: a
+#: client stops a query by ending its DoGet).
+REFUSED_ACTIONS = (
+    "BeginTransaction",
+    "EndTransaction",
+    "BeginSavepoint",
+    "EndSavepoint",
+    "CancelQuery",
+    "CreatePreparedSubstraitPlan",
+)
 
 Field = bytes | int
 
