@@ -32,8 +32,8 @@ import numpy as np
 import pyarrow as pa
 
 from pushtable import SessionContext, Topic
+from pushtable.bench.lance_flight import append_synced
 from pushtable.durable.store import STORAGE_VERSION
-from pushtable.lance_commits import sync_commit, sync_fragments
 
 SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.float64()), ("s", pa.string())])
 
@@ -159,13 +159,7 @@ def _lance(data: list[pa.RecordBatch], count: int, where: Path, stored: bool = F
         ]
     ds = lance.write_dataset(schema.empty_table(), uri, data_storage_version=STORAGE_VERSION)
     started = time.perf_counter()
-    reader = pa.RecordBatchReader.from_batches(schema, iter(given))
-    fragments = lance.fragment.write_fragments(reader, uri, schema=ds.schema)
-    sync_fragments(uri, fragments)
-    before = time.time_ns()
-    op = lance.LanceOperation.Append(fragments)
-    ds = lance.LanceDataset.commit(ds, lance.Transaction(ds.version, op))
-    sync_commit(ds, before)
+    append_synced(ds, uri, pa.RecordBatchReader.from_batches(schema, iter(given)))
     return time.perf_counter() - started
 
 

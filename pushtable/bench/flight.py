@@ -230,14 +230,7 @@ def latency(client: Client, name: str, samples: int, rate: float) -> dict[str, f
             sink.write(pa.record_batch([pa.array([stamp]), pa.array([0.0])], schema=SCHEMA))
             time.sleep(1 / rate)
     reader.join(60)
-    assert len(delays) == samples, len(delays)
-    ordered = sorted(delays)
-    return {
-        "samples": samples,
-        "p50_ms": ordered[len(ordered) // 2],
-        "p99_ms": ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))],
-        "max_ms": ordered[-1],
-    }
+    return _percentiles(delays, samples)
 
 
 def sql_stream_async(uri: str, name: str, rows: int, batches: int) -> float:
@@ -305,6 +298,11 @@ def latency_async(uri: str, name: str, samples: int, rate: float) -> dict[str, f
             return delays
 
     delays = asyncio.run(main())
+    return _percentiles(delays, samples)
+
+
+def _percentiles(delays: list[float], samples: int) -> dict[str, float]:
+    """p50 / p99 / max of ``delays`` (ms), all ``samples`` of them."""
     assert len(delays) == samples, len(delays)
     ordered = sorted(delays)
     return {

@@ -34,6 +34,21 @@ from pushtable.lance_epochs import aligned
 QUEUED = 1024
 
 
+def append_synced(ds: lance.LanceDataset, uri: str, data: Any) -> lance.LanceDataset:
+    """Lance's own append of ``data`` (a table or a reader); the new version's dataset.
+
+    ``write_fragments`` and one commit, each fsync'd as a durable topic's commit is (data
+    files and directory, then the manifest, transaction and directories).
+    """
+    fragments = lance.fragment.write_fragments(data, uri, schema=ds.schema)
+    sync_fragments(uri, fragments)
+    before = time.time_ns()
+    op = lance.LanceOperation.Append(fragments)
+    ds = lance.LanceDataset.commit(ds, lance.Transaction(ds.version, op))
+    sync_commit(ds, before)
+    return ds
+
+
 class LanceFlightServer(flight.FlightServerBase):  # type: ignore[misc]
     """DoPut: group-commit the stream into a Lance dataset, acknowledging each commit."""
 
@@ -71,13 +86,7 @@ class LanceFlightServer(flight.FlightServerBase):  # type: ignore[misc]
                 if not batches:
                     continue
                 try:
-                    table = aligned(pa.Table.from_batches(batches))
-                    fragments = lance.fragment.write_fragments(table, uri, schema=ds.schema)
-                    sync_fragments(uri, fragments)
-                    before = time.time_ns()
-                    op = lance.LanceOperation.Append(fragments)
-                    ds = lance.LanceDataset.commit(ds, lance.Transaction(ds.version, op))
-                    sync_commit(ds, before)
+                    ds = append_synced(ds, uri, aligned(pa.Table.from_batches(batches)))
                 except BaseException as exc:  # noqa: BLE001 (reported to the client below)
                     failed.append(exc)
                     return
