@@ -244,6 +244,23 @@ def test_parameters_of_several_types_are_bound(browsed: Server) -> None:
     assert got == {"k": [2], "s": ["b"], "tag": ["t"], "twice": [2.5], "flag": [True]}
 
 
+def test_bound_parameters_over_1_mib_are_refused_and_smaller_ones_bind(browsed: Server) -> None:
+    """docs/network.md: bound parameters travel in the statement's handle, at most 1 MiB.
+
+    ``length(?)`` also failed twice before: describing a placeholder inside a function call
+    ("Converting Expr::ScalarFunction to a Python object is not implemented"), then a result
+    column DataFusion knew was never null once bound ("schema does not match the declared
+    schema of this GeneratorStream")."""
+    from pushtable.flight.parameters import MAX_BYTES
+
+    with adbc(browsed) as conn, conn.cursor() as cur:
+        cur.execute("SELECT length(?) AS n", ("x" * 1000,))
+        assert cur.fetch_arrow_table().to_pydict() == {"n": [1000]}
+        with pytest.raises(flightsql.Error, match=f"{MAX_BYTES:,}"):
+            cur.execute("SELECT length(?) AS n", ("x" * (MAX_BYTES + 1),))
+            cur.fetch_arrow_table()
+
+
 def test_a_prepared_statement_reports_its_parameter_types(browsed: Server) -> None:
     raw = flight.FlightClient(browsed.location)
     options = flight.FlightCallOptions(headers=[(b"authorization", b"Bearer s3cret")])

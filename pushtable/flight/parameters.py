@@ -114,7 +114,17 @@ def _plan_params(plan: Any, found: dict[str, pa.DataType], depth: int) -> None:
 def _node_params(node: Any, found: dict[str, pa.DataType], depth: int) -> None:
     if depth > 500:
         raise ValueError("the query is nested too deeply to describe its parameters")
-    variant = node.to_variant()
+    try:
+        variant = node.to_variant()
+    except Exception:  # noqa: BLE001 - a kind datafusion-python cannot convert (a function call)
+        operands = getattr(node, "rex_call_operands", None)
+        try:
+            parts = operands() if operands is not None else []
+        except Exception:  # noqa: BLE001 - not a call either: nothing to descend into
+            parts = []
+        for part in parts:
+            _node_params(part, found, depth + 1)
+        return
     if type(variant).__name__ == "Placeholder":
         field = variant.field()
         found[str(variant.id())] = field.type if field is not None else pa.null()

@@ -169,9 +169,7 @@ class Queries:
         query_box = [df.execute_stream()]
         del df
         held = call.held.pop_all()
-        results = self._results(
-            context, query_box, slot, held, call.record, call.started, _has_dictionary(schema)
-        )
+        results = self._results(context, query_box, slot, held, call.record, call.started, schema)
         # A generator that never starts never runs its finally: let go when it is collected.
         weakref.finalize(results, held.close)
         return flight.GeneratorStream(schema, results)
@@ -232,17 +230,24 @@ class Queries:
         held: contextlib.ExitStack,
         record: Any,
         started: float,
-        dictionaries: bool,
+        schema: pa.Schema,
     ) -> Iterator[pa.RecordBatch | pa.Table]:
         """Batches as the query yields them; what the call holds is let go at the end.
+
+        Each goes out under the schema the stream declared: a batch whose fields differ from
+        it only in nullability (a column DataFusion learned is never null once parameters were
+        bound) is relabelled, zero-copy, as ``GeneratorStream`` refuses any other schema.
 
         A result with dictionary columns goes out batch by batch as one-batch tables: pyarrow's
         ``GeneratorStream`` writes a plain batch without its dictionaries, which the client
         then refuses (apache/arrow#38480); a table goes through an IPC writer that sends them.
         """
+        dictionaries = _has_dictionary(schema)
         first = True
         with wire_errors(), held:
             for batch in self._forward(context, query_box, slot):
+                if not batch.schema.equals(schema) and batch.schema.types == schema.types:
+                    batch = pa.RecordBatch.from_arrays(batch.columns, schema=schema)
                 if first:
                     metrics.FIRST_RESULT.observe(time.perf_counter() - started)
                     first = False
