@@ -5,6 +5,7 @@ into a file sink across restarts (of the query and of the server) and a replayed
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pytest
@@ -284,6 +285,67 @@ def test_a_server_process_and_its_dataset_give_each_partition_the_same_rows(
     assert pieces(through[0]) == [(0, 0, 19, 20), (1, 20, 29, 10), (2, 30, 39, 10)]
     assert sorted(k for b in through for _, k, _ in b) == list(range(110))
     assert direct == through
+
+
+def source_rows(
+    spark: SparkSession, location: str, chk: Path, **options: str
+) -> tuple[list[int], Any]:
+    """The ``k`` the source reads in one ``availableNow`` run with ``options``, and the query."""
+    from pyspark.sql import DataFrame
+
+    reader = spark.readStream.format("pushtable").option("uri", location).option("topic", "ticks")
+    for key, value in options.items():
+        reader = reader.option(key, value)
+    seen: list[int] = []
+
+    def collect(df: DataFrame, _: int) -> None:
+        seen.extend(int(r.k) for r in df.select("k").collect())
+
+    query = (
+        reader.load()
+        .writeStream.foreachBatch(collect)
+        .option("checkpointLocation", str(chk))
+        .trigger(availableNow=True)
+        .start()
+    )
+    finish(query)
+    return sorted(seen), query
+
+
+@pytest.mark.spark
+def test_source_starting_offsets_and_consumer_name(
+    pushtable_spark: SparkSession, tmp_path: Path
+) -> None:
+    """docs/spark.md: ``startingOffsets`` (earliest, latest or an offset) places a new query;
+    ``consumer`` names the position the server records; an offset outside the topic is
+    refused naming the stored range."""
+    server = durable_server(tmp_path / "data")
+    try:
+        with connect(server.location) as client:
+            client.create_topic("ticks", TICKS, durable=True)
+            write_ticks(client, 0, 5)  # offsets 0..4, k = 10 * offset + i
+            from_three, _ = source_rows(
+                pushtable_spark,
+                server.location,
+                tmp_path / "c1",
+                startingOffsets="3",
+                consumer="from-three",
+                maxBatchesPerTrigger="1",  # two micro-batches: Spark commits the first
+            )
+            latest, _ = source_rows(
+                pushtable_spark, server.location, tmp_path / "c2", startingOffsets="latest"
+            )
+            everything, _ = source_rows(pushtable_spark, server.location, tmp_path / "c3")
+            consumers = client.stats("ticks")["consumers"]
+            with pytest.raises(StreamingQueryException, match=r"outside topic 'ticks'.*0\.\.5"):
+                source_rows(pushtable_spark, server.location, tmp_path / "c4", startingOffsets="99")
+    finally:
+        server.stop()
+    assert from_three == list(range(30, 50))
+    assert latest == []
+    assert everything == list(range(50))  # earliest, the default
+    # Spark commits a micro-batch's end when the next one starts (and may not for the last).
+    assert 4 <= consumers["from-three"] <= 5
 
 
 @pytest.mark.spark
