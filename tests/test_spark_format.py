@@ -106,6 +106,21 @@ def test_sink_errors_name_what_is_wrong(
         start(uri=server.location, table="t2", publish_timeout="soon")
     with pytest.raises(StreamingQueryException, match='"storage_options" must be a JSON object'):
         start(uri=server.location, table="t2", storage_options="region=eu")
+    # docs/spark.md: complete mode restates the whole result each micro-batch: refused.
+    counts = stream(pushtable_spark, src).groupBy("level").count()
+    complete = (
+        counts.writeStream.format("pushtable")
+        .outputMode("complete")
+        .option("uri", server.location)
+        .option("table", "t3")
+        .option("checkpointLocation", str(tmp_path / "chk-complete"))
+        .trigger(availableNow=True)
+    )
+    with pytest.raises(
+        (StreamingQueryException, AnalysisException),
+        match=r'takes outputMode\("append"\): in "complete" mode',
+    ):
+        finish(complete.start())
 
 
 def durable_server(data_dir: Path) -> Server:
