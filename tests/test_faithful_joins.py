@@ -83,6 +83,39 @@ def test_a_lookup_join_keeps_the_null_equality_of_the_join_it_replaces(
     assert multiset(ctx.sql(sql).to_arrow_table()) == multiset(want)
 
 
+LOOKUP_SHAPES = [
+    # semi: live rows with a match in the dimension
+    ("SELECT id FROM l WHERE EXISTS (SELECT 1 FROM r WHERE r.id = l.id)", [(1,), (1,)]),
+    ("SELECT id FROM l WHERE id IN (SELECT id FROM r)", [(1,), (1,)]),
+    # anti: live rows without one (a NULL key matches nothing, so it stays)
+    ("SELECT id FROM l WHERE NOT EXISTS (SELECT 1 FROM r WHERE r.id = l.id)", None),
+    # the dimension on the left of a RIGHT JOIN: every live row, matched or not
+    ("SELECT l.id, r.id AS rid FROM r RIGHT JOIN l ON r.id = l.id", None),
+    ("SELECT l.id, r.id AS rid FROM l LEFT JOIN r ON r.id = l.id", None),
+]
+
+
+@pytest.mark.parametrize(("sql", "expected"), LOOKUP_SHAPES)
+def test_lookup_semi_anti_and_dimension_right_joins_answer_as_datafusion(
+    sql: str, expected: list[tuple[Any, ...]] | None
+) -> None:
+    """docs/semantics.md's join shapes: semi and anti joins of a live table against an
+    in-memory one, and ``dim RIGHT JOIN live``, diffed against DataFusion (with duplicate
+    keys and NULLs on both sides)."""
+    l_ids, r_ids = [1, 2, None, 1, 3], [1, None, 1, 4]
+    ctx = live_and_memory(l_ids, r_ids)
+    want = oracle(
+        sql,
+        {
+            "l": pa.table({"id": pa.array(l_ids, pa.int64())}),
+            "r": pa.table({"id": pa.array(r_ids, pa.int64())}),
+        },
+    )
+    if expected is not None:  # each live row once, as SQL says: a semi join never repeats
+        assert multiset(want) == sorted(expected, key=repr)
+    assert multiset(ctx.sql(sql).to_arrow_table()) == multiset(want)
+
+
 def test_explain_live_names_the_join_and_its_null_semantics() -> None:
     ctx = live_and_memory([1], [1])
     strict = explain_live(ctx, "SELECT l.id FROM l JOIN r ON l.id = r.id")
