@@ -203,8 +203,8 @@ def test_one_thread_writing_a_burst_to_one_table_then_the_other_is_never_blocked
 
 @pytest.mark.parametrize(
     "bound",
-    ["", "a.amount > 0"],
-    ids=["no-bound", "no-time-column"],
+    ["", "a.amount > 0", "b.ts BETWEEN a.ts AND a.ts + INTERVAL '1 month'"],
+    ids=["no-bound", "no-time-column", "months"],  # a month has no fixed length
 )
 def test_a_join_of_two_unbounded_live_tables_without_a_time_bound_is_refused_up_front(
     bound: str,
@@ -215,6 +215,26 @@ def test_a_join_of_two_unbounded_live_tables_without_a_time_bound_is_refused_up_
     explanation = explain_live(ctx, sql(bound=bound))
     assert explanation.mode == "rejected"
     assert "time bound" in explanation.reasons[0]
+
+
+@pytest.mark.parametrize("zone", ["UTC", "Europe/Paris"])
+def test_a_bound_in_days_is_a_time_bound_in_utc_only(zone: str) -> None:
+    """A day is 24 hours in UTC only (elsewhere daylight saving makes 23 or 25): a bound in
+    days on zoned timestamps is no time bound, and two unbounded tables are refused."""
+    ctx = SessionContext()
+    for name in ("a", "b"):
+        schema = pa.schema([("k", pa.int64()), ("ts", pa.timestamp("us", tz=zone))])
+        ctx.register_streaming_table(name, schema, 4, order_by="ts", unbounded=True)
+    query = (
+        "SELECT a.k, b.ts FROM a JOIN b ON a.k = b.k "
+        "AND b.ts BETWEEN a.ts AND a.ts + INTERVAL '1 day'"
+    )
+    if zone == "UTC":
+        assert explain_live(ctx, query).mode != "rejected"
+        ctx.sql(query)  # planned: the bound is 86,400 s
+    else:
+        with pytest.raises(UnboundedQueryError, match="needs a time bound between their order"):
+            ctx.sql(query)
 
 
 @pytest.mark.parametrize("bound", ["", "a.amount > 0"], ids=["no-bound", "no-time-column"])
