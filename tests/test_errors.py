@@ -7,9 +7,12 @@ import pkgutil
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 import pushtable
 import pushtable.errors as errors
-from pushtable.flight import protocol
+from pushtable.flight import connect, protocol
+from tests.conftest import WAIT
 
 SEMANTICS = (Path(__file__).resolve().parents[1] / "docs" / "semantics.md").read_text()
 
@@ -55,6 +58,41 @@ def test_a_producer_resends_after_a_lost_server_by_class_never_by_message() -> N
     assert not protocol.retriable(pushtable.RemoteError("OSError: connection reset"))
     assert not protocol.retriable(pushtable.CommitFailedError("socket closed"))
     assert not protocol.retriable(ConnectionResetError("connection reset"))
+
+
+def test_pyarrows_closed_destination_is_the_stream_ending() -> None:
+    """The words pyarrow gives a write on a DoPut stream whose far end is gone (no class of
+    its own): the stream ended, retriable. The durable crash sweep's run 17 died of it."""
+    import pyarrow as pa
+
+    error = protocol.client_error(pa.ArrowInvalid("Destination already closed"))
+    assert isinstance(error, pushtable.StreamEndedError)
+    assert protocol.retriable(error)
+    other = pa.ArrowInvalid("Invalid: column 'k' has the wrong type")
+    assert protocol.client_error(other) is other  # any other ArrowInvalid stays what it is
+
+
+def test_a_write_on_a_stream_whose_server_died_is_a_retriable_error(tmp_path: Path) -> None:
+    """A real server killed under a producer: whatever the write meets, it is an error an
+    idempotent producer resends after (never a bare pyarrow error)."""
+    import signal
+
+    import pyarrow as pa
+
+    from tests.conftest import serve_process
+
+    with serve_process({}, tmp_path) as (proc, location):
+        client = connect(location)
+        client.create_table("t", pa.schema([("k", pa.int64())]))
+        sink = client.sink("t")
+        one = pa.record_batch({"k": list(range(1000))})
+        sink.write(one)  # the stream is open
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(WAIT)
+        with pytest.raises(pushtable.PushTableError) as ended:
+            for _ in range(10_000):  # gRPC may take a few before it notices
+                sink.write(one, timeout=WAIT)
+        assert protocol.retriable(ended.value), repr(ended.value)
 
 
 def test_a_request_missing_a_field_is_refused_naming_it() -> None:

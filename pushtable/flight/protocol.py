@@ -83,6 +83,12 @@ def client_error(exc: BaseException) -> BaseException:
             return errors.ServerUnavailableError(
                 f"the server is not reachable: {exc}{_tls_hint(exc)}"
             )
+        if isinstance(exc, pa.ArrowInvalid) and "Destination already closed" in str(exc):
+            # A write on a DoPut stream whose far end is gone (the server died or ended it
+            # while batches were on the way): the stream ended, as a read would have said.
+            ended = errors.StreamEndedError(f"the server ended the stream: {exc}")
+            ended.__cause__ = exc
+            return ended
         return exc
     cls = getattr(errors, match.group("cls"), None)
     if not (isinstance(cls, type) and issubclass(cls, errors.PushTableError)):
