@@ -232,6 +232,31 @@ def test_a_data_dir_budget_near_the_retention_bound_is_not_used_up(tmp_path: Pat
         server.stop()
 
 
+def test_a_log_opened_over_history_past_its_bound_trims_without_a_new_write(
+    tmp_path: Path,
+) -> None:
+    """Retention by bytes runs after each commit; a log opened over history already past the
+    bound (a kill between a commit and its deletion) trims at once, not at a commit that may
+    never come. (CI caught the restart test waiting for it.)"""
+    from pushtable.durable.log import DurableLog
+
+    path = tmp_path / "events.lance"
+    unbounded = DurableLog("events", SCHEMA, path, lambda b, t: None, upkeep_interval=None)
+    for i in range(10):
+        unbounded.append(batch(i))
+        unbounded.flush()
+    unbounded.close()
+    bounded = DurableLog(
+        "events", SCHEMA, path, lambda b, t: None, upkeep_interval=None, retention_bytes=40_000
+    )
+    try:
+        until(lambda: bounded.offsets()["earliest"] > 0, "the history to be trimmed")
+        assert sum(fragment_bytes_at(path)) <= 40_000
+        assert bounded.offsets()["committed"] == 10  # nothing was written meanwhile
+    finally:
+        bounded.close()
+
+
 def test_upkeep_does_not_compact_past_the_room_it_is_given(tmp_path: Path) -> None:
     store = LogStore(tmp_path / "t.lance", SCHEMA)
     for i in range(6):

@@ -368,6 +368,13 @@ class DurableLog:
 
     def _commit_groups(self, encoder: ThreadPoolExecutor) -> None:
         ahead: deque[_Group] = deque()  # gathered and being written, not yet committed
+        if self.retention is not None or self.retention_bytes is not None:
+            # Opened over history retention has not trimmed yet (a kill came between a commit
+            # and its deletion, or the bound was lowered): catch up now, not at the next
+            # commit, which may never come.
+            with self._cond:
+                stamp = self._stamp()
+            self._expire(stamp)
         while True:
             if not ahead:
                 with self._cond:
