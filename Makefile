@@ -15,7 +15,7 @@ PIP := $(PYTHON) -m pip --disable-pip-version-check
 # The interpreter that runs pushtable is also the one Spark's Python workers start
 # (pushtable.spark sets PYSPARK_PYTHON to it unless the caller did).
 
-.PHONY: setup demo test test-all lint bench wheel
+.PHONY: setup demo test test-slow test-all lint bench wheel
 
 $(PYTHON):
 	$(BOOTSTRAP_PYTHON) -m venv $(VENV)
@@ -31,9 +31,11 @@ demo: setup
 test: setup
 	$(PYTHON) -m pytest -q
 
-# The default suite, then the sweeps under -m slow (crash matrices, the quick benchmarks).
-test-all: test
+# The sweeps under -m slow (crash matrices, the quick benchmarks); test-all is what CI runs.
+test-slow: setup
 	$(PYTHON) -m pytest -q -m slow
+
+test-all: test test-slow
 
 lint:
 	$(PYTHON) -m ruff check .

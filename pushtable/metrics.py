@@ -89,6 +89,8 @@ class QueueStats(Protocol):
     def late_rows(self) -> int: ...
     @property
     def held_rows(self) -> int: ...
+    @property
+    def realigned_bytes(self) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,9 @@ class _Tracked(Collector):
             "blocked": _family(c, "pushtable_blocked_seconds", "Time producers spent blocked.", t),
             "late": _family(c, "pushtable_late_rows", "Rows late for the order (dropped).", t),
             "held": _family(g, "pushtable_held_rows", "Rows held in the reorder buffer.", t),
+            "realigned": _family(
+                c, "pushtable_realigned_bytes", "Bytes copied on import to align buffers.", t
+            ),
             "subscribers": _family(g, "pushtable_topic_subscribers", "Live subscriptions.", t),
             "detached": _family(
                 c, "pushtable_topic_detached", "Subscriptions cut loose for falling behind.", t
@@ -217,6 +222,7 @@ class _Tracked(Collector):
                 fams["blocked"].add_metric(name, s.blocked_seconds)
                 fams["late"].add_metric(name, s.late_rows)
                 fams["held"].add_metric(name, s.held_rows)
+                fams["realigned"].add_metric(name, s.realigned_bytes)
                 if report.subscribers is not None:
                     fams["subscribers"].add_metric(name, report.subscribers)
                 if report.detached is not None:

@@ -8,7 +8,7 @@ import urllib.request
 import pyarrow as pa
 from prometheus_client.parser import text_string_to_metric_families
 
-from pushtable import ResourceLimitError, SessionContext, metrics
+from pushtable import ResourceLimitError, SessionContext, SinkStats, metrics
 from pushtable.flight import Limits, Server, connect, serve
 from tests.conftest import SCHEMA, WAIT, Background, batch, wait_until
 
@@ -98,3 +98,33 @@ def test_embedders_read_the_same_registry() -> None:
     assert f"pushtable_rows_written_total{{{labels}}} 3.0" in again
     assert f'session="{other.session_id()}",table="embedded_metrics_t"}} 0.0' in again
     assert kept.stats.rows == 0
+
+
+def test_bytes_copied_to_align_a_batch_are_counted_in_stats_and_metrics() -> None:
+    """A batch built in memory is never copied; one whose int64 buffer starts one byte off (as
+    data read from the wire or an IPC file can) is, and the copy is counted."""
+    schema = pa.schema([("v", pa.int64()), ("s", pa.string())])
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table("aligned", schema, capacity=8)
+    sink.write(pa.record_batch({"v": [1, 2, 3], "s": ["a", None, "c"]}, schema=schema))
+    assert (sink.stats.realigned_batches, sink.stats.realigned_bytes) == (0, 0)
+    raw = pa.py_buffer(b"\0" + b"".join(i.to_bytes(8, "little") for i in (4, 5, 6))).slice(1)
+    assert raw.address % 8 != 0
+    off = pa.Array.from_buffers(pa.int64(), 3, [None, raw])
+    sink.write(pa.record_batch([off, pa.array(["d", "e", None])], schema=schema))
+    assert (sink.stats.realigned_batches, sink.stats.realigned_bytes) == (1, 24)
+    from prometheus_client import generate_latest
+
+    text = generate_latest(metrics.REGISTRY).decode()
+    labels = f'session="{ctx.session_id()}",table="aligned"'
+    assert f"pushtable_realigned_bytes_total{{{labels}}} 24.0" in text
+    sink.close()
+    assert ctx.sql("SELECT sum(v) AS v FROM aligned").to_pydict() == {"v": [21]}
+
+
+def test_a_client_keeps_the_counters_it_knows_of_a_newer_servers_stats() -> None:
+    counters = dict(vars(SessionContext().register_streaming_table("t", SCHEMA).stats))
+    counters["counted_by_a_newer_server"] = 7
+    assert SinkStats.known(counters) == SinkStats(
+        **{k: v for k, v in counters.items() if k != "counted_by_a_newer_server"}
+    )

@@ -149,6 +149,9 @@ pub struct Imported {
     pub batch: RecordBatch,
     /// The bytes its columns' slices span (`sizing::batch_bytes`), taken while importing.
     pub bytes: usize,
+    /// The bytes of the buffers the import copied to align them for their types (0 for a
+    /// batch built in memory; data read from the wire or a file can land at any address).
+    pub realigned: usize,
 }
 
 /// Why a batch could not be imported.
@@ -186,7 +189,10 @@ fn into_batch(mut data: ArrayData, schema: SchemaRef) -> Result<Imported, Import
         )
         .into());
     }
+    let mut starts = Vec::new();
+    buffer_starts(&data, &mut starts);
     data.align_buffers();
+    let realigned = moved_bytes(&data, &starts, &mut 0);
     let mut bytes = 0;
     for (field, column) in schema.fields().iter().zip(data.child_data()) {
         column.validate().map_err(|error| ImportError::Column {
@@ -210,7 +216,35 @@ fn into_batch(mut data: ArrayData, schema: SchemaRef) -> Result<Imported, Import
             .with_row_count(Some(rows))
             .with_match_field_names(false),
     )?;
-    Ok(Imported { batch, bytes })
+    Ok(Imported {
+        batch,
+        bytes,
+        realigned,
+    })
+}
+
+/// Where each buffer of `data` starts, children and dictionaries included, in a fixed order.
+fn buffer_starts(data: &ArrayData, out: &mut Vec<*const u8>) {
+    out.extend(data.buffers().iter().map(|b| b.as_ptr()));
+    for child in data.child_data() {
+        buffer_starts(child, out);
+    }
+}
+
+/// The bytes of the buffers of `data` that no longer start where `starts` (taken in
+/// `buffer_starts`' order before aligning) says: those `align_buffers` copied.
+fn moved_bytes(data: &ArrayData, starts: &[*const u8], next: &mut usize) -> usize {
+    let mut moved = 0;
+    for buffer in data.buffers() {
+        if starts.get(*next) != Some(&buffer.as_ptr()) {
+            moved += buffer.len();
+        }
+        *next += 1;
+    }
+    for child in data.child_data() {
+        moved += moved_bytes(child, starts, next);
+    }
+    moved
 }
 
 /// A C stream of record batches, read with each batch's buffers aligned.

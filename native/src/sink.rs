@@ -3,6 +3,7 @@
 //! (checking for Ctrl-C on the main thread); `advance`, `close`, `fail`, `subscribe` and
 //! `stats` map the channel's outcomes onto the module's exception classes.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -52,6 +53,9 @@ pub struct Sink {
     /// its length says, as DataFusion and DuckDB do for data from the same process.
     full_check: bool,
     importer: BatchImporter,
+    /// Batches (and bytes) whose buffers the import copied to align them.
+    realigned_batches: AtomicU64,
+    realigned_bytes: AtomicU64,
 }
 
 /// Reports one topic subscription's counters (it does not keep the subscription alive).
@@ -94,6 +98,8 @@ impl Sink {
             order_by,
             full_check,
             importer,
+            realigned_batches: AtomicU64::new(0),
+            realigned_bytes: AtomicU64::new(0),
         })
     }
 
@@ -108,7 +114,11 @@ impl Sink {
         token: Option<&CancelToken>,
     ) -> PyResult<()> {
         let name = &self.channel.name;
-        let Imported { batch, bytes } = imported.map_err(|e| match e {
+        let Imported {
+            batch,
+            bytes,
+            realigned,
+        } = imported.map_err(|e| match e {
             ImportError::Column {
                 name: column,
                 error,
@@ -126,6 +136,11 @@ impl Sink {
             ),
             ImportError::Other(error) => InputError::new_err(error.to_string()),
         })?;
+        if realigned > 0 {
+            self.realigned_batches.fetch_add(1, Ordering::Relaxed);
+            self.realigned_bytes
+                .fetch_add(realigned as u64, Ordering::Relaxed);
+        }
         // A batch the importer labelled with the table's own schema was checked on import.
         let batch = if Arc::ptr_eq(batch.schema_ref(), &self.channel.input_schema) {
             batch
@@ -423,6 +438,11 @@ impl Sink {
         d.set_item("held_rows", s.held_rows)?;
         d.set_item("held_bytes", s.held_bytes)?;
         d.set_item("blocked_seconds", s.blocked.as_secs_f64())?;
+        d.set_item(
+            "realigned_batches",
+            self.realigned_batches.load(Ordering::Relaxed),
+        )?;
+        d.set_item("realigned_bytes", self.realigned_bytes.load(Ordering::Relaxed))?;
         d.set_item("closed", s.closed)?;
         d.set_item("failed", s.failed)?;
         d.set_item("reader_gone", s.reader_gone)?;

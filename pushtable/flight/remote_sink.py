@@ -405,7 +405,7 @@ class RemoteSink(ProducerScope):
         put = self._put
         sent = self._sent + (put.sent if put else 0)
         acked = self._acked + (put.acked if put else 0)
-        return RemoteSinkStats(sent, acked, cls(**table))
+        return RemoteSinkStats(sent, acked, cls.known(table))
 
     @property
     def closed(self) -> bool:
