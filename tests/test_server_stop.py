@@ -4,6 +4,7 @@ ride it out (every batch stored once); a plain producer is told the server stopp
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -11,11 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.flight as flight
 import pytest
 
 from pushtable import ServerStoppedError, ServerUnavailableError
 from pushtable.flight import connect
-from tests.conftest import WAIT, wait_until
+from tests.conftest import WAIT, serve_process, wait_until
 from tests.test_producer_outage import _free_port, _server
 
 SCHEMA = pa.schema([("v", pa.int64())])
@@ -112,3 +114,29 @@ def test_closing_a_sink_after_the_server_stopped_says_it_stopped(tmp_path: Path)
     with pytest.raises(ServerStoppedError, match="stopped"):  # not "unreachable"
         sink.close()
     client.close()
+
+
+def test_a_client_that_stopped_reading_does_not_keep_a_stopped_server_alive(
+    tmp_path: Path,
+) -> None:
+    """A remote query whose client opened its DoGet, read one message and went quiet (its
+    connection open, gRPC's flow-control window full) cannot be told the server stopped:
+    the stop abandons that call after its timeout, and the process exits. It used to wait
+    for the call again at interpreter exit (pyarrow's own shutdown hook), forever."""
+    with serve_process({}, tmp_path) as (proc, location):
+        with connect(location, timeout=WAIT) as client:
+            client.create_table("big", SCHEMA, capacity=64)
+            with client.sink("big") as sink:
+                for i in range(40):  # 20 MB of results: far more than the flow-control window
+                    sink.write(pa.record_batch({"v": range(i * 65_536, (i + 1) * 65_536)}))
+        quiet = flight.FlightClient(location)
+        try:
+            reader = quiet.do_get(flight.Ticket(json.dumps({"sql": "SELECT v FROM big"}).encode()))
+            assert reader.read_chunk().data.num_rows > 0
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(WAIT) == 0
+            assert proc.stdout is not None
+            said = proc.stdout.read()  # to EOF: the process has exited
+            assert "pushtable serve: stopped (1 idle stream(s) abandoned)" in said, said
+        finally:
+            quiet.close()

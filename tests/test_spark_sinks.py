@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import random
 import threading
+import time
 from pathlib import Path
 
 import lance
@@ -45,8 +46,19 @@ def test_stop_returns_with_a_full_sink_and_no_reader(spark: SparkSession, tmp_pa
     ctx = SessionContext()  # kept: a dropped session would drop the table (reader gone)
     unread = ctx.register_streaming_table("unread", ARROW, capacity=1)
     bridge = ForeachBatchBridge(sinks=[unread], push_timeout=1.0, query_id="q")
-    pushing = threading.Event()
-    bridge.fault = lambda step, epoch: pushing.set() if step == "before_push" and epoch else None
+    # Epoch 0 fills the table; epoch 1's push then waits for room for up to push_timeout.
+    # Seen waiting (the sink counts its blocked writer), not assumed to be.
+    blocked = threading.Event()
+    deadline = time.monotonic() + QUERY_WAIT
+
+    def watch() -> None:
+        while unread.stats.waiting_writers == 0 and time.monotonic() < deadline:
+            blocked.wait(0.001)
+        if unread.stats.waiting_writers:
+            blocked.set()
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     q = (
         stream(spark, tmp_path / "src")
         .writeStream.foreachBatch(bridge)
@@ -54,8 +66,9 @@ def test_stop_returns_with_a_full_sink_and_no_reader(spark: SparkSession, tmp_pa
         .trigger(processingTime="100 milliseconds")
         .start()
     )
-    assert pushing.wait(QUERY_WAIT), "epoch 1 never reached its push"
-    stopping = Background(q.stop)  # epoch 1 is blocked on the full sink right now
+    watcher.join(QUERY_WAIT)
+    assert blocked.is_set(), "epoch 1 never blocked on the full sink"
+    stopping = Background(q.stop)  # epoch 1 was seen blocked on the full sink
     stopping.join(QUERY_WAIT)
     assert not q.isActive
     assert unread.stats.failed

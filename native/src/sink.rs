@@ -442,7 +442,10 @@ impl Sink {
             "realigned_batches",
             self.realigned_batches.load(Ordering::Relaxed),
         )?;
-        d.set_item("realigned_bytes", self.realigned_bytes.load(Ordering::Relaxed))?;
+        d.set_item(
+            "realigned_bytes",
+            self.realigned_bytes.load(Ordering::Relaxed),
+        )?;
         d.set_item("closed", s.closed)?;
         d.set_item("failed", s.failed)?;
         d.set_item("reader_gone", s.reader_gone)?;

@@ -15,6 +15,7 @@ import json
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -289,11 +290,27 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
             open_calls = self._calls.count
             log.warning("pushtable server stopped with %d call(s) still open", open_calls)
             # pyarrow would wait for them again at interpreter exit; let the process end.
-            finalizer = getattr(self, "finalizer", None)
-            if finalizer is not None:
+            for finalizer in _exit_shutdowns(self):
                 finalizer.detach()
             return max(open_calls, 1)
         return 0
+
+
+def _exit_shutdowns(server: flight.FlightServerBase) -> list[weakref.finalize[Any, Any]]:
+    """The ``weakref.finalize`` hooks pyarrow registered to shut ``server`` down at exit.
+
+    pyarrow 26 keeps no handle on it: its hook (gRPC's ``Shutdown`` with no deadline) is found
+    among the process's finalizers by its referent. Left in place after a stop abandoned a
+    call, it waits at interpreter exit for that call forever: a client that opened a DoGet
+    and stopped reading kept ``pushtable serve`` alive after SIGTERM.
+    """
+    registry = getattr(weakref.finalize, "_registry", {})
+    found = []
+    for finalizer in list(registry):
+        held = finalizer.peek()
+        if held is not None and held[0] is server:
+            found.append(finalizer)
+    return found
 
 
 def _read_config(path: str | Path) -> dict[str, Any]:
