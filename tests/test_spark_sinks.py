@@ -49,7 +49,7 @@ def test_stop_returns_with_a_full_sink_and_no_reader(spark: SparkSession, tmp_pa
     # Epoch 0 fills the table; epoch 1's push then waits for room for up to push_timeout.
     # Seen waiting (the sink counts its blocked writer), not assumed to be.
     blocked = threading.Event()
-    deadline = time.monotonic() + QUERY_WAIT
+    deadline = time.monotonic() + QUERY_WAIT / 2  # inside the test's own timeout
 
     def watch() -> None:
         while unread.stats.waiting_writers == 0 and time.monotonic() < deadline:
@@ -66,7 +66,7 @@ def test_stop_returns_with_a_full_sink_and_no_reader(spark: SparkSession, tmp_pa
         .trigger(processingTime="100 milliseconds")
         .start()
     )
-    watcher.join(QUERY_WAIT)
+    watcher.join(QUERY_WAIT / 2 + 1)
     assert blocked.is_set(), "epoch 1 never blocked on the full sink"
     stopping = Background(q.stop)  # epoch 1 was seen blocked on the full sink
     stopping.join(QUERY_WAIT)
