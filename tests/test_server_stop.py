@@ -123,16 +123,27 @@ def test_a_client_that_stopped_reading_does_not_keep_a_stopped_server_alive(
     connection open, gRPC's flow-control window full) cannot be told the server stopped:
     the stop abandons that call after its timeout, and the process exits. It used to wait
     for the call again at interpreter exit (pyarrow's own shutdown hook), forever."""
-    with serve_process({}, tmp_path) as (proc, location):
-        with connect(location, timeout=WAIT) as client:
-            client.create_table("big", SCHEMA, capacity=64)
-            with client.sink("big") as sink:
-                for i in range(40):  # 20 MB of results: far more than the flow-control window
-                    sink.write(pa.record_batch({"v": range(i * 65_536, (i + 1) * 65_536)}))
+    with serve_process({}, tmp_path) as (proc, location), connect(location) as client:
+        client.create_table("big", SCHEMA, capacity=64)
+        with client.sink("big") as sink:
+            for i in range(40):  # 20 MB of results: more than the flow-control window holds
+                sink.write(pa.record_batch({"v": range(i * 65_536, (i + 1) * 65_536)}))
         quiet = flight.FlightClient(location)
         try:
             reader = quiet.do_get(flight.Ticket(json.dumps({"sql": "SELECT v FROM big"}).encode()))
             assert reader.read_chunk().data.num_rows > 0
+            # The query stops pulling once the window and its hand-off are full: the table
+            # keeps batches queued, unchanged. Seen (for a second), then the signal.
+            deadline = time.monotonic() + WAIT
+            last, since = -1, time.monotonic()
+            while True:
+                queued = client.stats("big")["queued_batches"]
+                if queued != last:
+                    last, since = queued, time.monotonic()
+                elif queued > 0 and time.monotonic() - since >= 1.0:
+                    break
+                assert time.monotonic() < deadline, f"the query never stalled ({queued} queued)"
+                time.sleep(0.05)
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(WAIT) == 0
             assert proc.stdout is not None
