@@ -32,6 +32,7 @@ SCHEMA = pa.schema(
         ("ts", pa.timestamp("us", tz="Europe/Paris")),
         ("price", pa.decimal128(12, 3)),
         ("name", pa.string()),
+        ("tags", pa.list_(pa.struct([("id", pa.int32()), ("at", pa.timestamp("ms"))]))),
     ]
 )
 #: The largest message pyarrow's Flight server was measured to hand over where it landed.
@@ -39,7 +40,7 @@ ALIGNED_UP_TO = 2 * 1024 * 1024
 
 
 def _batch(rows: int) -> pa.RecordBatch:
-    """``rows`` rows of every column type, nulls in each column but ``k``."""
+    """``rows`` rows of every column type (nested too), nulls in each column but ``k``."""
     k = np.arange(rows, dtype=np.int64)
     start = dt.datetime(2026, 3, 29, tzinfo=dt.timezone.utc)
     return pa.record_batch(
@@ -51,6 +52,13 @@ def _batch(rows: int) -> pa.RecordBatch:
                 [None if i % 89 == 0 else Decimal(int(i)) / 1000 for i in k], pa.decimal128(12, 3)
             ),
             pa.array([None if i % 83 == 0 else f"n{i}" for i in k]),
+            pa.array(
+                [
+                    None if i % 79 == 0 else [{"id": int(i) % 7, "at": None if i % 3 else start}]
+                    for i in k
+                ],
+                SCHEMA.field("tags").type,
+            ),
         ],
         schema=SCHEMA,
     )
@@ -78,7 +86,7 @@ def _realigned(client: Client, table: str) -> tuple[int, int]:
     return stats["realigned_batches"], stats["realigned_bytes"]
 
 
-@pytest.mark.parametrize("rows", [8_192, 32_768, 65_536])
+@pytest.mark.parametrize("rows", [8_192, 24_576, 65_536])
 def test_pushtable_serve_copies_no_more_of_pushtables_messages_than_of_bare_ones(
     tmp_path: Path, rows: int
 ) -> None:

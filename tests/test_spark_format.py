@@ -33,6 +33,20 @@ def finish(query: StreamingQuery) -> None:
     assert query.exception() is None, query.exception()
 
 
+def drain(reader: Any, checkpoint: Path, each: Any) -> StreamingQuery:
+    """Run the stream of ``reader`` once over what is available (``availableNow``), handing
+    each micro-batch to ``each``; the finished query."""
+    query: StreamingQuery = (
+        reader.load()
+        .writeStream.foreachBatch(each)
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(availableNow=True)
+        .start()
+    )
+    finish(query)
+    return query
+
+
 def forget_last_commit(checkpoint: Path) -> None:
     """Remove the checkpoint's newest commit file (and its checksum), as a crash before Spark
     recorded the batch done would: a restart replays that batch with the same offsets."""
@@ -212,14 +226,7 @@ def read_batches(
         rows = df.select(F.spark_partition_id(), "k", "name").collect()
         batches.append(sorted((int(r[0]), int(r[1]), str(r[2])) for r in rows))
 
-    query = (
-        reader.load()
-        .writeStream.foreachBatch(seen)
-        .option("checkpointLocation", str(chk))
-        .trigger(availableNow=True)
-        .start()
-    )
-    finish(query)
+    drain(reader, chk, seen)
     return batches
 
 
@@ -316,14 +323,7 @@ def source_rows(
     def collect(df: DataFrame, _: int) -> None:
         seen.extend(int(r.k) for r in df.select("k").collect())
 
-    query = (
-        reader.load()
-        .writeStream.foreachBatch(collect)
-        .option("checkpointLocation", str(chk))
-        .trigger(availableNow=True)
-        .start()
-    )
-    finish(query)
+    query = drain(reader, chk, collect)
     return sorted(seen), query
 
 
