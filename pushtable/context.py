@@ -323,6 +323,21 @@ class SessionContext(datafusion.SessionContext):
             return live  # the engine plans queries only: no DDL, DML or SET
         return DataFrame(super().sql_with_options(query, *args, **kwargs).df)
 
+    def reads_live(self, query: str) -> bool:
+        """Whether ``query`` reads a live table (a streaming table or a subscription) here.
+
+        Its rows come as producers write, so nothing of it can be awaited up front.
+
+        Example:
+            >>> import pyarrow as pa
+            >>> from pushtable import SessionContext
+            >>> ctx = SessionContext()
+            >>> _ = ctx.register_streaming_table("t", pa.schema([("v", pa.int64())]))
+            >>> ctx.reads_live("SELECT v FROM t"), ctx.reads_live("SELECT 1")
+            (True, False)
+        """
+        return any(name in self._sources.live for name in _native.table_references(query))
+
     def _live(self, query: str) -> DataFrame | None:
         """``query`` run by the live engine, if it needs it."""
         plan = plan_live(self, self._sources, query)

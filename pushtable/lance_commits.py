@@ -270,6 +270,23 @@ def sync_fragments(uri: str, fragments: Iterable[Any]) -> None:
         _fsync(data, directory=True)
 
 
+def remove_data_file(uri: str, name: str) -> None:
+    """Remove the data file ``name`` of the local dataset at ``uri``: one no commit references.
+
+    Best effort: a failure is logged, and Lance's sweep of unreferenced files (cleanup of
+    files older than its 7-day window) removes the file later; on an object store that sweep
+    is the only removal for now.
+    """
+    if not is_local(uri):
+        return
+    try:
+        os.remove(_path(uri) / "data" / name)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        log.info("could not remove the uncommitted data file %s of %s: %s", name, uri, exc)
+
+
 def sync_commit(ds: lance.LanceDataset, since_ns: int = 0, prefix: str | None = None) -> None:
     """Sync (fsync) what the commit of ``ds.version`` wrote, and the directories holding it.
 

@@ -245,13 +245,20 @@ impl LiveScanExec {
     }
 
     /// The table's batches as they arrive, whole (every column, no filter, no limit), read
-    /// through this scan's claim on the table (so a second query still finds it consumed)
-    /// with this scan's watermark markers: the one read that several scans of one query
-    /// share, each narrowing it with [`LiveScanExec::narrow`].
-    pub fn read_whole(&self) -> SendableRecordBatchStream {
+    /// through this scan's claim on the table (so a second query still finds it consumed):
+    /// the one read that several scans of one query share, each narrowing it with
+    /// [`LiveScanExec::narrow`]. Its watermark markers set a cell of the read's own (returned
+    /// with it), not this scan's: each scan hands a watermark on only as its consumer
+    /// reaches it.
+    pub fn read_whole(&self) -> (SendableRecordBatchStream, Option<Arc<WatermarkCell>>) {
         let schema = self.table_schema();
-        match self.partitions[0].claim.reader() {
-            Ok(Some(reader)) => Box::pin(ReaderStream::new(reader, self.markers.clone())),
+        let markers = self.markers.as_ref().map(|m| Markers {
+            cell: Arc::default(),
+            data_type: m.data_type.clone(),
+        });
+        let cell = markers.as_ref().map(|m| Arc::clone(&m.cell));
+        let stream: SendableRecordBatchStream = match self.partitions[0].claim.reader() {
+            Ok(Some(reader)) => Box::pin(ReaderStream::new(reader, markers)),
             Ok(None) => Box::pin(RecordBatchStreamAdapter::new(
                 schema,
                 futures::stream::empty(),
@@ -260,7 +267,14 @@ impl LiveScanExec {
                 schema,
                 futures::stream::once(async { Err(err) }),
             )),
-        }
+        };
+        (stream, cell)
+    }
+
+    /// The registered table this scan reads (one source per registration: two scans of one
+    /// table share it; two subscriptions of one topic do not).
+    pub fn source_id(&self) -> usize {
+        Arc::as_ptr(&self.partitions[0].claim.source) as usize
     }
 
     /// `whole` (the table's batches, every column, as [`LiveScanExec::read_whole`] yields

@@ -182,6 +182,8 @@ class DurableLog:
         self._tail_bytes = 0
         self._failure: CommitFailedError | None = None
         self._attempts = 0  # commit attempts finished, failed or not
+        #: a commit raised and it is not known whether it landed: read before the next one
+        self._unsure = False
         self._urgent = False
         self._took: deque[float] = deque(maxlen=8)  # seconds the latest commits took
         self._closing = False
@@ -391,8 +393,15 @@ class DurableLog:
                     continue
             current = ahead.popleft()
             self._take_due(encoder, current, ahead)
+            written: Written | None = None
             try:
                 written = current.written.result()
+                if self._unsure and self._settle_landed(None):
+                    # What landed was an earlier gathering of these offsets: this one's files
+                    # and those ahead are gathered again, after it.
+                    self.store.discard(written)
+                    self._discard(ahead)
+                    continue
                 with self._cond:  # as of now: retention or a consumer may have moved meanwhile
                     consumers, earliest = dict(self._consumers), self._earliest
                 last = current.entries[-1].offset
@@ -401,13 +410,22 @@ class DurableLog:
             except BaseException as exc:  # I/O, a full disk, a read-only dir, a Lance panic
                 if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                     raise
-                ahead.clear()  # written after a group not stored: gathered again, from it
+                self._discard(ahead)  # written after a group not stored: gathered again, from it
+                # The commit may have landed before it raised (a late sync error, an object
+                # store's lost reply): then its offsets are stored, and appending them again
+                # would store them twice. Read the newest stamp before anything is retried.
+                self._unsure = written is not None
+                if written is not None and self._settle_landed(written):
+                    continue
+                if written is not None and not self._unsure:
+                    self.store.discard(written)  # known not to have landed
                 self._failed(current.entries, exc)
                 with self._cond:  # retry after an interval (sooner if a producer waits)
                     self._cond.wait_for(lambda: self._closed or self._urgent, self.commit_interval)
                     if self._closed:
                         return
                 continue
+            self._unsure = False
             self._took.append(time.monotonic() - current.started)
             self._succeeded(current.entries, current.stored, version)
             # A bound in bytes is held after every commit (the history stays within one
@@ -417,6 +435,57 @@ class DurableLog:
                 with self._cond:
                     stamp = self._stamp()
                 self._expire(stamp)
+
+    def _settle_landed(self, written: Written | None) -> bool:
+        """After a commit raised: whether it landed all the same, settled as a success if so.
+
+        The newest stamp is read afresh. When it stores offsets past those committed, that
+        commit is this group's (``written``, when it is the group that raised; the committer
+        is the one writer of stamped commits): it is synced again and acknowledged, and
+        nothing is appended twice. When the stamp cannot
+        be read, the log stays unsure and asks again before its next commit.
+        """
+        with self._cond:
+            committed = self._committed
+        try:
+            found = self.store.landed(committed, written)
+        except Exception as exc:  # noqa: BLE001 - unsure still: asked again before the retry
+            log.warning(
+                "durable topic '%s': cannot tell whether offsets from %d were stored: %s",
+                self.name,
+                committed,
+                exc,
+            )
+            return False
+        self._unsure = False
+        if found is None:
+            return False
+        with self._cond:
+            entries = [e for e in self._pending if e.offset < found.next_offset]
+        if not entries or entries[-1].offset != found.next_offset - 1:
+            raise AssertionError(
+                f"durable topic '{self.name}': the newest stamp stores offsets to "
+                f"{found.next_offset}, beyond what was written ({committed}..)"
+            )
+        log.warning(
+            "durable topic '%s': offsets %d..%d were stored by a commit that raised after it "
+            "landed; acknowledged, not stored again",
+            self.name,
+            entries[0].offset,
+            entries[-1].offset,
+        )
+        self._succeeded(entries, found.producers, found.version)
+        return True
+
+    def _discard(self, ahead: deque[_Group]) -> None:
+        """Give up the groups ``ahead`` (they are gathered again): their files are deleted."""
+        for group in ahead:
+            try:
+                written = group.written.result()
+            except Exception:  # noqa: BLE001 - nothing written, nothing to delete
+                continue
+            self.store.discard(written)
+        ahead.clear()
 
     def _take_due(self, encoder: ThreadPoolExecutor, current: _Group, ahead: deque[_Group]) -> None:
         """Hand the encoder what is due beyond the groups in flight, while ``current`` commits."""

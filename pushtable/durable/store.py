@@ -253,7 +253,12 @@ class LogStore:
         return Written(fragments, bounds)
 
     def commit_written(self, written: Written, stamp: Stamp) -> int:
-        """The second half of :meth:`append`: commit ``written`` stamped with ``stamp``."""
+        """The second half of :meth:`append`: commit ``written`` stamped with ``stamp``.
+
+        When it raises, the commit may still have landed (its manifest written, then the sync
+        after it failed, or an object store's reply lost): :meth:`landed` tells, before
+        anything is committed again.
+        """
         props = stamp.props()
         self._ds = self._commit(
             lambda ds: lance.Transaction(
@@ -262,10 +267,45 @@ class LogStore:
                 transaction_properties=props,
             )
         )
+        self._learn(written)
+        return int(self._ds.version)
+
+    def _learn(self, written: Written) -> None:
         for fragment in written.fragments:  # whole group commits expire together
             size = sum(f.file_size_bytes or 0 for f in fragment.files)
             self._bounds[fragment.files[0].path] = dataclasses.replace(written.bounds, nbytes=size)
-        return int(self._ds.version)
+
+    def landed(self, after: int, written: Written | None = None) -> Recovered | None:
+        """The newest stamp, read afresh, when it stores offsets from ``after`` on; else None.
+
+        Called after a commit raised, before it is tried again: the commit may have landed.
+        A landed commit is synced again (with :attr:`sync`: the failure may have been the
+        sync) and becomes the store's current version; ``written`` is then what it holds.
+        Raises when the dataset cannot be read (or synced): the caller cannot tell yet.
+        """
+        ds = self._open()
+        if ds is None:
+            return None
+        found = stamp_of(ds)
+        if found.next_offset <= after:
+            return None
+        if self.sync:
+            lance_commits.sync_commit(ds.checkout_version(found.version))
+        self._ds = ds
+        if written is not None:
+            self._learn(written)
+        return found
+
+    def discard(self, written: Written) -> None:
+        """Delete the data files of ``written``: fragments no commit holds.
+
+        Its commit failed and did not land, or its group was given up: otherwise the files
+        would stay until Lance's sweep of unreferenced files, counted against the data dir's
+        bound. Best effort.
+        """
+        for fragment in written.fragments:
+            for file in fragment.files:
+                lance_commits.remove_data_file(self.uri, file.path)
 
     def _commit(self, transaction: Any) -> lance.LanceDataset:
         with self._committing:
@@ -381,7 +421,12 @@ class LogStore:
         version was chosen) is released once the reader is exhausted, closed or collected:
         until then :meth:`release` keeps the version's files.
         """
-        reader = _scan(self._at(version), self.schema, start, end)
+        try:
+            reader = _scan(self._at(version), self.schema, start, end)
+        except BaseException:
+            if pin is not None:
+                pin.release()  # a failed read holds nothing: the cleanup floor moves on
+            raise
         if pin is None:
             return reader
 

@@ -11,24 +11,25 @@ appearance. A query may use ``$n`` itself instead.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
 from typing import Any
 
 import datafusion
 import pyarrow as pa
 
-__all__ = ["bind", "numbered", "parameter_schema"]
+__all__ = ["bind", "has_placeholders", "numbered", "parameter_schema"]
 
 #: bound parameters are carried in the statement's handle through the client: kept small
 MAX_BYTES = 1 << 20
 
 
-def numbered(query: str) -> str:
-    """``query`` with each positional ``?`` replaced by ``$1``, ``$2`` and so on.
+def _segments(query: str) -> Iterator[tuple[str, bool]]:
+    """``query`` cut into pieces, each with whether it is SQL code.
 
-    String literals, quoted identifiers and comments are left as they are.
+    The other pieces are string literals, quoted identifiers and comments.
     """
-    out: list[str] = []
-    i, n, count = 0, len(query), 0
+    i, n = 0, len(query)
     while i < n:
         ch = query[i]
         if ch in "'\"":  # a literal or a quoted identifier; a doubled quote escapes itself
@@ -40,26 +41,55 @@ def numbered(query: str) -> str:
                         continue
                     break
                 end += 1
-            out.append(query[i : end + 1])
+            yield query[i : end + 1], False
             i = end + 1
         elif query.startswith("--", i):
             end = query.find("\n", i)
             end = n if end < 0 else end
-            out.append(query[i:end])
+            yield query[i:end], False
             i = end
         elif query.startswith("/*", i):
             end = query.find("*/", i + 2)
             end = n if end < 0 else end + 2
-            out.append(query[i:end])
+            yield query[i:end], False
             i = end
-        elif ch == "?":
-            count += 1
-            out.append(f"${count}")
-            i += 1
         else:
-            out.append(ch)
-            i += 1
+            end = i + 1
+            while end < n and query[end] not in "'\"" and not query.startswith(("--", "/*"), end):
+                end += 1
+            yield query[i:end], True
+            i = end
+
+
+def numbered(query: str) -> str:
+    """``query`` with each positional ``?`` replaced by ``$1``, ``$2`` and so on.
+
+    String literals, quoted identifiers and comments are left as they are.
+    """
+    out: list[str] = []
+    count = 0
+    for text, code in _segments(query):
+        if not code:
+            out.append(text)
+            continue
+        for ch in text:
+            if ch == "?":
+                count += 1
+                out.append(f"${count}")
+            else:
+                out.append(ch)
     return "".join(out)
+
+
+def has_placeholders(query: str) -> bool:
+    """Whether ``query`` (numbered) holds a ``$n`` placeholder outside literals and comments.
+
+    Only then is its plan walked for them: an ordinary query has none to describe.
+    """
+    return any(code and _PLACEHOLDER.search(text) for text, code in _segments(query))
+
+
+_PLACEHOLDER = re.compile(r"\$\d")
 
 
 # Accessors of plan and expression nodes that lead to no sub-expression.

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import functools
+import itertools
 import json
 import queue
 import re
@@ -27,6 +28,7 @@ import pyarrow.flight as flight
 from pushtable import _native, metrics
 from pushtable.context import SessionContext
 from pushtable.errors import (
+    InvalidQueryError,
     ResourceLimitError,
     StatementRefusedError,
     UnknownTableError,
@@ -109,7 +111,14 @@ class Queries:
             found = sql.statement(cmd)
             if found is not None:
                 query, params = found
-                schema = _described(self._plan(context, query, params))
+                df = self._plan(context, query, params)
+                schema = _described(df)
+                if not self._ctx.reads_live(query):
+                    # The schema its DoGet will declare (see _query): a client compares the
+                    # two. Learning it runs the query to its first batch, in a query slot.
+                    with self._calls.usage.query():
+                        _, schema = _first_declared(df.execute_stream(), schema)
+                del df
                 body = {"sql": query}
                 if params is not None:
                     body["prepared"] = base64.b64encode(sql.encode_handle(query, params)).decode()
@@ -165,9 +174,17 @@ class Queries:
         schema = _described(df)
         slot = call.held.enter_context(self._calls.usage.query())
         call.held.enter_context(self._calls.held(context))
+        stream: Iterator[Any] = iter(df.execute_stream())
+        if not self._ctx.reads_live(query):
+            # A query over stored data: its first batch is declared, as its batches carry the
+            # plan's physical types, which DataFusion's logical schema can miss (a union of
+            # int32 and int64, a CASE over a list and a large list, string views). A live
+            # query's schema goes out at once instead (its rows wait for producers): a batch
+            # that differs is cast to it (see _results).
+            stream, schema = _first_declared(stream, schema)
         # Only the worker thread keeps the query: when it lets go, the query ends.
-        query_box = [df.execute_stream()]
-        del df
+        query_box = [stream]
+        del df, stream
         held = call.held.pop_all()
         results = self._results(context, query_box, slot, held, call.record, call.started, schema)
         # A generator that never starts never runs its finally: let go when it is collected.
@@ -246,8 +263,8 @@ class Queries:
         first = True
         with wire_errors(), held:
             for batch in self._forward(context, query_box, slot):
-                if not batch.schema.equals(schema) and batch.schema.types == schema.types:
-                    batch = pa.RecordBatch.from_arrays(batch.columns, schema=schema)
+                if not batch.schema.equals(schema):
+                    batch = _as_declared(batch, schema)
                 if first:
                     metrics.FIRST_RESULT.observe(time.perf_counter() - started)
                     first = False
@@ -339,6 +356,8 @@ class Queries:
 
         def describe(query: str) -> tuple[pa.Schema, pa.Schema]:
             df = self._plan(context, query)
+            if not parameters.has_placeholders(parameters.numbered(query)):
+                return df.schema(), pa.schema([])  # nothing to describe: no walk of the plan
             return df.schema(), parameters.parameter_schema(df)
 
         return sql.prepared(action.body.to_pybytes(), describe)
@@ -400,6 +419,42 @@ def _refusal(exc: BaseException) -> StatementRefusedError | None:
         f"pushtable serve runs queries only: {match.group(2)} is a {kind} statement and is "
         "refused before anything runs (the server's own Python session, Server.ctx, may)"
     )
+
+
+def _first_declared(stream: Any, schema: pa.Schema) -> tuple[Iterator[Any], pa.Schema]:
+    """``stream`` (its first batch taken and put back) and the schema to declare.
+
+    That is the first batch's, with ``schema``'s metadata (``schema`` when there is none).
+    """
+    first = next(iter(stream), None)
+    if first is None:
+        return iter(()), schema
+    carried = first.to_pyarrow().schema.with_metadata(schema.metadata)
+    return itertools.chain([first], stream), carried
+
+
+def _as_declared(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
+    """``batch`` under the declared ``schema`` (``GeneratorStream`` refuses any other).
+
+    Fields that differ only in nullability are relabelled, zero-copy; other types are cast
+    when every value fits (a live query declares DataFusion's logical types before its first
+    batch). A value that does not fit is refused naming the column and both types.
+    """
+    if batch.schema.types == schema.types:
+        return pa.RecordBatch.from_arrays(batch.columns, schema=schema)
+    try:
+        return batch.cast(schema)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+        differ = [
+            f"{f.name}: {f.type} declared, {g.type} computed"
+            for f, g in zip(schema, batch.schema, strict=True)
+            if f.type != g.type
+        ]
+        raise InvalidQueryError(
+            "this live query's rows do not fit the types its plan declared ("
+            + "; ".join(differ)
+            + f"): {exc}; CAST the column to the computed type in the query"
+        ) from None
 
 
 #: Schema metadata of a remote result that is an upsert changelog: its key columns (JSON).

@@ -236,6 +236,14 @@ impl Channel {
                     Room::No(d) => due = d,
                 }
             }
+            if crate::finalizing::exiting_here() {
+                // An exit hook run after pushtable's: no query reads any more, so the room
+                // this write waits for would never come (see `finalizing`).
+                break Err(PushError::ReaderGone(
+                    "the interpreter is exiting (queries stopped reading at exit) and the \
+                     table is full",
+                ));
+            }
             let since = *blocked_since.get_or_insert(now);
             let waiter = Arc::clone(me.get_or_insert_with(|| {
                 let w = Arc::new(Waiter::default());
@@ -273,7 +281,7 @@ impl Channel {
                 }
                 None => waiter.wake.wait(st).unwrap_or_else(|p| p.into_inner()),
             };
-            if tick.is_none() && crate::finalizing::is() {
+            if tick.is_none() && crate::finalizing::must_park() {
                 // A daemon producer woken while the interpreter finalizes must not go back
                 // to Python (see `finalizing`).
                 drop(st);

@@ -95,6 +95,11 @@ pub fn abortable(inner: SendableRecordBatchStream, abort: Arc<Abort>) -> Sendabl
                         None => Poll::Pending,
                     }
                 }
+                Poll::Ready(None) => {
+                    // Ended: an error raised after this is not this query's to report.
+                    self.done = true;
+                    Poll::Ready(None)
+                }
                 ready => ready,
             }
         }

@@ -204,12 +204,14 @@ fn reads_ahead(plan: &Arc<dyn ExecutionPlan>) -> bool {
 }
 
 /// Starts every read-ahead of `plan` as the query starts: each reads its table from now on,
-/// whenever the operator above it executes it.
+/// whenever the operator above it executes it. Bottom-up: starting an outer read-ahead
+/// executes the inner ones below it, which must hand out the reads they already started.
 fn start_read_aheads(plan: &Arc<dyn ExecutionPlan>, task: &Arc<TaskContext>) -> Result<()> {
+    plan.children()
+        .into_iter()
+        .try_for_each(|child| start_read_aheads(child, task))?;
     if let Some(read_ahead) = plan.downcast_ref::<ReadAheadExec>() {
         read_ahead.start(task)?;
     }
-    plan.children()
-        .into_iter()
-        .try_for_each(|child| start_read_aheads(child, task))
+    Ok(())
 }

@@ -177,6 +177,7 @@ fn session(
     );
     // Last, so no later rule rebuilds a filter with the session's batch size.
     rules.push(Arc::new(rule::PassFilteredBatches));
+    rules.push(Arc::new(rule::ReadAheadAtScans));
     // After every rule that looks for live scans: they see each scan as a plain one.
     rules.push(Arc::new(rule::ShareScans));
     let mut builder = SessionStateBuilder::new();
@@ -213,9 +214,11 @@ fn uses_of_order(plan: &Arc<dyn ExecutionPlan>, out: &mut Vec<String>) -> bool {
     let reason = if let Some(shared) = plan.downcast_ref::<shared_scan::SharedScanExec>() {
         Some(format!(
             "incremental: the query scans live table '{}' several times; it is read once and \
-             shared by its scans (rows a scan has not read yet wait in the session's memory \
-             pool)",
-            shared.table()
+             shared by its {} scans, at the pace of the fastest scan's consumer (a paused \
+             query holds the producer); rows a slower scan has not read yet wait in the \
+             session's memory pool",
+            shared.table(),
+            shared.scans()
         ))
     } else if !live {
         return false;

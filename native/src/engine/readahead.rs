@@ -26,24 +26,37 @@ pub struct ReadAheadExec {
     /// Started when the query starts ([`ReadAheadExec::start`]), by partition: an operator
     /// above may execute its input only later (DataFusion's `ScalarSubqueryExec` runs its
     /// subqueries to their end first), and the table's producer must be read meanwhile.
-    started: Mutex<Vec<Option<SendableRecordBatchStream>>>,
+    /// `None` until it starts or a partition is executed: its input is read once, by one
+    /// task per partition, however often `start` is called.
+    started: Mutex<Option<Vec<Option<SendableRecordBatchStream>>>>,
 }
 
 impl ReadAheadExec {
     pub fn new(input: Arc<dyn ExecutionPlan>) -> Self {
         Self {
             input,
-            started: Mutex::new(Vec::new()),
+            started: Mutex::new(None),
         }
     }
 
-    /// Start reading every partition now; `execute` then hands each one out.
+    /// What it reads ahead.
+    pub fn input(&self) -> &Arc<dyn ExecutionPlan> {
+        &self.input
+    }
+
+    /// Start reading every partition now; `execute` then hands each one out. Does nothing
+    /// once started (or once a partition was executed): a second reader of the same input
+    /// would take rows nobody reads.
     pub fn start(&self, context: &Arc<TaskContext>) -> Result<()> {
+        let mut started = self.started.lock().unwrap_or_else(|p| p.into_inner());
+        if started.is_some() {
+            return Ok(());
+        }
         let n = self.input.output_partitioning().partition_count();
         let streams = (0..n)
             .map(|p| self.read(p, Arc::clone(context)).map(Some))
             .collect::<Result<Vec<_>>>()?;
-        *self.started.lock().unwrap_or_else(|p| p.into_inner()) = streams;
+        *started = Some(streams);
         Ok(())
     }
 }
@@ -89,12 +102,15 @@ impl ExecutionPlan for ReadAheadExec {
         partition: usize,
         context: Arc<TaskContext>,
     ) -> Result<SendableRecordBatchStream> {
-        let started = self
-            .started
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get_mut(partition)
-            .and_then(Option::take);
+        let started = {
+            let mut started = self.started.lock().unwrap_or_else(|p| p.into_inner());
+            // Executed before any start: a later `start` must not read the input again.
+            let n = self.input.output_partitioning().partition_count();
+            started
+                .get_or_insert_with(|| (0..n).map(|_| None).collect())
+                .get_mut(partition)
+                .and_then(Option::take)
+        };
         match started {
             Some(stream) => Ok(stream),
             None => self.read(partition, context),
@@ -121,7 +137,14 @@ impl ReadAheadExec {
         // stops when the input ends, fails, or the query drops the receiver.
         let runtime = super::runtime().map_err(|e| DataFusionError::Execution(e.to_string()))?;
         runtime.spawn(async move {
-            while let Some(item) = input.next().await {
+            loop {
+                // A dropped consumer is seen at once, even while the input is idle: dropping
+                // the input tells the table's producers.
+                let item = match futures::future::select(input.next(), Box::pin(tx.closed())).await
+                {
+                    futures::future::Either::Left((Some(item), _)) => item,
+                    _ => break,
+                };
                 let item = item.and_then(|batch| {
                     let size = batch.get_array_memory_size();
                     let held = held.lock().unwrap_or_else(|p| p.into_inner());

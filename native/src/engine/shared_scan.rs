@@ -5,22 +5,40 @@
 //! scans). A single-scan table hands its stream out once, so the second scan would fail
 //! mid-query. Here the table's stream is read once, by a task of the engine's runtime, and
 //! each batch goes to every scan's queue; each scan then applies its own filter, projection
-//! and limit. The task reads as the producer writes, whatever the scans poll (a hash join
-//! reads its build side whole before its probe side yields a row), so what a scan has not
-//! read yet waits in its queue, counted once per batch in the session's memory pool: past
-//! the pool's limit (`memory_limit`) the query fails naming it, never an unbounded buffer
-//! outside it. A second *query* still finds the table consumed.
+//! and limit, and hands on the watermarks to its own operators only as its consumer reaches
+//! them (one scan's windows never close on another's progress).
+//!
+//! The read keeps a single scan's promises:
+//! - *Backpressure.* It reads only while some scan waits for a batch with none queued (the
+//!   fastest consumer's pace): a query whose consumer pauses stops reading, and the table's
+//!   own bound holds the producer. What a slower scan has not read yet (a hash join's probe
+//!   side while its build side is read whole) waits in its queue, counted once per batch in
+//!   the session's memory pool: past the pool's limit (`memory_limit`) the query fails
+//!   naming it, never an unbounded buffer outside it. (Waiting for the slowest scan instead
+//!   would deadlock a self-join: its probe side is read only once its build side ends.)
+//! - *A dropped consumer.* Once every scan's stream is dropped the read ends at once, even
+//!   with the producer idle, so the producer's next write learns the reader is gone.
+//! - *End and errors* reach every scan, in order after the batches before them.
+//!
+//! Scans share a read only when they scan the same registered table (one source): two
+//! subscriptions of one topic are two tables, each with its own start and cursor. A second
+//! *query* still finds the table consumed.
 
 use std::fmt;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 
 use datafusion::common::{DataFusionError, Result, ScalarValue};
 use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
 use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
 use datafusion::physical_plan::{DisplayAs, DisplayFormatType, ExecutionPlan, PlanProperties};
-use futures::StreamExt;
+use futures::future::Either;
+use futures::{Stream, StreamExt};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tokio::sync::Notify;
 
 use arrow::array::RecordBatch;
 
@@ -47,10 +65,25 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// Which scans wait for a batch with none queued: the read goes on only while one does.
+struct Demand {
+    /// By scan: asked since the read last handed it a batch (or its stream was dropped).
+    waiting: Vec<AtomicBool>,
+    /// Wakes the read when a scan starts waiting or its stream is dropped.
+    wake: Notify,
+}
+
+impl Demand {
+    fn any(&self) -> bool {
+        self.waiting.iter().any(|w| w.load(Ordering::SeqCst))
+    }
+}
+
 /// The read one table's scans share: a queue per scan, filled by one task.
 pub struct SharedRead {
     table: String,
     queues: Mutex<Queues>,
+    demand: Arc<Demand>,
 }
 
 struct Queues {
@@ -74,6 +107,10 @@ impl SharedRead {
                 senders: Some(senders),
                 receivers,
             }),
+            demand: Arc::new(Demand {
+                waiting: (0..scans).map(|_| AtomicBool::new(false)).collect(),
+                wake: Notify::new(),
+            }),
         }
     }
 
@@ -89,13 +126,20 @@ impl SharedRead {
             let reservation = MemoryConsumer::new(format!("SharedScanExec[{}]", self.table))
                 .register(context.memory_pool());
             let reservation = Arc::new(Mutex::new(reservation));
-            let whole = scan.read_whole();
-            let cell = scan.watermark().cloned();
-            let table = self.table.clone();
+            // The read's own watermark cell: each scan's is set only as its consumer reaches
+            // the marker (see the scan's stream).
+            let (whole, cell) = scan.read_whole();
             let runtime =
                 super::runtime().map_err(|e| DataFusionError::Execution(e.to_string()))?;
-            let abort = super::abort::Abort::of(context);
-            runtime.spawn(pump(whole, cell, senders, reservation, table, abort));
+            let pump = Pump {
+                cell,
+                senders,
+                reservation,
+                table: self.table.clone(),
+                abort: super::abort::Abort::of(context),
+                demand: Arc::clone(&self.demand),
+            };
+            runtime.spawn(pump.run(whole));
         }
         queues
             .receivers
@@ -110,55 +154,125 @@ impl SharedRead {
     }
 }
 
-/// Reads `whole` to its end (or until no scan listens), handing each batch to every scan.
-async fn pump(
-    mut whole: SendableRecordBatchStream,
+/// The task that reads the table for every scan.
+struct Pump {
     cell: Option<Arc<WatermarkCell>>,
     senders: Vec<UnboundedSender<Item>>,
     reservation: Arc<Mutex<MemoryReservation>>,
     table: String,
     abort: Option<Arc<super::abort::Abort>>,
-) {
-    let scans = senders.len();
-    let fail = |e: DataFusionError| {
+    demand: Arc<Demand>,
+}
+
+impl Pump {
+    fn gone(&self) -> bool {
+        self.senders.iter().all(UnboundedSender::is_closed)
+    }
+
+    fn fail(&self, e: DataFusionError) {
         // The whole query ends with it: a scan waiting its turn would never ask for it.
-        let e = match &abort {
+        let e = match &self.abort {
             Some(abort) => abort.raise(e),
             None => e,
         };
         let shared = Arc::new(e);
-        for tx in &senders {
+        for tx in &self.senders {
             let _ = tx.send(Err(DataFusionError::Shared(Arc::clone(&shared))));
         }
-    };
-    while let Some(item) = whole.next().await {
-        let batch = match item {
-            Ok(batch) => batch,
-            Err(e) => return fail(e),
-        };
-        let watermark = match batch.num_rows() {
-            0 => cell.as_ref().and_then(|c| c.get()),
-            _ => None,
-        };
-        let size = batch.get_array_memory_size();
-        if let Err(e) = lock(&reservation).try_grow(size) {
-            return fail(DataFusionError::ResourcesExhausted(format!(
-                "live table '{table}' is read by {scans} scans of this query, and the rows \
-                 some of them have not read yet passed the session's memory_limit: {e}"
-            )));
+    }
+
+    /// Reads `whole` to its end (or until no scan listens), a batch at a time while some
+    /// scan waits, handing each batch to every scan. Returning drops `whole` (the producers
+    /// learn the reader is gone) and the senders (the scans see the end).
+    async fn run(self, mut whole: SendableRecordBatchStream) {
+        let scans = self.senders.len();
+        loop {
+            loop {
+                if self.gone() {
+                    return;
+                }
+                if self.demand.any() {
+                    break;
+                }
+                self.demand.wake.notified().await;
+            }
+            // The producer may be idle for long: a dropped query is seen meanwhile too.
+            let closed = futures::future::join_all(self.senders.iter().map(|tx| tx.closed()));
+            let item = match futures::future::select(whole.next(), std::pin::pin!(closed)).await {
+                Either::Left((item, _)) => item,
+                Either::Right(_) => return,
+            };
+            let Some(item) = item else { return };
+            let batch = match item {
+                Ok(batch) => batch,
+                Err(e) => return self.fail(e),
+            };
+            let watermark = match batch.num_rows() {
+                0 => self.cell.as_ref().and_then(|c| c.get()),
+                _ => None,
+            };
+            let size = batch.get_array_memory_size();
+            if let Err(e) = lock(&self.reservation).try_grow(size) {
+                return self.fail(DataFusionError::ResourcesExhausted(format!(
+                    "live table '{}' is read by {scans} scans of this query, and the rows \
+                     some of them have not read yet passed the session's memory_limit: {e}",
+                    self.table
+                )));
+            }
+            let held = Arc::new(Held {
+                size,
+                reservation: Arc::clone(&self.reservation),
+            });
+            for (tx, waiting) in self.senders.iter().zip(&self.demand.waiting) {
+                if tx
+                    .send(Ok((batch.clone(), watermark.clone(), Arc::clone(&held))))
+                    .is_ok()
+                {
+                    // Its queue holds a batch now: it no longer waits on an empty one.
+                    waiting.store(false, Ordering::SeqCst);
+                }
+            }
         }
-        let held = Arc::new(Held {
-            size,
-            reservation: Arc::clone(&reservation),
-        });
-        let mut listening = 0;
-        for tx in &senders {
-            let sent = tx.send(Ok((batch.clone(), watermark.clone(), Arc::clone(&held))));
-            listening += usize::from(sent.is_ok());
+    }
+}
+
+/// One scan's side of the shared read: its queue, its demand, its own watermark cell.
+struct ScanQueue {
+    rx: UnboundedReceiver<Item>,
+    slot: usize,
+    demand: Arc<Demand>,
+    cell: Option<Arc<WatermarkCell>>,
+}
+
+impl Stream for ScanQueue {
+    type Item = Result<RecordBatch>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        match self.rx.poll_recv(cx) {
+            Poll::Ready(item) => Poll::Ready(item.map(|item| {
+                item.map(|(batch, watermark, _held)| {
+                    if let (Some(cell), Some(value)) = (&self.cell, watermark) {
+                        cell.set(value); // this scan's operators read it with the marker
+                    }
+                    batch
+                })
+            })),
+            Poll::Pending => {
+                // Nothing queued and this scan's consumer asks: the read may go on.
+                if !self.demand.waiting[self.slot].swap(true, Ordering::SeqCst) {
+                    self.demand.wake.notify_one();
+                }
+                Poll::Pending
+            }
         }
-        if listening == 0 {
-            return; // the query is gone: dropping `whole` lets the producers know
-        }
+    }
+}
+
+impl Drop for ScanQueue {
+    fn drop(&mut self) {
+        self.demand.waiting[self.slot].store(false, Ordering::SeqCst);
+        self.rx.close(); // the read sees it gone (`is_closed`) before it wakes
+        self.demand.wake.notify_one();
     }
 }
 
@@ -184,6 +298,11 @@ impl SharedScanExec {
     /// The table it scans.
     pub fn table(&self) -> &str {
         &self.read.table
+    }
+
+    /// How many scans share its read.
+    pub fn scans(&self) -> usize {
+        self.read.demand.waiting.len()
     }
 }
 
@@ -242,20 +361,12 @@ impl ExecutionPlan for SharedScanExec {
             )));
         }
         let rx = self.read.open(self.slot, scan, &context)?;
-        let cell = scan.watermark().cloned();
-        let batches = futures::stream::unfold(rx, move |mut rx| {
-            let cell = cell.clone();
-            async move {
-                let item = rx.recv().await?;
-                let out = item.map(|(batch, watermark, _held)| {
-                    if let (Some(cell), Some(value)) = (&cell, watermark) {
-                        cell.set(value); // this scan's operators read it with the marker
-                    }
-                    batch
-                });
-                Some((out, rx))
-            }
-        });
+        let batches = ScanQueue {
+            rx,
+            slot: self.slot,
+            demand: Arc::clone(&self.read.demand),
+            cell: scan.watermark().cloned(),
+        };
         let whole = RecordBatchStreamAdapter::new(scan.table_schema(), batches);
         Ok(scan.narrow(Box::pin(whole)))
     }

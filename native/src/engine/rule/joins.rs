@@ -126,6 +126,31 @@ fn read_ahead_both(node: &Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPla
     Arc::clone(node).with_new_children(children)
 }
 
+/// `plan` with every [`ReadAheadExec`] right above its live scans again: DataFusion's later
+/// rules may sink an operator below one (`EnforceSorting` pushes a sort through an operator
+/// that keeps its input's order), and a read-ahead starts reading when the query starts —
+/// above a sort whose key holds a scalar subquery's value, it would evaluate it before the
+/// subquery ran.
+pub fn reseat_read_aheads(plan: Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
+    plan.transform_down(|node| {
+        let Some(read_ahead) = node.downcast_ref::<ReadAheadExec>() else {
+            return Ok(Transformed::no(node));
+        };
+        let input = read_ahead.input();
+        if at_scan(input) {
+            return Ok(Transformed::no(node));
+        }
+        Ok(Transformed::yes(read_ahead_scans(input)?))
+    })
+    .data()
+}
+
+/// Whether `plan` is a live scan, maybe under operators that only pass its batches on.
+fn at_scan(plan: &Arc<dyn ExecutionPlan>) -> bool {
+    plan.is::<LiveScanExec>()
+        || (plan.name() == "CooperativeExec" && plan.children().into_iter().all(at_scan))
+}
+
 fn read_ahead_scans(plan: &Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
     if plan.is::<ReadAheadExec>() || !reads_live(plan) {
         return Ok(Arc::clone(plan));

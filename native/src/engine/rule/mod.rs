@@ -170,6 +170,29 @@ fn reads_live(plan: &Arc<dyn ExecutionPlan>) -> bool {
     plan.is::<LiveScanExec>() || plan.children().into_iter().any(reads_live)
 }
 
+/// Puts each read-ahead back right above its live scans, after DataFusion's own rules
+/// (see [`joins::reseat_read_aheads`]).
+#[derive(Debug, Default)]
+pub struct ReadAheadAtScans;
+
+impl PhysicalOptimizerRule for ReadAheadAtScans {
+    fn optimize(
+        &self,
+        plan: Arc<dyn ExecutionPlan>,
+        _config: &ConfigOptions,
+    ) -> Result<Arc<dyn ExecutionPlan>> {
+        joins::reseat_read_aheads(plan)
+    }
+
+    fn name(&self) -> &str {
+        "pushtable_read_ahead_at_scans"
+    }
+
+    fn schema_check(&self) -> bool {
+        true
+    }
+}
+
 /// What starts the message of a query the engine refuses (never hands to another engine).
 pub const REFUSED: &str = "pushtable refuses this live query: ";
 
@@ -185,14 +208,16 @@ impl PhysicalOptimizerRule for ShareScans {
         plan: Arc<dyn ExecutionPlan>,
         _config: &ConfigOptions,
     ) -> Result<Arc<dyn ExecutionPlan>> {
-        let mut scans: HashMap<String, usize> = HashMap::new();
+        // Keyed by the registered table (its source), not by name: two subscriptions of one
+        // topic read one channel through two cursors, each from its own start.
+        let mut scans: HashMap<usize, (String, usize)> = HashMap::new();
         count_scans(&plan, &mut scans);
-        let mut reads: HashMap<String, (Arc<SharedRead>, usize)> = scans
+        let mut reads: HashMap<usize, (Arc<SharedRead>, usize)> = scans
             .into_iter()
-            .filter(|(_, n)| *n > 1)
-            .map(|(table, n)| {
+            .filter(|(_, (_, n))| *n > 1)
+            .map(|(source, (table, n))| {
                 let read = Arc::new(SharedRead::new(&table, n));
-                (table, (read, 0))
+                (source, (read, 0))
             })
             .collect();
         if reads.is_empty() {
@@ -202,7 +227,7 @@ impl PhysicalOptimizerRule for ShareScans {
             let Some(scan) = node.downcast_ref::<LiveScanExec>() else {
                 return Ok(Transformed::no(node));
             };
-            let Some((read, next)) = reads.get_mut(scan.table()) else {
+            let Some((read, next)) = reads.get_mut(&scan.source_id()) else {
                 return Ok(Transformed::no(node));
             };
             let shared = SharedScanExec::new(Arc::clone(&node), Arc::clone(read), *next);
@@ -221,10 +246,12 @@ impl PhysicalOptimizerRule for ShareScans {
     }
 }
 
-/// How many times `plan` scans each live table.
-fn count_scans(plan: &Arc<dyn ExecutionPlan>, out: &mut HashMap<String, usize>) {
+/// How many times `plan` scans each live table, by source (with the table's name).
+fn count_scans(plan: &Arc<dyn ExecutionPlan>, out: &mut HashMap<usize, (String, usize)>) {
     if let Some(scan) = plan.downcast_ref::<LiveScanExec>() {
-        *out.entry(scan.table().to_string()).or_default() += 1;
+        out.entry(scan.source_id())
+            .or_insert_with(|| (scan.table().to_string(), 0))
+            .1 += 1;
     }
     for child in plan.children() {
         count_scans(child, out);
