@@ -257,6 +257,38 @@ def test_a_log_opened_over_history_past_its_bound_trims_without_a_new_write(
         bounded.close()
 
 
+def test_a_kill_between_a_deletion_and_its_cleanup_leaves_no_files_after_a_restart(
+    tmp_path: Path,
+) -> None:
+    """Retention deletes fragments in a transaction, then cleanup removes their files; a kill
+    between the two left the files until the first upkeep (never, with none). A log opened
+    with retention finishes the cleanup at once."""
+    from pushtable.durable.log import DurableLog
+
+    path = tmp_path / "events.lance"
+    store = LogStore(path, SCHEMA)
+    for i in range(10):
+        store.append([StoredBatch(i, i, batch(i))], Stamp(i + 1, {}, {}, 0))
+    # The deletion commits; the process dies before its cleanup (no release).
+    assert store.expire(Stamp(10, {}, {}, 0), None, 40_000) is not None
+    ds = lance.dataset(str(path))
+    held = {Path(f.path).name for fr in ds.get_fragments() for f in fr.data_files()}
+    on_disk = {p.name for p in (path / "data").iterdir()}
+    assert on_disk > held  # the deleted fragments' files are still there
+    log = DurableLog(
+        "events", SCHEMA, path, lambda b, t: None, upkeep_interval=None, retention_bytes=40_000
+    )
+    try:
+        until(
+            lambda: {p.name for p in (path / "data").iterdir()} == held,
+            "the deleted fragments' files to leave the disk",
+        )
+        assert log.offsets()["committed"] == 10
+        assert log.offsets()["earliest"] > 0
+    finally:
+        log.close()
+
+
 def test_upkeep_does_not_compact_past_the_room_it_is_given(tmp_path: Path) -> None:
     store = LogStore(tmp_path / "t.lance", SCHEMA)
     for i in range(6):

@@ -16,10 +16,12 @@ from decimal import Decimal
 import adbc_driver_flightsql.dbapi as flightsql
 import pyarrow as pa
 import pytest
+from hypothesis import HealthCheck, given, settings
 
 from pushtable.flight import Server, connect
 from tests.conftest import WAIT, Background
-from tests.differential import rows
+from tests.differential import SHAPES, Case, L, R, rows, same, split
+from tests.test_differential import cases
 
 K = pa.array([1, 2, None, 3], pa.int64())
 T = pa.table(
@@ -118,3 +120,57 @@ def test_a_scalar_subquery_in_an_order_by_over_two_live_tables_answers(server: S
             sa.write(pa.record_batch({"x": [3, None, 1]}, schema=a))
         got = result.join(WAIT)
     assert got.column("x").to_pylist() == [1, 3, None]
+
+
+# --- the differential grammar, three ways -----------------------------------------------------
+
+
+def _tables(case: Case) -> dict[str, pa.Table]:
+    """The case's tables as stored data (``l2``: the batches after the subscriptions)."""
+    tables = {
+        "l": pa.Table.from_pylist(case.l_rows, schema=L),
+        "r": pa.Table.from_pylist(case.r_rows, schema=R),
+        "m": pa.Table.from_pylist(case.m_rows, schema=R),
+    }
+    if case.query.subscriptions:
+        later = split(case.l_rows, L, case.l_cuts)[case.before :]
+        tables["l2"] = pa.Table.from_batches(later, schema=L)
+    return tables
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_the_grammar_answers_the_same_through_flight_and_adbc(server: Server, shape: str) -> None:
+    """Each shape of ``tests/differential.py`` over stored tables on a server: the rows and
+    types of ``ctx.sql`` on the server, of pushtable's Flight client and of ADBC agree (the
+    live answers are diffed against DataFusion in ``tests/test_differential.py``)."""
+    options = {"adbc.flight.sql.authorization_header": "Bearer s3cret"}
+    answered = []
+    with (
+        connect(server.location, token="s3cret") as client,
+        flightsql.connect(server.location, db_kwargs=options, autocommit=True) as conn,
+        conn.cursor() as cur,
+    ):
+
+        @settings(
+            max_examples=8,
+            deadline=None,
+            derandomize=True,
+            database=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+        )
+        @given(cases(shape))
+        def diff(case: Case) -> None:
+            for name, table in _tables(case).items():
+                if server.ctx.table_exist(name):
+                    server.ctx.deregister_table(name)
+                empty = [pa.RecordBatch.from_pylist([], schema=table.schema)]
+                server.ctx.register_record_batches(name, [table.to_batches() or empty])
+            sql = case.query.sql
+            want = server.ctx.sql(sql).to_arrow_table()
+            same(case, client.sql(sql).read_all(), want)
+            cur.execute(sql)
+            same(case, cur.fetch_arrow_table(), want)
+            answered.append(want.num_rows > 0)
+
+        diff()
+    assert any(answered), f"{shape}: no case had a row to compare ({len(answered)} cases)"

@@ -171,6 +171,43 @@ def test_each_role_does_what_it_may_and_is_refused_the_rest(secured: Server) -> 
     assert not secured.ctx.table_exist("events2")
 
 
+@pytest.mark.parametrize("pattern", ["*s", "c*", "t*", "*"])
+def test_a_scope_pattern_never_opens_information_schema(pattern: str) -> None:
+    """Scopes match table names; ``information_schema.columns`` is not a table ``columns``
+    (it lists every table's columns): only an unscoped token reads it."""
+    tokens = {
+        "scoped": Grant("alerts-reader", roles={"read"}, tables=(pattern, "alerts")),
+        "all": Grant("ops", roles={"admin"}),
+    }
+    server = Server(tokens=tokens)
+    try:
+        with as_(server, "all") as ops:
+            ops.create_table("alerts", SCHEMA)
+            ops.create_table("payroll", SCHEMA)
+        queries = [
+            "SELECT table_name, column_name FROM information_schema.columns",
+            "SELECT table_name FROM information_schema.tables",
+            "SELECT * FROM datafusion.information_schema.views",
+        ]
+        with as_(server, "scoped") as scoped:
+            for query in queries:
+                if pattern == "*":
+                    assert "payroll" in str(scoped.sql(query).read_all().to_pydict()) or (
+                        "views" in query
+                    )
+                    continue
+                with pytest.raises(
+                    PermissionDeniedError,
+                    match=r"may not read '(datafusion\.)?information_schema\.",
+                ):
+                    scoped.sql(query).read_all()
+            assert [t["name"] for t in scoped.tables()] == (
+                ["alerts", "payroll"] if pattern == "*" else ["alerts"]
+            )
+    finally:
+        server.stop()
+
+
 def test_a_producer_fails_its_own_stream_and_a_refused_fail_keeps_its_error(
     secured: Server,
 ) -> None:

@@ -377,6 +377,9 @@ class DurableLog:
             with self._cond:
                 stamp = self._stamp()
             self._expire(stamp)
+            # A kill between a deletion and its cleanup left the deleted fragments' files on
+            # disk: they leave now, not at the first upkeep (never, without one).
+            self._release()
         while True:
             if not ahead:
                 with self._cond:

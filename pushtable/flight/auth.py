@@ -66,7 +66,14 @@ class Grant:
         object.__setattr__(self, "tables", tuple(self.tables))
 
     def covers(self, table: str) -> bool:
-        """Whether ``table`` matches one of the token's table patterns."""
+        """Whether ``table`` matches one of the token's table patterns.
+
+        A name outside the default schema (``information_schema.columns``, as the query
+        wrote it) is covered only by an unscoped token (``*``): ``information_schema`` lists
+        every table, so a pattern such as ``*s`` must not open it.
+        """
+        if "." in table:
+            return "*" in self.tables
         return any(fnmatchcase(table, pattern) for pattern in self.tables)
 
     def require(self, role: str | tuple[str, ...], action: str, tables: Iterable[str] = ()) -> None:

@@ -596,7 +596,9 @@ fn threads() -> PyResult<usize> {
     engine_threads().map_err(PyValueError::new_err)
 }
 
-/// The tables `sql` reads (names as written, CTEs excluded); empty when it does not parse.
+/// The tables `sql` reads (CTEs excluded); empty when it does not parse. A table of the
+/// default catalog and schema (`datafusion.public`) by its name; any other qualified, as
+/// written (`information_schema.columns`): never mistaken for a table of that name.
 #[pyfunction]
 fn table_references(sql: &str) -> Vec<String> {
     let Ok(statements) = datafusion::sql::parser::DFParser::parse_sql(sql) else {
@@ -606,7 +608,14 @@ fn table_references(sql: &str) -> Vec<String> {
     for statement in &statements {
         if let Ok((tables, _)) = datafusion::sql::resolve::resolve_table_references(statement, true)
         {
-            names.extend(tables.into_iter().map(|t| t.table().to_string()));
+            names.extend(tables.into_iter().map(|t| {
+                let default = t.schema().is_none_or(|s| s == "public")
+                    && t.catalog().is_none_or(|c| c == "datafusion");
+                match default {
+                    true => t.table().to_string(),
+                    false => t.to_string(),
+                }
+            }));
         }
     }
     names.sort();

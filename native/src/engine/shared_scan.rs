@@ -26,7 +26,7 @@
 
 use std::fmt;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
@@ -66,16 +66,33 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// Which scans wait for a batch with none queued: the read goes on only while one does.
+///
+/// A scan sets its `waiting` when its consumer asks and its queue is empty, and clears it
+/// when it takes a batch; the read counts what it queued for each scan (`queued`), and the
+/// scan what it took. Only the scan writes its flag: the read clearing it after a send could
+/// race with the scan taking that batch and asking again, leaving it waiting unseen.
 struct Demand {
-    /// By scan: asked since the read last handed it a batch (or its stream was dropped).
     waiting: Vec<AtomicBool>,
+    queued: Vec<AtomicUsize>,
     /// Wakes the read when a scan starts waiting or its stream is dropped.
     wake: Notify,
 }
 
 impl Demand {
+    fn new(scans: usize) -> Self {
+        Self {
+            waiting: (0..scans).map(|_| AtomicBool::new(false)).collect(),
+            queued: (0..scans).map(|_| AtomicUsize::new(0)).collect(),
+            wake: Notify::new(),
+        }
+    }
+
+    /// Whether some scan waits with nothing queued for it.
     fn any(&self) -> bool {
-        self.waiting.iter().any(|w| w.load(Ordering::SeqCst))
+        self.waiting
+            .iter()
+            .zip(&self.queued)
+            .any(|(w, q)| w.load(Ordering::SeqCst) && q.load(Ordering::SeqCst) == 0)
     }
 }
 
@@ -107,10 +124,7 @@ impl SharedRead {
                 senders: Some(senders),
                 receivers,
             }),
-            demand: Arc::new(Demand {
-                waiting: (0..scans).map(|_| AtomicBool::new(false)).collect(),
-                wake: Notify::new(),
-            }),
+            demand: Arc::new(Demand::new(scans)),
         }
     }
 
@@ -176,7 +190,8 @@ impl Pump {
             None => e,
         };
         let shared = Arc::new(e);
-        for tx in &self.senders {
+        for (tx, queued) in self.senders.iter().zip(&self.demand.queued) {
+            queued.fetch_add(1, Ordering::SeqCst); // taken as any item is
             let _ = tx.send(Err(DataFusionError::Shared(Arc::clone(&shared))));
         }
     }
@@ -223,13 +238,12 @@ impl Pump {
                 size,
                 reservation: Arc::clone(&self.reservation),
             });
-            for (tx, waiting) in self.senders.iter().zip(&self.demand.waiting) {
-                if tx
-                    .send(Ok((batch.clone(), watermark.clone(), Arc::clone(&held))))
-                    .is_ok()
-                {
-                    // Its queue holds a batch now: it no longer waits on an empty one.
-                    waiting.store(false, Ordering::SeqCst);
+            for (tx, queued) in self.senders.iter().zip(&self.demand.queued) {
+                // Counted before it is sent: the scan may take it at once.
+                queued.fetch_add(1, Ordering::SeqCst);
+                let item = Ok((batch.clone(), watermark.clone(), Arc::clone(&held)));
+                if tx.send(item).is_err() {
+                    queued.fetch_sub(1, Ordering::SeqCst);
                 }
             }
         }
@@ -250,6 +264,8 @@ impl Stream for ScanQueue {
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         match self.rx.poll_recv(cx) {
             Poll::Ready(item) => Poll::Ready(item.map(|item| {
+                self.demand.queued[self.slot].fetch_sub(1, Ordering::SeqCst);
+                self.demand.waiting[self.slot].store(false, Ordering::SeqCst);
                 item.map(|(batch, watermark, _held)| {
                     if let (Some(cell), Some(value)) = (&self.cell, watermark) {
                         cell.set(value); // this scan's operators read it with the marker

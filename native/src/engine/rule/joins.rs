@@ -35,6 +35,7 @@ use datafusion::physical_plan::joins::{
 };
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::scalar_subquery::ScalarSubqueryExec;
+use datafusion::physical_plan::sorts::sort::SortExec;
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 
 use super::order::{leading_order_column, watermark_source};
@@ -126,29 +127,27 @@ fn read_ahead_both(node: &Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPla
     Arc::clone(node).with_new_children(children)
 }
 
-/// `plan` with every [`ReadAheadExec`] right above its live scans again: DataFusion's later
-/// rules may sink an operator below one (`EnforceSorting` pushes a sort through an operator
-/// that keeps its input's order), and a read-ahead starts reading when the query starts —
-/// above a sort whose key holds a scalar subquery's value, it would evaluate it before the
-/// subquery ran.
+/// `plan` with each [`ReadAheadExec`] back above the sort DataFusion's `EnforceSorting` sank
+/// below it (it pushes a sort through an operator that keeps its input's order). A
+/// read-ahead starts reading when the query starts: above a sort whose key holds a scalar
+/// subquery's value, it would evaluate that before the subquery ran. Anything else below a
+/// read-ahead is where the rules above put it (a watermark's marker rows, a probe side).
 pub fn reseat_read_aheads(plan: Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
-    plan.transform_down(|node| {
+    plan.transform_up(|node| {
         let Some(read_ahead) = node.downcast_ref::<ReadAheadExec>() else {
             return Ok(Transformed::no(node));
         };
-        let input = read_ahead.input();
-        if at_scan(input) {
+        let sort = read_ahead.input();
+        if !sort.is::<SortExec>() {
             return Ok(Transformed::no(node));
         }
-        Ok(Transformed::yes(read_ahead_scans(input)?))
+        let below = Arc::clone(sort.children()[0]);
+        let read: Arc<dyn ExecutionPlan> = Arc::new(ReadAheadExec::new(below));
+        Ok(Transformed::yes(
+            Arc::clone(sort).with_new_children(vec![read])?,
+        ))
     })
     .data()
-}
-
-/// Whether `plan` is a live scan, maybe under operators that only pass its batches on.
-fn at_scan(plan: &Arc<dyn ExecutionPlan>) -> bool {
-    plan.is::<LiveScanExec>()
-        || (plan.name() == "CooperativeExec" && plan.children().into_iter().all(at_scan))
 }
 
 fn read_ahead_scans(plan: &Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {

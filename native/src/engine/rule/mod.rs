@@ -170,8 +170,8 @@ fn reads_live(plan: &Arc<dyn ExecutionPlan>) -> bool {
     plan.is::<LiveScanExec>() || plan.children().into_iter().any(reads_live)
 }
 
-/// Puts each read-ahead back right above its live scans, after DataFusion's own rules
-/// (see [`joins::reseat_read_aheads`]).
+/// Puts each read-ahead back above a sort DataFusion's own rules sank below it (see
+/// [`joins::reseat_read_aheads`]).
 #[derive(Debug, Default)]
 pub struct ReadAheadAtScans;
 
