@@ -17,9 +17,13 @@ import subprocess
 import sys
 import textwrap
 from decimal import Decimal
+from typing import Any
 
+import datafusion
 import pyarrow as pa
 import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
 
 from pushtable import (
     ReaderGoneError,
@@ -28,6 +32,7 @@ from pushtable import (
     WriteTimeoutError,
 )
 from tests.conftest import WAIT, Background, wait_until
+from tests.differential import L_PREDS, L, l_rows
 from tests.test_faithful_joins import multiset, oracle
 
 V = pa.schema([("v", pa.int64())])
@@ -236,3 +241,59 @@ def test_an_exit_hook_that_writes_after_pushtables_own_ends(
     if outcome.startswith("raised"):
         assert "exiting" in lines[1], lines[1]
         assert "full" in lines[1], lines[1]
+
+
+# --- the same promises, drawn -----------------------------------------------------------------
+
+PAUSED_SHAPES = [
+    "SELECT k, s FROM t UNION ALL SELECT k, s FROM t WHERE {pred}",
+    "WITH c AS (SELECT k, d, ts FROM t WHERE {pred} OR k IS NULL) "
+    "SELECT * FROM c UNION ALL SELECT * FROM c",
+    "SELECT st, lst FROM t UNION ALL SELECT st, lst FROM t WHERE {pred} "
+    "UNION ALL SELECT st, lst FROM t",
+]
+
+
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+@given(
+    st.sampled_from(PAUSED_SHAPES),
+    st.sampled_from(L_PREDS),
+    st.integers(1, 4),
+    l_rows(),
+)
+def test_a_paused_then_dropped_consumer_of_any_shared_shape_holds_then_frees_the_producer(
+    shape: str, pred: str, capacity: int, rows: list[dict[str, Any]]
+) -> None:
+    """Any query over a table named several times: a consumer that reads one batch and
+    pauses holds the producer within the table's bound (plus what the operators buffer, as a
+    single scan's would); once dropped, the producer's next write raises at once.
+
+    Each scan gets rows of each batch (the filter passes one): a scan whose filter drops
+    every row keeps asking, as a single scan with that filter would, and the read goes at
+    its fastest scan's pace (the others' rows wait in the memory pool)."""
+    sql = shape.format(pred=pred)
+    data = pa.RecordBatch.from_pylist(rows, schema=L)
+    check = datafusion.SessionContext()
+    check.register_record_batches("t", [[data]])
+    assume(check.sql(f"SELECT count(*) AS n FROM t WHERE {pred}").to_pydict()["n"][0] > 0)
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table("t", L, capacity=capacity)
+    stream = ctx.sql(sql).execute_stream()
+    sink.write(data, timeout=WAIT)
+    first = Background(functools.partial(next, iter(stream)))
+    assert first.join().to_pyarrow().num_rows > 0
+    accepted = 0
+    with pytest.raises(WriteTimeoutError):
+        for _ in range(200):
+            sink.write(data, timeout=0.3)
+            accepted += 1
+    assert accepted <= capacity + 24, (sql, accepted)
+    del stream, first
+    gc.collect()
+    wait_until(lambda: sink.stats.reader_gone, "the producer to learn the reader is gone")
+    with pytest.raises(ReaderGoneError):
+        sink.write(data, timeout=WAIT)
