@@ -156,7 +156,6 @@ AGGS = [
     "count(s) AS ns",
     "sum(d) AS sd",
     "min(d) AS md",
-    "max(f) AS xf",  # over NaN: plain DataFusion 54 answers by partition split (named below)
     "max(ts) AS mt",
     "count(DISTINCT s) AS ds",
     "sum(k) FILTER (WHERE s IS NOT NULL) AS fk",
@@ -404,27 +403,14 @@ def queries(draw: Any, shape: str | None = None) -> Query:
 # --- running and comparing --------------------------------------------------------------------
 
 
-def oracle(case: Case, split_as_written: int = 0) -> pa.Table:
-    """The query by plain DataFusion over in-memory tables holding the same rows.
-
-    ``split_as_written`` 1 (or -1): each batch the live run wrote is a partition of its own
-    (in reverse order): plain DataFusion's answer where it depends on how rows are split.
-    """
-
-    def parts(rows: list[dict[str, Any]], schema: pa.Schema, cuts: list[int]) -> Any:
-        if not split_as_written:
-            return [[pa.RecordBatch.from_pylist(rows, schema=schema)]]
-        empty = pa.RecordBatch.from_pylist([], schema=schema)
-        batches = [[b] for b in split(rows, schema, cuts)] or [[empty]]
-        return batches[::split_as_written]
-
+def oracle(case: Case) -> pa.Table:
+    """The query by plain DataFusion over in-memory tables holding the same rows."""
     ctx = datafusion.SessionContext()
     if case.query.subscriptions:
         later = split(case.l_rows, L, case.l_cuts)[case.before :]
         ctx.register_record_batches("l2", [later or [pa.RecordBatch.from_pylist([], schema=L)]])
-    ctx.register_record_batches("l", parts(case.l_rows, L, case.l_cuts))
-    ctx.register_record_batches("r", parts(case.r_rows, R, case.r_cuts))
-    ctx.register_record_batches("m", [[pa.RecordBatch.from_pylist(case.m_rows, schema=R)]])
+    for name, rows, schema in (("l", case.l_rows, L), ("r", case.r_rows, R), ("m", case.m_rows, R)):
+        ctx.register_record_batches(name, [[pa.RecordBatch.from_pylist(rows, schema=schema)]])
     return ctx.sql(case.query.sql).to_arrow_table()
 
 
@@ -547,23 +533,16 @@ def same(case: Case, got: pa.Table, want: pa.Table) -> None:
     want_types = [_plain(t) for t in want.schema.types]
     assert got_types == want_types, (case.query.sql, got.schema, want.schema)
     g, w = _ordered(case, got), _ordered(case, want)
-    if g != w and split_dependent(case.query.sql):
-        # Where plain DataFusion's own answer depends on how the rows are split (a grouped
-        # min/max over NaN: DataFusion 54 merges partitions' NaN unlike its batch kernel),
-        # SQL leaves it open: the live answer must be one of DataFusion's.
-        others = [_ordered(case, oracle(case, split_as_written=s)) for s in (1, -1)]
-        assert g in others, f"{case.query.sql}\n live: {g}\n  want: {w} (or {others})"
-        return
     assert g == w, f"{case.query.sql}\n live: {g}\n  want: {w}"
 
 
-#: The answers plain DataFusion itself gives differently by how the rows are split, each
-#: with why: only these may equal one of its split answers instead of its whole one.
-SPLIT_DEPENDENT = {
-    "min(f)": "min over a float column with NaN: DataFusion 54 merges partitions' NaN "
-    "unlike its batch kernel",
-    "max(f)": "max over a float column with NaN: as min(f)",
-}
+# Not in the grammar: min(f) or max(f), over the float column that holds NaN. Plain
+# DataFusion 54's own answer depends on how the rows are split into partitions (its batch
+# kernel and its merge of partial states order NaN differently), and a live scan's
+# partitions take batches as they arrive, so no split the oracle could choose is the one the
+# live run had: a sweep drawing max(f) found one group NaN live and inf in DataFusion over
+# the same rows. Every aggregate drawn answers the same whatever the split, and is compared
+# exactly (there is no fallback to "one of DataFusion's split answers").
 
 
 #: Queries plain DataFusion 54 answers wrongly (DuckDB, the second oracle, disagrees), each
@@ -594,11 +573,6 @@ def second_oracle(case: Case) -> pa.Table | None:
         return con.sql(case.query.sql).to_arrow_table()
     finally:
         con.close()
-
-
-def split_dependent(sql: str) -> bool:
-    """Whether ``sql`` holds one of :data:`SPLIT_DEPENDENT`'s named cases."""
-    return any(named in sql for named in SPLIT_DEPENDENT)
 
 
 def _ordered(case: Case, table: pa.Table) -> list[tuple[Any, ...]]:
