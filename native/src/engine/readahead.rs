@@ -137,11 +137,11 @@ impl ReadAheadExec {
         // stops when the input ends, fails, or the query drops the receiver.
         let runtime = super::runtime().map_err(|e| DataFusionError::Execution(e.to_string()))?;
         runtime.spawn(async move {
+            // A dropped consumer is seen at once, even while the input is idle: dropping the
+            // input tells the table's producers. One wait for it, for the whole read.
+            let mut gone = Box::pin(tx.closed());
             loop {
-                // A dropped consumer is seen at once, even while the input is idle: dropping
-                // the input tells the table's producers.
-                let item = match futures::future::select(input.next(), Box::pin(tx.closed())).await
-                {
+                let item = match futures::future::select(input.next(), &mut gone).await {
                     futures::future::Either::Left((Some(item), _)) => item,
                     _ => break,
                 };

@@ -201,6 +201,10 @@ impl Pump {
     /// learn the reader is gone) and the senders (the scans see the end).
     async fn run(self, mut whole: SendableRecordBatchStream) {
         let scans = self.senders.len();
+        // The producer may be idle for long: a dropped query is seen meanwhile too. One wait
+        // for every scan's stream to be dropped, for the whole read.
+        let closed = futures::future::join_all(self.senders.iter().map(|tx| tx.closed()));
+        let mut closed = std::pin::pin!(closed);
         loop {
             loop {
                 if self.gone() {
@@ -211,9 +215,7 @@ impl Pump {
                 }
                 self.demand.wake.notified().await;
             }
-            // The producer may be idle for long: a dropped query is seen meanwhile too.
-            let closed = futures::future::join_all(self.senders.iter().map(|tx| tx.closed()));
-            let item = match futures::future::select(whole.next(), std::pin::pin!(closed)).await {
+            let item = match futures::future::select(whole.next(), closed.as_mut()).await {
                 Either::Left((item, _)) => item,
                 Either::Right(_) => return,
             };
