@@ -529,8 +529,8 @@ def rows(table: pa.Table) -> list[tuple[Any, ...]]:
 def same(case: Case, got: pa.Table, want: pa.Table) -> None:
     """Fails with both answers unless ``got`` is ``want`` (names, types and rows)."""
     assert got.column_names == want.column_names, (case.query.sql, got.schema, want.schema)
-    got_types = [_plain(t) for t in got.schema.types]
-    want_types = [_plain(t) for t in want.schema.types]
+    got_types = [plain(t) for t in got.schema.types]
+    want_types = [plain(t) for t in want.schema.types]
     assert got_types == want_types, (case.query.sql, got.schema, want.schema)
     g, w = _ordered(case, got), _ordered(case, want)
     assert g == w, f"{case.query.sql}\n live: {g}\n  want: {w}"
@@ -581,10 +581,10 @@ def _ordered(case: Case, table: pa.Table) -> list[tuple[Any, ...]]:
     return found if case.query.ordered else sorted(found, key=repr)
 
 
-def _plain(t: pa.DataType) -> pa.DataType:
+def plain(t: pa.DataType) -> pa.DataType:
     """A type without what an engine may choose freely (dictionary encoding, view types)."""
     if pa.types.is_dictionary(t):
-        return _plain(t.value_type)
+        return plain(t.value_type)
     if t in (pa.string_view(), pa.large_string()):
         return pa.string()
     return t

@@ -179,6 +179,17 @@ def _batch_answer(data: list[dict[str, Any]], sql: str) -> pa.Table:
     return ctx.sql(sql).to_arrow_table()
 
 
+def _ordered_answer(data: list[dict[str, Any]], cuts: list[int], sql: str) -> pa.Table:
+    """``sql`` over ``ev`` ordered by ``ts``, while ``data`` is written cut at ``cuts``."""
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table("ev", EV, 2, order_by="ts")
+    frame = ctx.sql(sql)
+    producer = _write(sink, data, cuts)
+    got = frame.to_arrow_table()
+    producer.join(WAIT)
+    return got
+
+
 def _write(sink: Any, data: list[dict[str, Any]], cuts: list[int]) -> threading.Thread:
     from tests.differential import split
 
@@ -212,14 +223,20 @@ def test_an_updating_aggregates_final_state_is_the_batch_group_by(
     keys = frame.upsert_key
     assert keys is not None
     producer = _write(sink, data, cuts)
+    state = _final_state(frame, keys)
+    producer.join(WAIT)
+    want = sorted(rows(_batch_answer(data, sql)), key=repr)
+    assert state == want
+
+
+def _final_state(frame: Any, keys: list[str]) -> list[tuple[Any, ...]]:
+    """An updating query's changelog applied as upserts on ``keys``: its rows at the end."""
     state: dict[tuple[Any, ...], tuple[Any, ...]] = {}
     for b in frame.execute_stream():
         table = pa.Table.from_batches([b.to_pyarrow()])
         for row, values in zip(table.select(keys).to_pylist(), rows(table), strict=True):
             state[tuple(row.values())] = values
-    producer.join(WAIT)
-    want = sorted(rows(_batch_answer(data, sql)), key=repr)
-    assert sorted(state.values(), key=repr) == want
+    return sorted(state.values(), key=repr)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=HEALTH)
@@ -240,12 +257,7 @@ def test_windows_over_a_closed_ordered_table_are_the_batch_answer(
 ) -> None:
     """Each window as it closes; all of them, once the table closes, are the batch answer
     (Spark's ``window`` by its start is ``date_bin`` of the same width)."""
-    ctx = SessionContext()
-    sink = ctx.register_streaming_table("ev", EV, 2, order_by="ts")
-    frame = ctx.sql(sql)
-    producer = _write(sink, data, cuts)
-    got = frame.to_arrow_table()
-    producer.join(WAIT)
+    got = _ordered_answer(data, cuts, sql)
     batch_sql = sql.replace(
         "window(ts, '2 seconds')['start']", "date_bin(INTERVAL '2 seconds', ts)"
     )
@@ -277,12 +289,7 @@ def test_windows_and_stream_joins_over_a_table_named_twice_are_the_batch_answer(
     data: list[dict[str, Any]], cuts: list[int], sql: str
 ) -> None:
     """Each scan's windows close on its own consumer's watermark: whole counts, once each."""
-    ctx = SessionContext()
-    sink = ctx.register_streaming_table("ev", EV, 2, order_by="ts")
-    frame = ctx.sql(sql)
-    producer = _write(sink, data, cuts)
-    got = frame.to_arrow_table()
-    producer.join(WAIT)
+    got = _ordered_answer(data, cuts, sql)
     want = _batch_answer(data, sql)
     assert sorted(rows(got), key=repr) == sorted(rows(want), key=repr)
     if "date_bin" in sql:
@@ -300,12 +307,8 @@ def test_an_updating_aggregate_over_a_table_named_twice_ends_at_the_batch_group_
     keys = frame.upsert_key
     assert keys == ["k"]
     producer = _write(sink, data, cuts)
-    state: dict[tuple[Any, ...], tuple[Any, ...]] = {}
-    for b in frame.execute_stream():
-        table = pa.Table.from_batches([b.to_pyarrow()])
-        for row, values in zip(table.select(keys).to_pylist(), rows(table), strict=True):
-            state[tuple(row.values())] = values
+    state = _final_state(frame, keys)
     producer.join(WAIT)
     want = sorted(rows(_batch_answer(data, TWICE_UPDATING)), key=repr)
     assert want  # events() draws at least one row: there is always a group
-    assert sorted(state.values(), key=repr) == want
+    assert state == want

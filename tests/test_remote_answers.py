@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 
 from pushtable.flight import Server, connect
 from tests.conftest import WAIT, Background
-from tests.differential import SHAPES, Case, L, R, rows, same, split
+from tests.differential import SHAPES, Case, L, R, plain, rows, same, split
 from tests.test_differential import cases
 
 K = pa.array([1, 2, None, 3], pa.int64())
@@ -69,18 +69,9 @@ def server() -> Iterator[Server]:
     s.stop()
 
 
-def _plain(t: pa.DataType) -> pa.DataType:
-    """A type as a client may receive it: dictionaries decoded, view and large strings plain."""
-    if pa.types.is_dictionary(t):
-        return _plain(t.value_type)
-    if t in (pa.string_view(), pa.large_string()):
-        return pa.string()
-    return t
-
-
 def _same(sql: str, how: str, got: pa.Table, want: pa.Table) -> None:
     assert got.column_names == want.column_names, (how, sql)
-    assert [_plain(t) for t in got.schema.types] == [_plain(t) for t in want.schema.types], (
+    assert [plain(t) for t in got.schema.types] == [plain(t) for t in want.schema.types], (
         how,
         sql,
         got.schema,

@@ -38,7 +38,15 @@ from tests.test_faithful_joins import multiset, oracle
 V = pa.schema([("v", pa.int64())])
 
 
-def test_two_subscriptions_of_one_topic_in_one_query_read_their_own_rows() -> None:
+EARLY_LATE = {
+    "early": pa.table({"v": pa.array([1, 2, 3], pa.int64())}),
+    "late": pa.table({"v": pa.array([3], pa.int64())}),
+}
+
+
+def early_and_late() -> SessionContext:
+    """Subscriptions ``early`` (from the earliest batch: 1, 2, 3) and ``late`` (taken after
+    1 and 2 were written: 3) of one closed topic."""
     topic = Topic("ev", V, retain=10)
     topic.write(pa.record_batch({"v": [1, 2]}, schema=V))
     ctx = SessionContext()
@@ -46,32 +54,29 @@ def test_two_subscriptions_of_one_topic_in_one_query_read_their_own_rows() -> No
     topic.subscribe(ctx, "late")
     topic.write(pa.record_batch({"v": [3]}, schema=V))
     topic.close()
-    sql = "SELECT 'e' AS s, v FROM early UNION ALL SELECT 'l' AS s, v FROM late"
+    return ctx
+
+
+@pytest.mark.parametrize(
+    ("sql", "expected"),
+    [
+        (
+            "SELECT 'e' AS s, v FROM early UNION ALL SELECT 'l' AS s, v FROM late",
+            [("e", 1), ("e", 2), ("e", 3), ("l", 3)],
+        ),
+        (  # early is shared by its two scans, and only with itself
+            "SELECT 'a' AS s, v FROM early UNION ALL SELECT 'b' AS s, v FROM early "
+            "UNION ALL SELECT 'l' AS s, v FROM late",
+            [("a", 1), ("a", 2), ("a", 3), ("b", 1), ("b", 2), ("b", 3), ("l", 3)],
+        ),
+    ],
+)
+def test_two_subscriptions_of_one_topic_in_one_query_read_their_own_rows(
+    sql: str, expected: list[tuple[str, int]]
+) -> None:
+    ctx = early_and_late()  # kept: its frames run in it
     got = ctx.sql(sql).to_arrow_table()
-    want = oracle(
-        sql,
-        {
-            "early": pa.table({"v": pa.array([1, 2, 3], pa.int64())}),
-            "late": pa.table({"v": pa.array([3], pa.int64())}),
-        },
-    )
-    assert multiset(got) == multiset(want) == [("e", 1), ("e", 2), ("e", 3), ("l", 3)]
-
-
-def test_a_subscription_named_twice_beside_another_is_shared_only_with_itself() -> None:
-    topic = Topic("ev", V, retain=10)
-    topic.write(pa.record_batch({"v": [1, 2]}, schema=V))
-    ctx = SessionContext()
-    topic.subscribe(ctx, "early", start="earliest")
-    topic.subscribe(ctx, "late")
-    topic.write(pa.record_batch({"v": [3]}, schema=V))
-    topic.close()
-    sql = (
-        "SELECT 'a' AS s, v FROM early UNION ALL SELECT 'b' AS s, v FROM early "
-        "UNION ALL SELECT 'l' AS s, v FROM late"
-    )
-    got = multiset(ctx.sql(sql).to_arrow_table())
-    assert got == [("a", 1), ("a", 2), ("a", 3), ("b", 1), ("b", 2), ("b", 3), ("l", 3)]
+    assert multiset(got) == multiset(oracle(sql, EARLY_LATE)) == expected
 
 
 def test_windows_over_a_table_named_twice_close_once_per_arm_with_whole_counts() -> None:
