@@ -445,8 +445,8 @@ class DurableLog:
         The newest stamp is read afresh. When it stores offsets past those committed, that
         commit is this group's (``written``, when it is the group that raised; the committer
         is the one writer of stamped commits): it is synced again and acknowledged, and
-        nothing is appended twice. When the stamp cannot
-        be read, the log stays unsure and asks again before its next commit.
+        nothing is appended twice. When the stamp cannot be read, the log stays unsure and
+        asks again before its next commit.
         """
         with self._cond:
             committed = self._committed
