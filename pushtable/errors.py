@@ -12,6 +12,7 @@ import threading
 from collections import OrderedDict
 
 __all__ = [
+    "ClientClosedError",
     "CommitFailedError",
     "EpochCommitError",
     "IncompatibleSinkError",
@@ -201,6 +202,10 @@ class UnsupportedCallError(PushTableError, NotImplementedError):
 
 class ServerUnavailableError(PushTableError, ConnectionError):
     """The ``pushtable serve`` server cannot be reached (not running, stopped, wrong address)."""
+
+
+class ClientClosedError(PushTableError, RuntimeError):
+    """A call on a client, or on one of its sinks or results, after the client was closed."""
 
 
 class ServerStoppedError(PushTableError):

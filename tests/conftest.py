@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -153,6 +154,20 @@ def serve_process(
                 proc.wait(WAIT)
             except subprocess.TimeoutExpired:
                 proc.kill()
+
+
+def aio_threads(prefix: str = "pushtable-aio") -> list[threading.Thread]:
+    """The threads of pushtable's asyncio face (readers, writers, calls) still running."""
+    return [t for t in threading.enumerate() if t.name.startswith(prefix)]
+
+
+async def no_aio_threads(prefix: str = "pushtable-aio") -> None:
+    """Every thread of the asyncio face ends (on its own, never joined), within the bound."""
+    for _ in range(int(WAIT / 0.05)):
+        if not aio_threads(prefix):
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"threads left: {aio_threads(prefix)}")
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any) -> None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import threading
 from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
@@ -30,7 +29,7 @@ from pushtable import (
     UnknownTableError,
 )
 from pushtable.flight.aio import AsyncClient, AsyncSink
-from tests.conftest import WAIT, serve_process
+from tests.conftest import WAIT, no_aio_threads, serve_process
 
 pytestmark = pytest.mark.asyncio
 
@@ -72,10 +71,6 @@ async def write_on(sink: AsyncSink) -> None:
         await sink.flush()
 
 
-def aio_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("pushtable-aio")]
-
-
 async def test_many_tasks_read_and_write_at_once_every_row_once(
     served: tuple[Any, str],
 ) -> None:
@@ -110,7 +105,7 @@ async def test_many_tasks_read_and_write_at_once_every_row_once(
     for producers, table in zip((1, 2, 3), got[3:], strict=True):
         want = pa.Table.from_batches([batch(b * 100) for b in range(producers * 10)])
         assert table.sort_by("k").equals(want)  # every row once, types and nulls exact
-    assert aio_threads() == []
+    await no_aio_threads()
 
 
 async def test_a_task_cancelled_mid_stream_stops_the_servers_query(
@@ -137,7 +132,7 @@ async def test_a_task_cancelled_mid_stream_stops_the_servers_query(
         with pytest.raises(ReaderGoneError):
             await asyncio.wait_for(write_on(sink), WAIT)
         await sink.aclose()
-    assert aio_threads() == []
+    await no_aio_threads()
 
 
 async def test_leaving_the_loop_early_stops_the_query_and_its_thread(
@@ -152,7 +147,7 @@ async def test_leaving_the_loop_early_stops_the_query_and_its_thread(
             async for got in rows:
                 assert got.num_rows == 100
                 break
-        assert not [t for t in aio_threads() if t.name == "pushtable-aio-read"]
+        await no_aio_threads("pushtable-aio-read")  # its reader ended with it
         with pytest.raises(ReaderGoneError):
             await asyncio.wait_for(write_on(sink), WAIT)
         await sink.aclose()
@@ -217,7 +212,7 @@ async def test_a_server_killed_or_stopped_mid_stream_makes_the_waiting_task_rais
                 await asyncio.wait_for(write_on(sink), WAIT)
         finally:
             await client.aclose()
-    assert aio_threads() == []
+    await no_aio_threads()
 
 
 async def test_errors_cross_by_class(tmp_path: Path) -> None:
@@ -245,7 +240,7 @@ async def test_errors_cross_by_class(tmp_path: Path) -> None:
                 await sink.write(batch(0))
                 await sink.flush()
             await sink.aclose()
-    assert aio_threads() == []
+    await no_aio_threads()
 
 
 async def test_a_durable_producer_awaits_its_commits(served: tuple[Any, str]) -> None:

@@ -140,6 +140,7 @@ class Action:
 ACTIONS: dict[str, Action] = {
     "create_table": Action(ADMIN, "create", NewTable),
     "subscribe": Action(ADMIN, "subscribe to", Subscribe),
+    "unsubscribe": Action(ADMIN, "unsubscribe", Named),
     "close": Action(WRITE, "close", Named),
     "fail": Action(WRITE, "fail", Fail),
     "stats": Action((READ, WRITE), "see", Named),

@@ -10,18 +10,18 @@ so an event loop awaits them, and memory never depends on how fast either side i
   thread stops reading, and gRPC's flow control holds the server. Leaving the loop early
   (``break``, ``async with``'s end, ``aclose()``) or cancelling the task that waits stops the
   server's query, as :meth:`RemoteResult.cancel` does.
-- :meth:`AsyncClient.sink` gives an :class:`AsyncSink`: ``await sink.write(batch)`` hands the
-  batch to the sink's writer thread through a queue of :data:`SINK_QUEUED` batches; the
-  thread sends it under the sync sink's own window (and, with ``producer_id``, its resends):
-  a slow server makes the awaiting task wait, never a buffer grow. ``await sink.flush()``
-  returns once everything written is acknowledged (stored, for a durable topic).
+- :meth:`AsyncClient.sink` gives an :class:`~pushtable.flight.aio_sink.AsyncSink`:
+  ``await sink.write(batch)`` returns once the server acknowledged that batch and raises
+  that batch's own error (see :mod:`pushtable.flight.aio_sink`).
 - Every other call (``create_table``, ``publish``, ``offsets``, ...) runs the sync client's
-  call on a worker thread.
+  call, with the same typed arguments, on a thread of its own.
 
-Errors cross by class (the same :mod:`pushtable.errors`). One state, two faces: an
-:class:`AsyncClient` wraps a :class:`~pushtable.flight.client.Client` (``.sync``), as janus
-gives one queue a sync and an async side. After :meth:`AsyncClient.aclose` no thread of it is
-left.
+Every wait is bounded where it takes ``timeout=`` and safe to cancel; no call joins a thread
+on the loop or occupies the loop's default executor. Leaving a result, a sink or a
+subscription (``async with``, ``aclose()``, or dropping it) frees its query, stream or name
+on the server. Errors cross by class (the same :mod:`pushtable.errors`). One state, two
+faces: an :class:`AsyncClient` wraps a :class:`~pushtable.flight.client.Client` (``.sync``),
+as janus gives one queue a sync and an async side.
 
 Example:
     >>> import asyncio, pyarrow as pa
@@ -29,7 +29,7 @@ Example:
     >>> from pushtable.flight.aio import AsyncClient
     >>> server = Server()
     >>> async def main() -> list[int]:
-    ...     async with await AsyncClient.connect(server.location) as client:
+    ...     async with AsyncClient.connect(server.location) as client:
     ...         await client.create_table("events", pa.schema([("v", pa.int64())]))
     ...         async with client.sql("SELECT v * 10 AS x FROM events") as rows:
     ...             sink = await client.sink("events")
@@ -45,26 +45,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import threading
 import weakref
-from collections.abc import Callable
-from typing import Any, TypeVar
+from collections.abc import Callable, Coroutine, Generator
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import janus
 import pyarrow as pa
 
+from pushtable.errors import ClientClosedError, UnknownTableError
+from pushtable.flight.aio_sink import SINK_QUEUED, AsyncSink
+from pushtable.flight.aio_threads import deliver, off_loop, within
 from pushtable.flight.client import Client, RemoteResult, connect
-from pushtable.flight.remote_sink import RemoteSink
 
-__all__ = ["AsyncClient", "AsyncResult", "AsyncSink"]
+__all__ = ["SINK_QUEUED", "AsyncClient", "AsyncResult", "AsyncSink", "AsyncSubscription"]
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 #: batches a result's reader thread may hold ahead of the loop
 MAX_QUEUED = 8
-#: batches a sink's writer thread may have waiting beyond the one it sends (then ``write``
-#: waits): enough that the loop and the thread do not take turns batch by batch
-SINK_QUEUED = 4
+#: seconds ``aclose`` waits for a reader thread (it never joins one on the loop)
+CLOSE_WAIT_S = 5.0
 
 
 class _End:
@@ -74,33 +77,23 @@ class _End:
         self.error = error
 
 
-class AsyncResult:
-    """A remote query's result as an async iterator of Arrow record batches.
+def _read(
+    result: RemoteResult,
+    queue: janus.Queue[pa.RecordBatch | _End],
+    stop: threading.Event,
+    loop: asyncio.AbstractEventLoop,
+    exited: asyncio.Future[None],
+) -> None:
+    """A result's reader thread: batches into ``queue`` (waiting while it is full).
 
-    Iterate it (``async for``), or ``await read_all()``. Use it as an async context manager,
-    or call :meth:`aclose`, to stop the server's query as soon as the loop is done with it;
-    a task cancelled while it waits for a batch stops it too.
+    It holds no reference to its :class:`AsyncResult`, so a result the loop drops without
+    closing is collected, and its finalizer stops the query.
     """
-
-    def __init__(self, start: Callable[[], RemoteResult], max_queued: int = MAX_QUEUED) -> None:
-        if max_queued < 1:
-            raise ValueError(f"max_queued must be >= 1, got {max_queued!r}")
-        self._start = start
-        self._max_queued = max_queued
-        self._result: RemoteResult | None = None
-        self._queue: janus.Queue[pa.RecordBatch | _End] | None = None
-        self._thread: threading.Thread | None = None
-        self._done = False
-        self._stop = threading.Event()
-
-    # -- the reader thread ----------------------------------------------------------------
-
-    def _read(self, queue: janus.Queue[pa.RecordBatch | _End]) -> None:
+    try:
         end = _End()
         try:
-            assert self._result is not None
-            for batch in self._result:
-                if self._stop.is_set():
+            for batch in result:
+                if stop.is_set():
                     return
                 queue.sync_q.put(batch)  # waits while the loop is behind: bounded
         except janus.SyncQueueShutDown:
@@ -109,19 +102,62 @@ class AsyncResult:
             end = _End(exc)
         with contextlib.suppress(janus.SyncQueueShutDown):  # the loop side closed it
             queue.sync_q.put(end)
+    finally:
+        deliver(loop, exited)
+
+
+def _cancel(result: RemoteResult | None, queue: janus.Queue[Any], stop: threading.Event) -> None:
+    """Stop the stream from any thread: the server's query, then the queue between."""
+    stop.set()
+    if result is not None:
+        with contextlib.suppress(Exception):  # a closed client: its query is gone already
+            result.cancel()
+    if not queue.closed:
+        queue.shutdown(immediate=True)
+
+
+class AsyncResult:
+    """A remote query's result as an async iterator of Arrow record batches.
+
+    Iterate it (``async for``), or ``await read_all()``. Use it as an async context manager,
+    or call :meth:`aclose`, to stop the server's query as soon as the loop is done with it;
+    a task cancelled while it waits for a batch stops it too, and so does dropping it
+    (``break`` out of a bare ``async for``, then letting it go).
+    """
+
+    def __init__(
+        self,
+        start: Callable[[], RemoteResult],
+        max_queued: int = MAX_QUEUED,
+        refuse_closed: Callable[[], None] | None = None,
+    ) -> None:
+        if max_queued < 1:
+            raise ValueError(f"max_queued must be >= 1, got {max_queued!r}")
+        self._start = start
+        self._max_queued = max_queued
+        self._refuse_closed = refuse_closed
+        self._result: RemoteResult | None = None
+        self._queue: janus.Queue[pa.RecordBatch | _End] | None = None
+        self._exited: asyncio.Future[None] | None = None
+        self._done = False
+        self._stop = threading.Event()
 
     async def _open(self) -> janus.Queue[pa.RecordBatch | _End]:
         if self._queue is None:
-            self._result = await asyncio.to_thread(self._start)
+            if self._refuse_closed is not None:
+                self._refuse_closed()
+            self._result = await off_loop(self._start)
+            loop = asyncio.get_running_loop()
             self._queue = janus.Queue(self._max_queued)
-            self._thread = threading.Thread(
-                target=self._read, args=(self._queue,), name="pushtable-aio-read", daemon=True
-            )
-            self._thread.start()
+            self._exited = loop.create_future()
+            threading.Thread(
+                target=_read,
+                args=(self._result, self._queue, self._stop, loop, self._exited),
+                name="pushtable-aio-read",
+                daemon=True,
+            ).start()
             weakref.finalize(self, _cancel, self._result, self._queue, self._stop)
         return self._queue
-
-    # -- the loop's side ------------------------------------------------------------------
 
     @property
     def schema(self) -> pa.Schema | None:
@@ -146,7 +182,7 @@ class AsyncResult:
             raise StopAsyncIteration from None
         if isinstance(item, _End):
             self._done = True
-            await self._join()
+            await self._let_go(CLOSE_WAIT_S)
             if item.error is not None:
                 raise item.error
             raise StopAsyncIteration
@@ -158,20 +194,24 @@ class AsyncResult:
         assert self._result is not None
         return pa.Table.from_batches(batches, schema=self._result.schema)
 
-    async def aclose(self) -> None:
-        """Stop the query on the server (if it still runs) and end the reader thread."""
+    async def aclose(self, *, timeout: float | None = CLOSE_WAIT_S) -> None:
+        """Stop the query on the server (if it still runs) and let the reader thread go.
+
+        Waits at most ``timeout`` seconds for the thread to end; never joins it on the loop.
+        """
         self._done = True
         if self._queue is not None:
             _cancel(self._result, self._queue, self._stop)
-            await self._join()
+            await self._let_go(timeout)
 
-    async def _join(self) -> None:
-        thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            await asyncio.to_thread(thread.join)
+    async def _let_go(self, timeout: float | None) -> None:
+        if self._exited is not None:
+            with contextlib.suppress(Exception):
+                await within(asyncio.shield(self._exited), timeout, "aclose")
         if self._queue is not None:
             self._queue.shutdown(immediate=True)
-            await self._queue.aclose()
+            with contextlib.suppress(Exception):
+                await within(self._queue.aclose(), timeout, "aclose")
 
     async def __aenter__(self) -> AsyncResult:
         return self
@@ -180,174 +220,117 @@ class AsyncResult:
         await self.aclose()
 
 
-def _cancel(result: RemoteResult | None, queue: janus.Queue[Any], stop: threading.Event) -> None:
-    """Stop the stream from any thread: the server's query, then the queue between."""
-    stop.set()
-    if result is not None:
-        result.cancel()
-    if not queue.closed:
-        queue.shutdown(immediate=True)
+class AsyncSubscription:
+    """A subscription registered on the server: ``client.sql`` reads it by :attr:`name`.
 
-
-class _Call:
-    """A call the writer thread runs in order with the batches before it."""
-
-    def __init__(self, fn: Callable[[], Any], done: asyncio.Future[Any]) -> None:
-        self.fn = fn
-        self.done = done
-
-
-class AsyncSink:
-    """A remote producer an event loop awaits: ``write``, ``flush``, ``close``.
-
-    ``await write(batch)`` returns once the batch is in the writer thread's queue (at most
-    :data:`SINK_QUEUED` batches); that thread sends under the sync sink's window, so ``write``
-    waits while the window and the queue are full (a slow server holds the task, never a
-    growing buffer). An error the thread meets (the
-    server refused a batch, it stopped) is raised by the next ``write``, ``flush`` or
-    ``close``, with ``batches_written`` counting the batches sent before it. ``flush`` and
-    ``close`` wait for every batch written before them.
+    The server lets it go when the query reading it ends (or is refused its slot); leave it
+    before that (``async with``'s end, :meth:`aclose`) and its name is free and it holds none
+    of the topic's producers. Dropping the object does not unsubscribe: the common
+    ``await client.subscribe(...)`` ignores it, and its query has yet to start.
     """
 
-    def __init__(self, sync: RemoteSink, loop: asyncio.AbstractEventLoop) -> None:
-        #: the sync sink this one drives (its stats, its window)
-        self.sync = sync
-        self._loop = loop
-        self._queue: janus.Queue[pa.RecordBatch | _Call | None] = janus.Queue(SINK_QUEUED)
-        self._error: BaseException | None = None
-        self._sent = 0
-        self._closed = False
-        self._thread = threading.Thread(
-            target=self._write_loop, name="pushtable-aio-write", daemon=True
-        )
-        self._thread.start()
+    def __init__(self, client: AsyncClient, topic: str, name: str) -> None:
+        self.topic = topic
+        self.name = name
+        self._client = client
+        self._left = False
 
-    @property
-    def name(self) -> str:
-        """The remote table or topic's name."""
-        return self.sync.name
-
-    def _write_loop(self) -> None:
-        while True:
-            try:
-                item = self._queue.sync_q.get()
-            except janus.SyncQueueShutDown:
-                return
-            if item is None:
-                return
-            if isinstance(item, _Call):
-                self._answer(item)
-                continue
-            if self._error is not None:
-                continue  # after an error nothing more is sent; the next call raises it
-            try:
-                self.sync.write(item)
-                self._sent += 1
-            except BaseException as exc:  # noqa: BLE001 (raised by the next call)
-                self._error = exc
-
-    def _answer(self, call: _Call) -> None:
-        def settle(value: Any, error: BaseException | None) -> None:
-            if call.done.cancelled():
-                return
-            if error is not None:
-                call.done.set_exception(error)
-            else:
-                call.done.set_result(value)
-
-        try:
-            if self._error is not None:
-                raise self._error
-            value, error = call.fn(), None
-        except BaseException as exc:  # noqa: BLE001 (set on the awaiting future)
-            value, error = None, exc
-        if not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(settle, value, error)
-
-    def _raise_pending(self) -> None:
-        if self._error is not None:
-            error = self._error
-            error.batches_written = self._sent  # type: ignore[attr-defined]
-            raise error
-
-    async def write(self, batch: pa.RecordBatch | pa.Table) -> None:
-        """Hand ``batch`` (or each batch of a table) to the writer thread.
-
-        Waits while the sink's window is full.
-        """
-        if self._closed:
-            raise RuntimeError(f"async sink for '{self.name}' is closed")
-        self._raise_pending()
-        batches = batch.to_batches() if isinstance(batch, pa.Table) else [batch]
-        for b in batches:
-            await self._queue.async_q.put(b)
-
-    async def _call(self, fn: Callable[[], T]) -> T:
-        done: asyncio.Future[T] = self._loop.create_future()
-        await self._queue.async_q.put(_Call(fn, done))
-        return await done
-
-    async def flush(self, timeout: float | None = None) -> None:
-        """Return once every batch written is acknowledged (stored, for a durable topic)."""
-        await self._call(lambda: self.sync.flush(timeout))
-
-    async def close(self) -> None:
-        """Flush, end the table's stream (as :meth:`RemoteSink.close`), and stop the thread."""
-        if self._closed:
-            return
-        try:
-            await self._call(self.sync.close)
-        finally:
-            await self._stop()
-
-    async def _stop(self) -> None:
-        self._closed = True
-        if not self._queue.closed:
-            await self._queue.async_q.put(None)
-        await asyncio.to_thread(self._thread.join)
-        self._queue.shutdown(immediate=True)
-        await self._queue.aclose()
+    def __repr__(self) -> str:
+        return f"AsyncSubscription(topic={self.topic!r}, name={self.name!r})"
 
     async def aclose(self) -> None:
-        """Stop the writer thread without ending the remote table (a producer leaving)."""
-        if not self._closed:
-            await self._stop()
+        """Drop the subscription on the server (nothing if its query already let it go)."""
+        if self._left:
+            return
+        self._left = True
+        with contextlib.suppress(UnknownTableError):
+            await self._client.unsubscribe(self.name)
 
-    async def __aenter__(self) -> AsyncSink:
+    async def __aenter__(self) -> AsyncSubscription:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if exc[0] is None:
-            await self.close()
-        else:
-            await self.aclose()
+        await self.aclose()
+
+
+def _awaited(
+    call: Callable[Concatenate[Client, P], T],
+) -> Callable[Concatenate[AsyncClient, P], Coroutine[Any, Any, T]]:
+    """``call`` of the sync client as a coroutine method, with its typed arguments."""
+
+    @functools.wraps(call)
+    async def run(self: AsyncClient, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        self._refuse_closed()
+        return await off_loop(functools.partial(call, self.sync, *args, **kwargs))
+
+    run.__doc__ = f"As :meth:`Client.{call.__name__}`, awaited (on a thread of its own)."
+    return run
+
+
+class _Connecting:
+    """What :meth:`AsyncClient.connect` returns: ``await`` it, or ``async with`` it."""
+
+    def __init__(self, opening: Coroutine[Any, Any, AsyncClient]) -> None:
+        self._opening = opening
+        self._client: AsyncClient | None = None
+
+    def __await__(self) -> Generator[Any, None, AsyncClient]:
+        return self._opening.__await__()
+
+    async def __aenter__(self) -> AsyncClient:
+        self._client = await self._opening
+        return self._client
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._client is not None:
+            await self._client.aclose()
 
 
 class AsyncClient:
     """The asyncio face of :class:`~pushtable.flight.client.Client` (one state, two faces).
 
-    Make one with ``await AsyncClient.connect(uri, token=...)`` and use it as ``async with``.
+    ``async with AsyncClient.connect(uri, token=...) as client:`` (or
+    ``client = await AsyncClient.connect(...)``, then ``await client.aclose()``).
     """
 
     def __init__(self, sync: Client) -> None:
         #: the sync client this one drives
         self.sync = sync
         self._results: weakref.WeakSet[AsyncResult] = weakref.WeakSet()
-        self._sinks: list[AsyncSink] = []
+        self._sinks: weakref.WeakSet[AsyncSink] = weakref.WeakSet()
+        self._closed = False
 
     @classmethod
-    async def connect(cls, uri: str, **options: Any) -> AsyncClient:
-        """Connect as :func:`pushtable.flight.connect` does (``token``, ``tls_root_certs``...)."""
-        return cls(await asyncio.to_thread(connect, uri, **options))
+    def connect(
+        cls,
+        uri: str,
+        *,
+        token: str | None = None,
+        tls_root_certs: Any = None,
+        timeout: float | None = 30.0,
+    ) -> _Connecting:
+        """Connect as :func:`pushtable.flight.connect` does: ``await`` it or ``async with`` it."""
 
-    async def _run(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        return await asyncio.to_thread(fn, *args, **kwargs)
+        async def opening() -> AsyncClient:
+            client = await off_loop(
+                functools.partial(
+                    connect, uri, token=token, tls_root_certs=tls_root_certs, timeout=timeout
+                )
+            )
+            return cls(client)
+
+        return _Connecting(opening())
+
+    def _refuse_closed(self) -> None:
+        if self._closed:
+            raise ClientClosedError(f"the async client of {self.sync.uri} is closed")
 
     # -- streams ----------------------------------------------------------------------------
 
     def sql(self, query: str, *, max_queued: int = MAX_QUEUED) -> AsyncResult:
         """The result of ``query`` as it streams: ``async for batch in client.sql(...)``."""
-        result = AsyncResult(lambda: self.sync.sql(query), max_queued)
+        self._refuse_closed()
+        result = AsyncResult(lambda: self.sync.sql(query), max_queued, self._refuse_closed)
         self._results.add(result)
         return result
 
@@ -355,68 +338,75 @@ class AsyncClient:
         self, topic: str, start: int, end: int, *, max_queued: int = MAX_QUEUED
     ) -> AsyncResult:
         """Committed offsets ``[start, end)`` of a durable topic (as :meth:`Client.read`)."""
-        result = AsyncResult(lambda: self.sync.read(topic, start, end), max_queued)
+        self._refuse_closed()
+        result = AsyncResult(
+            lambda: self.sync.read(topic, start, end), max_queued, self._refuse_closed
+        )
         self._results.add(result)
         return result
 
-    async def sink(self, name: str, **options: Any) -> AsyncSink:
+    async def sink(
+        self,
+        name: str,
+        *,
+        window: int | None = None,
+        producer_id: str | None = None,
+        retry: float = 60.0,
+        window_bytes: int | None = None,
+    ) -> AsyncSink:
         """A producer for table or topic ``name`` (the options of :meth:`Client.sink`)."""
-        sync = await self._run(self.sync.sink, name, **options)
+        self._refuse_closed()
+        sync = await off_loop(
+            functools.partial(
+                self.sync.sink,
+                name,
+                window=window,
+                producer_id=producer_id,
+                retry=retry,
+                window_bytes=window_bytes,
+            )
+        )
         sink = AsyncSink(sync, asyncio.get_running_loop())
-        self._sinks.append(sink)
+        self._sinks.add(sink)
         return sink
+
+    async def subscribe(self, topic: str, name: str, **options: Any) -> AsyncSubscription:
+        """As :meth:`Client.subscribe`; returns the subscription (``async with`` drops it)."""
+        self._refuse_closed()
+        await off_loop(functools.partial(self.sync.subscribe, topic, name, **options))
+        return AsyncSubscription(self, topic, name)
 
     # -- calls ------------------------------------------------------------------------------
 
-    async def create_table(self, name: str, schema: pa.Schema, **options: Any) -> None:
-        """As :meth:`Client.create_table`."""
-        await self._run(self.sync.create_table, name, schema, **options)
-
-    async def create_topic(self, name: str, schema: pa.Schema, **options: Any) -> None:
-        """As :meth:`Client.create_topic`."""
-        await self._run(self.sync.create_topic, name, schema, **options)
-
-    async def subscribe(self, topic: str, name: str, **options: Any) -> Any:
-        """As :meth:`Client.subscribe`: then ``client.sql(...)`` reads the subscription."""
-        return await self._run(self.sync.subscribe, topic, name, **options)
-
-    async def tables(self) -> list[dict[str, Any]]:
-        """As :meth:`Client.tables`."""
-        return await self._run(self.sync.tables)
-
-    async def stats(self, name: str) -> dict[str, Any]:
-        """As :meth:`Client.stats`."""
-        return await self._run(self.sync.stats, name)
-
-    async def offsets(self, topic: str) -> dict[str, int]:
-        """As :meth:`Client.offsets`."""
-        return await self._run(self.sync.offsets, topic)
-
-    async def schema(self, name: str) -> pa.Schema:
-        """As :meth:`Client.schema`."""
-        return await self._run(self.sync.schema, name)
-
-    async def publish(self, *args: Any, **kwargs: Any) -> Any:
-        """As :meth:`Client.publish` (the Spark path's driver side)."""
-        return await self._run(self.sync.publish, *args, **kwargs)
-
-    async def published(self, table: str, query: str) -> int:
-        """As :meth:`Client.published`."""
-        return await self._run(self.sync.published, table, query)
+    create_table = _awaited(Client.create_table)
+    create_topic = _awaited(Client.create_topic)
+    unsubscribe = _awaited(Client.unsubscribe)
+    tables = _awaited(Client.tables)
+    stats = _awaited(Client.stats)
+    offsets = _awaited(Client.offsets)
+    consumed = _awaited(Client.consumed)
+    schema = _awaited(Client.schema)
+    publish = _awaited(Client.publish)
+    published = _awaited(Client.published)
+    discard = _awaited(Client.discard)
 
     # -- ending -----------------------------------------------------------------------------
 
-    async def aclose(self) -> None:
+    async def aclose(self, *, timeout: float | None = CLOSE_WAIT_S) -> None:
         """Stop every open result's query and the sinks' threads, and close the connection.
 
-        The sinks' tables are not ended (as a producer leaving); no thread of this client is
-        left.
+        The sinks' tables are not ended (as a producer leaving). Bounded by ``timeout`` (each
+        thread is waited for at most that long, never joined on the loop); later calls raise
+        :class:`~pushtable.ClientClosedError`.
         """
-        for result in list(self._results):
-            await result.aclose()
-        for sink in self._sinks:
-            await sink.aclose()
-        await self._run(self.sync.close)
+        if self._closed:
+            return
+        self._closed = True
+        leaving = [r.aclose(timeout=timeout) for r in list(self._results)]
+        leaving += [s.aclose(timeout=timeout) for s in list(self._sinks)]
+        await asyncio.gather(*leaving, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await within(off_loop(self.sync.close), timeout, "aclose")
 
     async def __aenter__(self) -> AsyncClient:
         return self

@@ -108,7 +108,9 @@ def wire_errors() -> Iterator[None]:
     except PushTableError as exc:
         raise protocol.server_error(exc) from exc
     except (ValueError, TypeError, pa.ArrowInvalid) as exc:  # the request is wrong: say so
-        raise protocol.server_error(errors.InvalidRequestError(str(exc))) from exc
+        public = errors.InvalidRequestError(str(exc))
+        protocol.refusing(public, getattr(exc, "refused_message", None))
+        raise protocol.server_error(public) from exc
     except OSError as exc:  # pyarrow's IPC reader: the client sent malformed Arrow data
         raise protocol.server_error(
             errors.InvalidBatchError(f"malformed Arrow IPC data: {exc}")

@@ -174,6 +174,15 @@ class Client:
             },
         )
 
+    def unsubscribe(self, name: str) -> None:
+        """Drop subscription ``name`` on the server: its name is free, it holds no producer.
+
+        The server drops a subscription by itself once the query reading it ends (or is
+        refused): a subscription is a single-scan table. Raises
+        :class:`~pushtable.UnknownTableError` when there is no subscription ``name``.
+        """
+        self._action("unsubscribe", {"name": name})
+
     def tables(self) -> list[dict[str, Any]]:
         """The server's tables and topics: ``name``, ``topic``, ``schema`` and bound of each.
 

@@ -24,7 +24,8 @@ from pushtable.errors import (
     WriteTimeoutError,
 )
 from pushtable.flight import protocol
-from pushtable.flight.remote_sink import RemoteSink, _Put
+from pushtable.flight.put_stream import Item, PutStream
+from pushtable.flight.remote_sink import RemoteSink
 from pushtable.flight.transport import Transport
 from pushtable.producer import arrow_batches, check_timeout
 
@@ -90,6 +91,8 @@ class IdempotentSink(RemoteSink):
         #: (sequence, batch, its bytes), oldest first; ``_unacked_bytes`` is their total
         self._unacked: collections.deque[tuple[int, pa.RecordBatch, int]] = collections.deque()
         self._unacked_bytes = 0
+        #: the items of an asyncio producer, by sequence: settled as acknowledgements cover them
+        self._items: dict[int, Item] = {}
         self._first = 0  # the sequence of the open stream's first batch
         self._sent_upto = -1  # the last sequence sent on the open stream
 
@@ -103,7 +106,7 @@ class IdempotentSink(RemoteSink):
             self._trim()
             return len(self._unacked)
 
-    def _stream(self) -> _Put:
+    def _stream(self) -> PutStream:
         if self._put is not None and self._put.idle:
             self._end_stream_locked()
         if self._put is None:
@@ -111,7 +114,7 @@ class IdempotentSink(RemoteSink):
             self._sent_upto = self._first - 1
             path = [self.name, protocol.PRODUCER, self.producer_id, str(self._first)]
             descriptor = flight.FlightDescriptor.for_path(*path)
-            self._put = _Put(self._transport, descriptor, self._wire_schema)
+            self._put = PutStream(self._transport, descriptor, self._wire_schema)
         return self._put
 
     def _trim(self) -> None:
@@ -119,7 +122,10 @@ class IdempotentSink(RemoteSink):
         if self._put is not None:
             done = self._first + self._put.acked
             while self._unacked and self._unacked[0][0] < done:
-                self._unacked_bytes -= self._unacked.popleft()[2]
+                sequence, _, size = self._unacked.popleft()
+                self._unacked_bytes -= size
+                if (item := self._items.pop(sequence, None)) is not None:
+                    item.settle(None)
 
     def _unsent(self) -> list[tuple[int, pa.RecordBatch, int]]:
         """The batches the open stream has not carried yet (the newest), oldest first.
@@ -153,10 +159,10 @@ class IdempotentSink(RemoteSink):
                             f"{put.sent - put.acked} batch(es) unacknowledged"
                         )
                     self._trim()
-                    put.send(batch, ack_every=max(1, self.window // 2))
+                    put.send(self._items.get(sequence) or batch, ack_every=max(1, self.window // 2))
                     self._sent_upto = sequence
                 if most_unacked == 0 and put.sent > put.acked:
-                    put._sync()  # a flush: the server commits what is pending now
+                    put.sync()  # a flush: the server commits what is pending now
                 if most_unacked is not None and not put.wait(most_unacked, deadline):
                     raise WriteTimeoutError(f"flush of remote topic '{self.name}' timed out")
                 self._trim()
@@ -179,7 +185,7 @@ class IdempotentSink(RemoteSink):
                 time.sleep(pause)
                 pause = min(1.0, pause * 2)
 
-    def _bytes_fit(self, put: _Put, batch: pa.RecordBatch, deadline: float | None) -> bool:
+    def _bytes_fit(self, put: PutStream, batch: pa.RecordBatch, deadline: float | None) -> bool:
         """Wait until ``batch`` and the batches in flight on ``put`` fit ``window_bytes``.
 
         One batch alone always goes. False: timed out.
@@ -224,6 +230,45 @@ class IdempotentSink(RemoteSink):
                 except PushTableError as exc:
                     exc.batches_written = written
                     raise
+
+    def submit(self, item: Item, deadline: float | None) -> None:
+        """As :meth:`RemoteSink.submit`, numbered: kept, and sent again, until stored.
+
+        Submitting an item again (after a timeout) only goes on sending what is kept: it is
+        numbered once.
+        """
+        if item.metadata is not None:
+            raise NotImplementedError("advance() is not sent by an idempotent producer")
+        with self._lock:
+            self._refuse_closed()
+            if item.sequence is None:
+                item.sequence = self._next_sequence
+                size = item.batch.get_total_buffer_size()
+                self._unacked.append((item.sequence, item.batch, size))
+                self._unacked_bytes += size
+                self._next_sequence += 1
+                self._items[item.sequence] = item
+            self._pump(None, deadline)
+
+    def tend(self, deadline: float | None) -> None:
+        """Forget what is stored, and go on sending what is kept (reconnecting if need be).
+
+        An error that is not an outage (the server refused a batch) is told to every item
+        still waiting for its outcome.
+        """
+        with self._lock:
+            self._trim()
+            if not self._unacked:
+                return
+            try:
+                self._pump(None, deadline)
+            except PushTableError as exc:
+                if protocol.retriable(exc) or isinstance(exc, WriteTimeoutError):
+                    raise
+                items, self._items = list(self._items.values()), {}
+                for item in items:
+                    item.settle(exc)
+                raise
 
     def flush(self, timeout: float | None = None) -> None:
         """Return once every batch written is stored; reconnects and resends as needed."""

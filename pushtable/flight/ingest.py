@@ -151,6 +151,11 @@ class Ingest:
                     batch = protocol.checked(path[0], count, batch)
                     self._write(context, producer, batch)
                     record.rows += batch.num_rows
+            except protocol.BATCH_REFUSALS as exc:
+                # Every batch before this one is queued; the client sends again those it sent
+                # after it, which nobody took.
+                protocol.refusing(exc, count)
+                raise
             finally:
                 writer.done()
             if not protocol.is_later(metadata):
@@ -207,21 +212,30 @@ class Ingest:
                         rows += batch.num_rows
                         if sequence is not None:
                             sequence += 1
+                except protocol.BATCH_REFUSALS as exc:
+                    # As a table's stream does, once the batches before it are stored.
+                    self._stored(context, log, acks)
+                    protocol.refusing(exc, count)
+                    raise
                 finally:
                     writer.done()
                 if not protocol.is_later(metadata):  # the client waits for this one: group
                     log.commit_soon()  # everything pending into the next commit, now
                 acks.expect(count, ticket, log.committed)
-            while not log.wait_committed(acks.last_ticket, POLL_S):  # the stream ended
-                if self._calls.give_up(context):
-                    raise errors.ServerStoppedError("the pushtable server stopped")
-            acks.on_commit(log.committed, None)
-            acks.drain()  # the last count reaches the client before the call ends
-            acks.raise_failure()
+            self._stored(context, log, acks)  # the stream ended
             return rows
         finally:
             log.unlisten(acks.on_commit)
             acks.done()
+
+    def _stored(self, context: Any, log: DurableLog, acks: CommitAcks) -> None:
+        """Wait until a commit holds every batch of the stream so far, and acknowledge them."""
+        while not log.wait_committed(acks.last_ticket, POLL_S):
+            if self._calls.give_up(context):
+                raise errors.ServerStoppedError("the pushtable server stopped")
+        acks.on_commit(log.committed, None)
+        acks.drain()  # the last count reaches the client before the call ends
+        acks.raise_failure()
 
     def _append(
         self,

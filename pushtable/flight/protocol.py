@@ -44,12 +44,31 @@ STAGE = "stage"
 PRODUCER = "producer"
 AUTH_HEADER = "authorization"
 
-_ERROR = re.compile(r"\[pushtable:(?P<cls>\w+)\] (?P<msg>.*?) \[/pushtable\]", re.DOTALL)
+_ERROR = re.compile(
+    r"\[pushtable:(?P<cls>\w+)\] (?P<msg>.*?) \[/pushtable\](?:\[refused:(?P<refused>\d+)\])?",
+    re.DOTALL,
+)
 
 
 def error_text(exc: BaseException) -> str:
-    """How the server words a pushtable error for the wire."""
-    return f"[pushtable:{type(exc).__name__}] {exc} [/pushtable]"
+    """How the server words a pushtable error for the wire.
+
+    A refusal of one message of a DoPut stream carries its number (see :func:`refusing`).
+    """
+    text = f"[pushtable:{type(exc).__name__}] {exc} [/pushtable]"
+    number = getattr(exc, "refused_message", None)
+    return text if number is None else f"{text}[refused:{number}]"
+
+
+def refusing(exc: BaseException, number: int | None) -> None:
+    """Mark ``exc`` as the server's refusal of message ``number`` (1-based) of a DoPut stream.
+
+    The client then knows which of its messages in flight were taken (those before it), which
+    was refused, and that none after it was (it sends those again on a new stream): the
+    number travels in the call's error, which no lost metadata message can reorder.
+    """
+    if number is not None:
+        exc.refused_message = number  # type: ignore[attr-defined]
 
 
 def checked(table: str, number: int, batch: pa.RecordBatch) -> pa.RecordBatch:
@@ -83,6 +102,10 @@ def client_error(exc: BaseException) -> BaseException:
             return errors.ServerUnavailableError(
                 f"the server is not reachable: {exc}{_tls_hint(exc)}"
             )
+        if isinstance(exc, pa.ArrowInvalid) and "FlightClient is closed" in str(exc):
+            closed = errors.ClientClosedError(f"the client was closed: {exc}")
+            closed.__cause__ = exc
+            return closed
         if isinstance(exc, pa.ArrowInvalid) and "Destination already closed" in str(exc):
             # A write on a DoPut stream whose far end is gone (the server died or ended it
             # while batches were on the way): the stream ended, as a read would have said.
@@ -95,7 +118,29 @@ def client_error(exc: BaseException) -> BaseException:
         cls = errors.RemoteError
     public = cls(match.group("msg"))
     public.__cause__ = exc
+    if match.group("refused") is not None:
+        public.refused_message = int(match.group("refused"))  # type: ignore[attr-defined]
+    if isinstance(public, errors.StreamFailedError):
+        public.error = _cause(match.group("msg"))
     return public
+
+
+_FAILED_WITH = re.compile(r"failed: (?P<cls>\w+): (?P<msg>.*)$", re.DOTALL)
+
+
+def _cause(message: str) -> BaseException | None:
+    """What a remote producer failed its table with, from a ``StreamFailedError``'s message.
+
+    A pushtable class comes back as itself (a stopping server's ``ServerStoppedError``),
+    another as a :class:`~pushtable.RemoteError` naming it.
+    """
+    match = _FAILED_WITH.search(message)
+    if match is None:
+        return None
+    cls = getattr(errors, match.group("cls"), None)
+    if isinstance(cls, type) and issubclass(cls, errors.PushTableError):
+        return cls(match.group("msg"))
+    return errors.RemoteError(match.group("msg"), remote_type=match.group("cls"))
 
 
 def _tls_hint(exc: BaseException) -> str:
@@ -126,6 +171,10 @@ IDLE = pa.py_buffer(b"\xfe" * 8)
 #: The metadata a server sends on a durable topic's DoPut stream when a commit holding its
 #: batches failed: end it; the call then ends with the commit's error.
 FAILED = pa.py_buffer(b"\xfd" * 8)
+#: What a server refuses one batch of a stream with (not the table or the stream as a whole):
+#: the data is wrong for the table (schema, NOT NULL, order, an advance it cannot take) or is
+#: not valid Arrow.
+BATCH_REFUSALS: tuple[type[BaseException], ...] = (ValueError, errors.InvalidBatchError)
 
 
 def producer_path(path: list[str]) -> tuple[str, int] | None:

@@ -172,6 +172,9 @@ class Queries:
         call.record.table = ",".join(_native.table_references(query)) or None
         df = self._plan(context, query, params)
         schema = _described(df)
+        # A subscription it reads is let go when the query ends, or is refused its slot: a
+        # single-scan table nothing can read again must not hold its topic's producers.
+        call.held.callback(self._tables.drop_subscriptions, _native.table_references(query))
         slot = call.held.enter_context(self._calls.usage.query())
         call.held.enter_context(self._calls.held(context))
         stream: Iterator[Any] = iter(df.execute_stream())

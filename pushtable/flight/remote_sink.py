@@ -6,14 +6,21 @@ A :class:`RemoteSink` has the methods and exceptions of a local :class:`~pushtab
 ``write`` returns once the batch is on its way with at most ``window`` batches not yet
 acknowledged (queued in the server's table); beyond that it waits, so a full table blocks the
 client's producer. ``flush`` waits for every acknowledgement; ``close`` flushes first.
+
+A batch the server refuses (NOT NULL, order, invalid Arrow) costs only itself: the batches
+sent after it, which the server did not take, are sent again on a new stream, and the refusal
+is raised by the producer's next call (a refused batch leaves the sink usable; nothing else
+is lost).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,13 +36,11 @@ from pushtable.errors import (
     WriteTimeoutError,
 )
 from pushtable.flight import protocol
+from pushtable.flight.put_stream import Item, PutStream
 from pushtable.flight.transport import Transport
 from pushtable.producer import ProducerScope, SinkStats, TopicStats, arrow_batches, check_timeout
 
 __all__ = ["RemoteSink", "RemoteSinkStats", "Stager"]
-
-_LATER = pa.py_buffer(protocol.LATER)
-_SYNC = pa.py_buffer(protocol.SYNC)
 
 
 @dataclass(frozen=True)
@@ -47,153 +52,6 @@ class RemoteSinkStats:
     table: SinkStats | TopicStats
 
 
-class _Put:
-    """One DoPut stream and the thread that reads its acknowledgements."""
-
-    def __init__(self, transport: Transport, descriptor: Any, schema: pa.Schema) -> None:
-        self.writer, self._reader = transport.do_put(descriptor, schema)
-        self.schema = schema
-        self.sent = 0
-        self.acked = 0
-        self.requested = 0  # the count the newest acknowledgement asked for covers
-        self.error: BaseException | None = None
-        self.finished = False
-        self.idle = False  # the server ended the stream for idleness: the next write reopens
-        self.changed = threading.Condition()
-        self.io = threading.Lock()  # one call on the writer at a time
-        self._ack_reader = threading.Thread(
-            target=self._read_acks, name="pushtable-acks", daemon=True
-        )
-        self._ack_reader.start()
-
-    def send(
-        self, batch: pa.RecordBatch, metadata: bytes | None = None, ack_every: int = 1
-    ) -> None:
-        """Write one batch (already in the stream's wire schema), with ``metadata`` if any.
-
-        The server acknowledges it at once only when ``ack_every`` batches went unasked:
-        ``wait`` asks (``SYNC``) for what it needs beyond that.
-        """
-        later = metadata is None and self.sent + 1 - self.requested < ack_every
-        with self.io:
-            if later:
-                protocol.call(self.writer.write_with_metadata, batch, _LATER)
-            elif metadata is None:
-                protocol.call(self.writer.write_batch, batch)
-            else:
-                protocol.call(self.writer.write_with_metadata, batch, pa.py_buffer(metadata))
-        self.sent += 1
-        if not later:
-            self.requested = self.sent
-
-    def _sync(self) -> None:
-        """Ask the server to acknowledge every batch sent so far.
-
-        If the stream has ended, the acknowledgement reader has the verdict.
-        """
-        with self.io, contextlib.suppress(flight.FlightError, pa.ArrowException):
-            self.writer.write_metadata(_SYNC)
-        self.requested = self.sent
-
-    def _read_acks(self) -> None:
-        try:
-            while True:
-                buf = self._reader.read()
-                if buf is None:
-                    break
-                if buf.equals(protocol.STOPPING):
-                    # The server is stopping: end our side, so it need not wait for a write.
-                    with self.changed:
-                        self.error = ServerStoppedError("the pushtable server stopped")
-                    with self.io, contextlib.suppress(flight.FlightError, pa.ArrowException):
-                        self.writer.done_writing()
-                    continue
-                if buf.equals(protocol.FAILED):
-                    # A commit failed: end our side; the call's error names it.
-                    with self.io, contextlib.suppress(flight.FlightError, pa.ArrowException):
-                        self.writer.done_writing()
-                    continue
-                if buf.equals(protocol.IDLE):
-                    # Idle too long: end our side cleanly; the next write opens a new stream.
-                    with self.changed:
-                        self.idle = True
-                    with self.io, contextlib.suppress(flight.FlightError, pa.ArrowException):
-                        self.writer.done_writing()
-                    continue
-                with self.changed:
-                    self.acked = protocol.acked(buf)
-                    self.changed.notify_all()
-        except (flight.FlightError, pa.ArrowException) as exc:
-            with self.changed:
-                self.error = protocol.client_error(exc)
-        finally:
-            with self.changed:
-                self.finished = True
-                self.changed.notify_all()
-
-    def wait(self, most_unacked: int, deadline: float | None) -> bool:
-        """Wait until at most ``most_unacked`` batches are unacknowledged (False: timed out)."""
-        if self.sent - self.requested > most_unacked:
-            self._sync()
-        with self.changed:
-            while self.sent - self.acked > most_unacked and not self.finished:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self.changed.wait(left)
-            if self.error is None and self.sent - self.acked > most_unacked:
-                self.error = self._verdict()
-            if self.error is not None:
-                raise self.error
-            return True
-
-    def _verdict(self) -> BaseException:
-        """Why the server ended the stream early (its error arrives when the stream closes)."""
-        try:
-            with self.io:
-                self.writer.close()
-        except (flight.FlightError, pa.ArrowException) as exc:
-            return protocol.client_error(exc)
-        return StreamEndedError("the server ended the stream before acknowledging every batch")
-
-    def abandon(self, timeout: float = 5.0) -> None:
-        """Let go of a stream whose error was raised.
-
-        The writer is closed only once the acknowledgement reader is done: closing it under a
-        pending read would crash.
-        """
-        with self.io, contextlib.suppress(flight.FlightError, pa.ArrowException, OSError):
-            self.writer.done_writing()
-        with self.changed:
-            self.changed.wait_for(lambda: self.finished, timeout)
-            if not self.finished:
-                return  # the server never ended it: leak it rather than crash
-        self._ack_reader.join(timeout)  # it set ``finished`` last: it is ending
-        with self.io, contextlib.suppress(flight.FlightError, pa.ArrowException, OSError):
-            self.writer.close()
-
-    def finish(self, timeout: float | None = None) -> None:
-        """End the stream: every acknowledgement read, the server's verdict raised."""
-        with self.io, contextlib.suppress(PushTableError):  # the ack reader has the verdict
-            protocol.call(self.writer.done_writing)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self.changed:
-            while not self.finished:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise WriteTimeoutError("the server did not finish the stream in time")
-                self.changed.wait(left)
-        self._ack_reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        error = self.error
-        try:
-            with self.io:
-                protocol.call(self.writer.close)
-        except PushTableError as exc:
-            error = error or exc
-        if error is not None:
-            raise error
-
-
 class Stager:
     """One Spark task attempt's share of an epoch, sent to the server's stage area."""
 
@@ -201,7 +59,7 @@ class Stager:
         self._table = path[0]
         self._schema = schema
         self._wire_schema = protocol.wire_schema(schema)
-        self._put = _Put(transport, flight.FlightDescriptor.for_path(*path), self._wire_schema)
+        self._put = PutStream(transport, flight.FlightDescriptor.for_path(*path), self._wire_schema)
 
     def write(self, batch: pa.RecordBatch) -> None:
         """Send ``batch`` to the stage area, checked against the share's schema first."""
@@ -245,22 +103,29 @@ class RemoteSink(ProducerScope):
         self.schema = schema
         self.window = window
         self._wire_schema = protocol.wire_schema(schema)
-        self._put: _Put | None = None
+        self._put: PutStream | None = None
         self._sent = 0
         self._acked = 0
         self._closed = False
+        self._unreported: BaseException | None = None  # an earlier batch's refusal
+        #: items to send before anything new: those sent after a refused one, which the
+        #: server never took
+        self._pending: collections.deque[Item] = collections.deque()
+        #: called when a stream of this sink ends (on its reader thread): an asyncio
+        #: producer's writer settles what was in flight then, not at its next write
+        self.on_stream_end: Callable[[], None] | None = None
         self._stopped = False  # a stream of it heard the server say it stops
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"RemoteSink(name={self.name!r}, server={self._transport.uri!r})"
 
-    def _stream(self) -> _Put:
+    def _stream(self) -> PutStream:
         if self._put is not None and self._put.idle:  # the server ended it: start anew
             self._end_stream_locked()
         if self._put is None:
             descriptor = flight.FlightDescriptor.for_path(self.name)
-            self._put = _Put(self._transport, descriptor, self._wire_schema)
+            self._put = PutStream(self._transport, descriptor, self._wire_schema, self._ended)
         return self._put
 
     def _drop_stream(self) -> None:
@@ -293,31 +158,152 @@ class RemoteSink(ProducerScope):
 
         Raises the same errors as ``TableSink.write``: ``SchemaMismatchError`` (checked before
         sending; NOT NULL violations come from the server), ``SinkClosedError``,
-        ``ReaderGoneError``, ``WriteTimeoutError``; an error of an earlier batch in flight is
-        raised by the next call. ``batches_written`` counts what this call sent.
+        ``ReaderGoneError``, ``WriteTimeoutError``; the server's refusal of an earlier batch
+        in flight is raised by the next call (the batches after it are sent again: only the
+        refused one is lost). ``batches_written`` counts what this call sent.
         """
         timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         written = 0
         with self._lock:
-            if self._closed:
-                raise SinkClosedError(f"remote sink for '{self.name}' is closed")
             try:
+                self._refuse_closed()
                 for data_batch in arrow_batches(data):
                     batch = protocol.to_wire(self.name, self.schema, self._wire_schema, data_batch)
-                    put = self._stream()
-                    if not put.wait(self.window - 1, deadline):
-                        raise WriteTimeoutError(
-                            f"write to remote table '{self.name}' timed out after {timeout}s "
-                            f"with {self.window} batch(es) unacknowledged"
-                        )
-                    put.send(batch, ack_every=max(1, self.window // 2))
+                    self._raise_unreported()
+                    self._submit_locked(Item(batch), deadline)
                     written += 1
+                self._raise_unreported()
             except PushTableError as exc:
-                if self._put is not None and self._put.error is not None:
-                    self._drop_stream()
                 exc.batches_written = written
                 raise
+
+    def _refuse_closed(self) -> None:
+        if self._closed:
+            raise SinkClosedError(f"remote sink for '{self.name}' is closed")
+
+    def _raise_unreported(self) -> None:
+        """Raise (once) a refusal the server sent for an earlier batch of this sink."""
+        error, self._unreported = self._unreported, None
+        if error is not None:
+            raise error
+
+    def _settle(self, item: Item, error: BaseException) -> None:
+        item.settle(error)
+        if item.outcome is None and self._unreported is None:
+            self._unreported = error  # the sync face's next call raises it
+
+    def submit(self, item: Item, deadline: float | None) -> None:
+        """Send ``item`` (its batch in the wire schema) once the window has room.
+
+        At most ``window - 1`` batches may be unacknowledged before; the item's ``outcome``
+        tells what became of it.
+
+        Raises :class:`~pushtable.WriteTimeoutError` when ``deadline`` passes first, or the
+        error that left it unsendable: either way the item was not sent.
+        """
+        with self._lock:
+            self._refuse_closed()
+            self._submit_locked(item, deadline)
+
+    def _submit_locked(self, item: Item, deadline: float | None) -> None:
+        self._pending.append(item)
+        try:
+            self._drain_locked(deadline)
+        except PushTableError:
+            if self._pending and self._pending[-1] is item:
+                self._pending.pop()  # not sent: the caller hears why
+            raise
+        if item.error is not None and item.outcome is None:
+            if self._unreported is item.error:
+                self._unreported = None
+            raise item.error
+
+    def _drain_locked(self, deadline: float | None) -> None:
+        """Send every pending item, oldest first (those a refusal left unsent come first)."""
+        while self._pending:
+            put = self._stream()
+            try:
+                room = put.wait(self.window - 1, deadline)  # raises only once the stream ended
+            except PushTableError as exc:
+                self._recover_or_raise(put, exc)
+                continue
+            if not room:
+                raise WriteTimeoutError(
+                    f"write to remote table '{self.name}' timed out with {self.window} "
+                    "batch(es) unacknowledged"
+                )
+            try:
+                put.send(self._pending.popleft(), ack_every=max(1, self.window // 2))
+            except PushTableError as exc:  # the stream is over: its end says what it took
+                self._recover_or_raise(put, exc)
+
+    def _ended(self) -> None:
+        hook = self.on_stream_end
+        if hook is not None:
+            hook()
+
+    def tend(self, deadline: float | None) -> None:
+        """Settle what a stream that ended had in flight, and send what waits to be sent again.
+
+        For a producer with nothing new to send (an asyncio producer's writer, between
+        writes): items whose stream ended learn their outcome now. Raises
+        :class:`~pushtable.WriteTimeoutError` if ``deadline`` passes with items still waiting
+        for room (they stay pending); any other error is each pending item's.
+        """
+        with self._lock:
+            put = self._put
+            if put is not None and put.finished and put.inflight:
+                self._recover(put, put.error or StreamEndedError("the stream ended"))
+            try:
+                self._drain_locked(deadline)
+            except WriteTimeoutError:
+                raise
+            except PushTableError as exc:
+                while self._pending:
+                    self._settle(self._pending.popleft(), exc)
+
+    def request_acks(self) -> None:
+        """Ask the server to acknowledge now whatever this sink has in flight."""
+        with self._lock:
+            put = self._put
+            if put is not None and not put.ended and put.requested < put.sent:
+                put.sync()
+
+    def _recover_or_raise(self, put: PutStream, seen: BaseException) -> None:
+        """Recover from ``put``'s end when it refused one batch (the rest go again).
+
+        Otherwise raise why it ended: it took nothing more, and the caller's call fails with it.
+        """
+        error, resent = self._recover(put, seen)
+        if not resent:
+            if self._unreported is error:
+                self._unreported = None  # raised here, not again by the next call
+            raise error
+
+    def _recover(self, put: PutStream, seen: BaseException) -> tuple[BaseException, bool]:
+        """Settle what was in flight on ``put``, which ended.
+
+        After a refusal, the refused item gets the error and those after it (never taken)
+        wait to be sent again, first; after any other end, each gets the error. Returns the
+        error, and whether it was a refusal (with items after it to send again).
+        """
+        error = put.verdict(seen)
+        refused = getattr(error, "refused_message", None)
+        with put.changed:
+            items, first = list(put.inflight), put.acked + 1  # the number of items[0]
+            put.inflight.clear()
+        self._drop_stream()
+        if refused is None or not first <= refused < first + len(items):
+            for item in items:
+                self._settle(item, error)
+            return error, False
+        at = refused - first
+        for item in items[:at]:  # taken before the refused one: queued (stored, if durable)
+            item.settle(None)
+        self._settle(items[at], error)
+        self._pending.extendleft(reversed(items[at + 1 :]))
+        return error, True
 
     async def awrite(self, data: Any, timeout: float | None = None) -> None:
         """Asyncio form of :meth:`write` (runs it on a worker thread; the loop never blocks)."""
@@ -330,38 +316,52 @@ class RemoteSink(ProducerScope):
         is an ``int``, or a ``datetime`` for a timestamp column. Errors (no ``order_by``, a
         closed table) come back like a write's.
         """
-        metadata = protocol.advance_metadata(ts)
+        item = self.advance_item(ts)
         timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            if self._closed:
-                raise SinkClosedError(f"remote sink for '{self.name}' is closed")
-            put = self._stream()
-            if not put.wait(self.window - 1, deadline):
-                raise WriteTimeoutError(
-                    f"advance on remote table '{self.name}' timed out after {timeout}s "
-                    f"with {self.window} batch(es) unacknowledged"
-                )
-            put.send(pa.RecordBatch.from_pylist([], schema=self._wire_schema), metadata)
+            self._refuse_closed()
+            self._raise_unreported()
+            self._submit_locked(item, deadline)
+
+    def advance_item(
+        self, ts: Any, outcome: Callable[[BaseException | None], None] | None = None
+    ) -> Item:
+        """The message that moves the table's watermark to ``ts`` (see :meth:`advance`)."""
+        metadata = protocol.advance_metadata(ts)
+        return Item(pa.RecordBatch.from_pylist([], schema=self._wire_schema), metadata, outcome)
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until the server acknowledged every batch sent (queued in its table)."""
         timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
+            self._flush_locked(deadline)
+            self._raise_unreported()
+
+    def _flush_locked(self, deadline: float | None) -> None:
+        while True:
+            self._drain_locked(deadline)
+            put = self._put
+            if put is None:
+                return
             try:
-                if self._put is not None and not self._put.wait(0, deadline):
-                    raise WriteTimeoutError(f"flush of remote table '{self.name}' timed out")
-            except PushTableError:
-                if self._put is not None and self._put.error is not None:
-                    self._drop_stream()
-                raise
+                done = put.wait(0, deadline)  # raises only once the stream ended
+            except PushTableError as exc:
+                self._recover_or_raise(put, exc)
+                continue
+            if not done:
+                raise WriteTimeoutError(f"flush of remote table '{self.name}' timed out")
+            if not self._pending:
+                return
 
     def close(self) -> None:
         """Flush, end this producer's stream, and close the table (end of stream)."""
         with self._lock:
             if self._closed:
                 return
+            self._flush_locked(None)
+            self._raise_unreported()
             self._closed = True
             put, self._put = self._put, None
             if put is not None:

@@ -117,6 +117,7 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
         self._handlers: dict[str, Handler] = {
             "create_table": self._tables.create_remote,
             "subscribe": self._tables.subscribe,
+            "unsubscribe": self._tables.unsubscribe,
             "close": self._tables.close,
             "fail": self._tables.fail,
             "stats": self._tables.stats,

@@ -12,8 +12,10 @@ and the caller's grant, whose role the server has already required.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
+from collections.abc import Iterable
 from dataclasses import asdict
 from datetime import timedelta
 from pathlib import Path
@@ -204,6 +206,31 @@ class Tables:
         with self._lock:
             self._subscriptions[name] = (topic.name, options.get("capacity", 16))
         return {}
+
+    def unsubscribe(self, req: actions.Named, grant: Grant) -> Any:
+        """``unsubscribe``: drop a subscription (its name is free again; it holds no producer).
+
+        Raises :class:`~pushtable.UnknownTableError` when ``req.name`` is no subscription.
+        """
+        if not self.drop_subscriptions([req.name]):
+            raise UnknownTableError(f"no subscription named {req.name!r} on the server")
+        return {}
+
+    def drop_subscriptions(self, names: Iterable[str]) -> list[str]:
+        """Drop those of ``names`` that are subscriptions; returns the ones dropped.
+
+        A subscription is a single-scan table: once the query that read it ended (or was
+        refused before it started) nothing can read it again, so the server lets it go then,
+        and the topic's producers stop waiting for it.
+        """
+        dropped = []
+        with self._lock:
+            for name in names:
+                if self._subscriptions.pop(name, None) is not None:
+                    with contextlib.suppress(Exception):  # deregistered already
+                        self._ctx.deregister_table(name)
+                    dropped.append(name)
+        return dropped
 
     def offsets(self, req: actions.Named, grant: Grant) -> Any:
         """``offsets``: a durable topic's first, committed and next offsets."""
