@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -78,6 +79,20 @@ def test_a_config_mistake_is_one_line_not_a_traceback(
     assert message in err
     assert len(err.strip().splitlines()) == 1, err
     assert "Traceback" not in err
+
+
+def test_a_busy_port_is_named(capsys: pytest.CaptureFixture[str]) -> None:
+    """It used to say only gRPC's "Unknown error: Server did not start properly"."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--host", "127.0.0.1", "--port", str(port)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert (
+        err == f"pushtable serve: cannot listen on 127.0.0.1:{port}: Address already in use "
+        "(another server there?)"
+    ), err
 
 
 def _pushtable(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 import time
 import weakref
@@ -105,7 +106,10 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
             location = "grpc+tls://" + location.removeprefix("grpc://")
         self.tokens = _tokens(token, tokens)
         middleware = {"auth": BearerAuth(self.tokens)} if len(self.tokens) else {}
-        super().__init__(location, middleware=middleware, tls_certificates=_tls_pairs(tls))
+        try:
+            super().__init__(location, middleware=middleware, tls_certificates=_tls_pairs(tls))
+        except pa.ArrowException as exc:  # gRPC says only "Server did not start properly"
+            raise OSError(_unstarted(location, exc)) from exc
         scheme, _, rest = location.partition("://")
         host = rest.rsplit(":", 1)[0]
         self.location = f"{scheme}://{host}:{self.port}"
@@ -423,3 +427,18 @@ def run_until_stopped(server: Server, say: Any = print) -> None:
             if left
             else "pushtable serve: stopped"
         )
+
+
+def _unstarted(location: str, exc: BaseException) -> str:
+    """Why a server could not listen at ``location``, in words (gRPC logs it, raises no reason)."""
+    _, _, rest = location.partition("://")
+    host, _, port = rest.rpartition(":")
+    host = host.strip("[]") or "0.0.0.0"
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.bind((host, int(port)))
+    except OSError as bind_error:
+        return f"cannot listen on {host}:{port}: {bind_error.strerror} (another server there?)"
+    except ValueError:
+        pass
+    return f"cannot listen on {location}: {exc}"
