@@ -118,9 +118,28 @@ def live_state() -> list[LiveState]:
     return [LiveState(*row) for row in _native.live_state()]
 
 
+def table_key(name: str) -> str:
+    """``name`` as DataFusion registers a table and as SQL names it: unquoted parts lowercased.
+
+    ``register_table("events_foreachBatch", ...)`` registers ``events_foreachbatch``, which is
+    what ``SELECT ... FROM events_foreachBatch`` reads: the names a query references
+    (``table_references``) are compared with these keys. A name that is no SQL identifier
+    chain (``"my table"``, ``x-y``) is kept as it is, as DataFusion keeps it.
+    """
+    if _UNQUOTED.fullmatch(name):
+        return name.lower()
+    return name
+
+
+_UNQUOTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
+
+
 @dataclass
 class TableSources:
-    """How the tables of one context were registered (what the engine can register too)."""
+    """How the tables of one context were registered (what the engine can register too).
+
+    Keyed by :func:`table_key`, as the session's catalog is.
+    """
 
     live: dict[str, _native.TableProvider] = field(default_factory=dict)
     providers: dict[str, Any] = field(default_factory=dict)
@@ -131,6 +150,7 @@ class TableSources:
 
     def forget(self, name: str) -> None:
         """Forget how ``name`` was registered, whichever way it was."""
+        name = table_key(name)
         self.live.pop(name, None)
         self.providers.pop(name, None)
         self.memory.discard(name)
@@ -138,6 +158,7 @@ class TableSources:
 
     def record(self, name: str, table: Any) -> None:
         """``table`` was registered under ``name`` with ``register_table``."""
+        name = table_key(name)
         self.forget(name)
         if isinstance(table, _native.TableProvider):
             self.live[name] = table
@@ -148,6 +169,7 @@ class TableSources:
 
     def record_memory(self, name: str) -> None:
         """``name`` holds in-memory Arrow data (record batches, ``from_arrow``, ...)."""
+        name = table_key(name)
         self.forget(name)
         self.memory.add(name)
 

@@ -97,6 +97,20 @@ def test_a_query_answers_the_same_in_process_through_flight_and_through_adbc(
         _same(sql, "adbc", cur.fetch_arrow_table(), want)
 
 
+def test_a_live_table_named_with_capitals_streams_remotely(server: Server) -> None:
+    """The server took ``events_foreachBatch`` for stored data (its name, as registered, did
+    not match the one the query references, lowercased) and held the DoGet for a first batch
+    no producer had written: the client's ``sql`` never returned (Spark Connect's slow test
+    hung CI that way)."""
+    client = connect(server.location, token="s3cret")
+    client.create_table("Events_Remote", pa.schema([("id", pa.int64())]))
+    result = Background(lambda: client.sql("SELECT id FROM Events_Remote"))
+    rows_of = result.join(timeout=WAIT)  # the call answers before any row is written
+    with client.sink("Events_Remote") as sink:
+        sink.write(pa.record_batch({"id": [1, 2]}))
+    assert rows_of.read_all()["id"].to_pylist() == [1, 2]
+
+
 def test_a_scalar_subquery_in_an_order_by_over_two_live_tables_answers(server: Server) -> None:
     a = pa.schema([("x", pa.int64())])
     b = pa.schema([("v", pa.decimal128(6, 1))])

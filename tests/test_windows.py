@@ -161,6 +161,20 @@ def test_a_window_is_emitted_when_the_next_one_starts(unbounded: bool) -> None:
     assert live.finish() == [{"w": at(3), "n": 1, "s": 5}]
 
 
+def test_a_table_registered_with_capitals_windows_live_too() -> None:
+    """DataFusion registers ``Events_Live`` as ``events_live``: the engine found no live
+    table under that key, handed the query to datafusion-python, and window 0 came only at
+    the end of the stream."""
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table("Events_Live", SCHEMA, order_by="ts")
+    assert ctx.reads_live("SELECT * FROM Events_Live")
+    live = LiveRows(ctx, WINDOW_SQL.replace("FROM t", "FROM Events_Live"))
+    sink.write(rows((0.1, "a", 1), (1.2, "a", 10)))  # window 1's first row closes window 0
+    assert live.take(1) == [{"w": at(0), "n": 1, "s": 1}]
+    sink.close()
+    assert live.finish() == [{"w": at(1), "n": 1, "s": 10}]
+
+
 def test_every_aggregate_is_exact_per_window_and_key() -> None:
     ctx = SessionContext()
     sink = ctx.register_streaming_table("t", SCHEMA, order_by="ts")

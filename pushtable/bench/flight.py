@@ -243,7 +243,7 @@ def sql_stream_async(uri: str, name: str, rows: int, batches: int) -> float:
     data = _batches(rows, batches, 1)
 
     async def main() -> float:
-        async with await AsyncClient.connect(uri) as client:
+        async with AsyncClient.connect(uri) as client:
             await client.create_table(name, SCHEMA, capacity=16)
             received = 0
 
@@ -253,10 +253,13 @@ def sql_stream_async(uri: str, name: str, rows: int, batches: int) -> float:
                     received += batch.num_rows
 
             async def write() -> None:
+                # ``send`` returns once the batch is queued, as the sync ``write`` returns once
+                # it is sent: one task pipelining its batches (``write`` waits for each
+                # acknowledgement, for a task that wants its own batch's outcome).
                 sink = await client.sink(name)
-                for b in data:
-                    await sink.write(b)
+                outcomes = [await sink.send(b) for b in data]
                 await sink.close()
+                await asyncio.gather(*outcomes)
 
             started = time.perf_counter()
             await asyncio.gather(read(), write())
@@ -276,7 +279,7 @@ def latency_async(uri: str, name: str, samples: int, rate: float) -> dict[str, f
     from pushtable.flight.aio import AsyncClient
 
     async def main() -> list[float]:
-        async with await AsyncClient.connect(uri) as client:
+        async with AsyncClient.connect(uri) as client:
             await client.create_table(name, SCHEMA, capacity=16)
             delays: list[float] = []
 
