@@ -141,6 +141,31 @@ async def test_a_sink_goes_on_after_the_server_restarts(tmp_path: Path) -> None:
     await no_aio_threads()
 
 
+async def test_an_idempotent_async_producer_rides_out_a_killed_server(tmp_path: Path) -> None:
+    """A write made while the server is down waits (within ``retry``), and is stored once
+    the server is back, every batch exactly once: the outage is not its error."""
+    port, data = _free_port(), str(tmp_path / "data")
+    with serve_process({}, tmp_path, "--data-dir", data, port=port) as (proc, location):
+        client = await AsyncClient.connect(location, timeout=WAIT)
+        await client.create_topic("ticks", SCHEMA, durable=True)
+        sink = await client.sink("ticks", producer_id="p", retry=WAIT)
+        for i in range(3):
+            await sink.write(rows(i))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(WAIT)
+    during = asyncio.create_task(sink.write(rows(3), timeout=2 * WAIT))
+    await asyncio.sleep(0.5)  # time for a write that took the outage for its error to say so
+    assert not during.done()
+    with serve_process({}, tmp_path, "--data-dir", data, port=port):
+        await asyncio.wait_for(during, 2 * WAIT)
+        await sink.write(rows(4))
+        await sink.flush(timeout=WAIT)
+        got = await client.read("ticks", 0, 5).read_all()
+        assert got["k"].to_pylist() == [0, 1, 2, 3, 4]
+        await client.aclose()
+    await no_aio_threads()
+
+
 async def test_shutdown_with_a_full_table_is_bounded_and_holds_no_executor(
     served: tuple[Any, str],
 ) -> None:

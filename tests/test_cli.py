@@ -178,6 +178,7 @@ def test_demo_over_spark_connect(tmp_path: Path) -> None:
 
 
 @pytest.mark.spark
+@pytest.mark.slow  # a Spark Connect server of its own (44 s); the demo over Connect stays default
 @pytest.mark.timeout(330)
 def test_demo_over_spark_connect_stops_at_once_when_the_live_query_fails(tmp_path: Path) -> None:
     """A live query that cannot run (a column the table lacks) ends the demo with its error
@@ -247,6 +248,7 @@ def _quick_bench(tmp_path: Path, suites: tuple[str, ...]) -> dict[str, Any]:
     return data
 
 
+@pytest.mark.slow  # 54 s; the slow run's quick bench of every suite covers these too
 @pytest.mark.timeout(330)  # the command's own bound (300 s) applies, not the suite's 120 s default
 def test_quick_bench_of_the_in_process_suites_writes_json(tmp_path: Path) -> None:
     _quick_bench(tmp_path, IN_PROCESS)

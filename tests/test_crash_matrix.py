@@ -2,10 +2,12 @@
 
 The Lance dataset must hold every source row exactly once. Orphaned data files (written, never
 committed) are counted and then removed the documented way (``cleanup_old_versions`` with
-``delete_unverified=True``). The default run crashes once at every step, as a chain: each
-restart recovers the previous crash and then crashes at the next step of a later epoch, as a
-job on a flaky cluster does (one Spark start per crash, not two). ``-m slow`` crashes at every
-(path, step, epoch) point, a chain per path and step.
+``delete_unverified=True``). Every test here runs under ``-m slow`` (Spark starts: tens of seconds each). One crashes
+once at every step, as a chain: each restart recovers the previous crash and then crashes at
+the next step of a later epoch, as a job on a flaky cluster does (one Spark start per crash,
+not two). The others crash at every (path, step, epoch) point, a chain per path and step.
+The default suite's crash checks are the server kills of ``test_spark_durable_kill.py`` and
+``test_durable_crash.py``.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ def exactly_once(uri: Path) -> dict[str, int]:
     return {"duplicates": duplicates, "losses": losses, "orphans": orphans}
 
 
+@pytest.mark.slow  # 80 s; the chains below crash at every point too (this one mixes steps)
 @pytest.mark.timeout(600)  # five Spark starts in a row: 80 s idle here, twice that under load
 def test_a_crash_at_every_step_in_turn_keeps_rows_exactly_once(tmp_path: Path) -> None:
     # Epoch k crashes at step k: before Arrow, before the commit (fragments written), after

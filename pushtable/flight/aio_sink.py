@@ -73,6 +73,8 @@ class _Call:
 
 #: what wakes a writer thread waiting for work: a stream ended with items in flight
 _WAKE = object()
+#: a sink with no ``retry`` (not an idempotent producer)
+_PLAIN = object()
 
 
 class _Writer:
@@ -143,6 +145,10 @@ class _Writer:
         return step if deadline is None else min(deadline, step)
 
     def _send(self, job: _Job) -> None:
+        # An idempotent producer keeps what it was given and rides out an outage of up to its
+        # ``retry`` seconds (None: for good); a plain one reports the outage to the write.
+        retry = getattr(self.sync, "retry", _PLAIN)
+        outage_ends: float | None = None
         while True:
             try:
                 if job.abandoned:
@@ -154,6 +160,17 @@ class _Writer:
                 if job.deadline is not None and time.monotonic() >= job.deadline:
                     job.item.settle(exc)
                     return
+            except PushTableError as exc:
+                now = time.monotonic()
+                if retry is not _PLAIN and protocol.retriable(exc):
+                    if outage_ends is None and isinstance(retry, (int, float)):
+                        outage_ends = now + retry
+                    if (outage_ends is None or now < outage_ends) and (
+                        job.deadline is None or now < job.deadline
+                    ):
+                        continue  # the next step reconnects and sends again
+                job.item.settle(exc)
+                return
             except BaseException as exc:  # noqa: BLE001 (the item's task hears it)
                 job.item.settle(exc)
                 return
