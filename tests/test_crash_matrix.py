@@ -2,12 +2,12 @@
 
 The Lance dataset must hold every source row exactly once. Orphaned data files (written, never
 committed) are counted and then removed the documented way (``cleanup_old_versions`` with
-``delete_unverified=True``). Every test here runs under ``-m slow`` (Spark starts: tens of seconds each). One crashes
-once at every step, as a chain: each restart recovers the previous crash and then crashes at
-the next step of a later epoch, as a job on a flaky cluster does (one Spark start per crash,
-not two). The others crash at every (path, step, epoch) point, a chain per path and step.
-The default suite's crash checks are the server kills of ``test_spark_durable_kill.py`` and
-``test_durable_crash.py``.
+``delete_unverified=True``). Every test here runs under ``-m slow`` (Spark starts: tens of
+seconds each). One crashes once at every step, as a chain: each restart recovers the previous
+crash and then crashes at the next step of a later epoch, as a job on a flaky cluster does
+(one Spark start per crash, not two). The others crash at every (path, step, epoch) point,
+a chain per path and step. The default suite's crash checks are the server kills of
+``test_spark_durable_kill.py`` and ``test_durable_crash.py``.
 """
 
 from __future__ import annotations
