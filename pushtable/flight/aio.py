@@ -49,6 +49,8 @@ import functools
 import threading
 import weakref
 from collections.abc import Callable, Coroutine, Generator
+from datetime import datetime
+from pathlib import Path
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import janus
@@ -58,6 +60,7 @@ from pushtable.errors import ClientClosedError, UnknownTableError
 from pushtable.flight.aio_sink import SINK_QUEUED, AsyncSink
 from pushtable.flight.aio_threads import deliver, off_loop, within
 from pushtable.flight.client import Client, RemoteResult, connect
+from pushtable.producer import OnSlow
 
 __all__ = ["SINK_QUEUED", "AsyncClient", "AsyncResult", "AsyncSink", "AsyncSubscription"]
 
@@ -306,7 +309,7 @@ class AsyncClient:
         uri: str,
         *,
         token: str | None = None,
-        tls_root_certs: Any = None,
+        tls_root_certs: str | Path | bytes | None = None,
         timeout: float | None = 30.0,
     ) -> _Connecting:
         """Connect as :func:`pushtable.flight.connect` does: ``await`` it or ``async with`` it."""
@@ -370,10 +373,29 @@ class AsyncClient:
         self._sinks.add(sink)
         return sink
 
-    async def subscribe(self, topic: str, name: str, **options: Any) -> AsyncSubscription:
+    async def subscribe(
+        self,
+        topic: str,
+        name: str,
+        capacity: int = 16,
+        *,
+        start: str | int | datetime = "now",
+        on_slow: OnSlow = "block",
+        slow_timeout: float = 5.0,
+    ) -> AsyncSubscription:
         """As :meth:`Client.subscribe`; returns the subscription (``async with`` drops it)."""
         self._refuse_closed()
-        await off_loop(functools.partial(self.sync.subscribe, topic, name, **options))
+        await off_loop(
+            functools.partial(
+                self.sync.subscribe,
+                topic,
+                name,
+                capacity,
+                start=start,
+                on_slow=on_slow,
+                slow_timeout=slow_timeout,
+            )
+        )
         return AsyncSubscription(self, topic, name)
 
     # -- calls ------------------------------------------------------------------------------
