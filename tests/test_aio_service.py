@@ -259,7 +259,11 @@ async def test_subscriptions_are_let_go_when_their_query_ends_is_refused_or_they
                 await client.unsubscribe("viewer")
             async with await client.subscribe("ev", "viewer") as again:  # the name is free
                 assert again.name == "viewer"
+            held = await client.subscribe("ev", "held")  # dropped when its client leaves
             await sink.aclose()
+        async with AsyncClient.connect(location) as other:
+            names = {t["name"] for t in await other.tables()}
+            assert held.name not in names, names
     await no_aio_threads()
 
 

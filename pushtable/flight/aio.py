@@ -56,7 +56,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 import janus
 import pyarrow as pa
 
-from pushtable.errors import ClientClosedError, UnknownTableError
+from pushtable.errors import ClientClosedError, UnknownTableError, WriteTimeoutError
 from pushtable.flight.aio_sink import SINK_QUEUED, AsyncSink
 from pushtable.flight.aio_threads import deliver, off_loop, within
 from pushtable.flight.client import Client, RemoteResult, connect
@@ -301,6 +301,7 @@ class AsyncClient:
         self.sync = sync
         self._results: weakref.WeakSet[AsyncResult] = weakref.WeakSet()
         self._sinks: weakref.WeakSet[AsyncSink] = weakref.WeakSet()
+        self._subscriptions: weakref.WeakSet[AsyncSubscription] = weakref.WeakSet()
         self._closed = False
 
     @classmethod
@@ -396,7 +397,9 @@ class AsyncClient:
                 slow_timeout=slow_timeout,
             )
         )
-        return AsyncSubscription(self, topic, name)
+        subscription = AsyncSubscription(self, topic, name)
+        self._subscriptions.add(subscription)
+        return subscription
 
     # -- calls ------------------------------------------------------------------------------
 
@@ -417,12 +420,16 @@ class AsyncClient:
     async def aclose(self, *, timeout: float | None = CLOSE_WAIT_S) -> None:
         """Stop every open result's query and the sinks' threads, and close the connection.
 
-        The sinks' tables are not ended (as a producer leaving). Bounded by ``timeout`` (each
+        The subscriptions it made that are still held are dropped; the sinks' tables are not
+        ended (as a producer leaving). Bounded by ``timeout`` (each
         thread is waited for at most that long, never joined on the loop); later calls raise
         :class:`~pushtable.ClientClosedError`.
         """
         if self._closed:
             return
+        leaving = [s.aclose() for s in list(self._subscriptions)]  # before calls are refused
+        with contextlib.suppress(WriteTimeoutError):
+            await within(asyncio.gather(*leaving, return_exceptions=True), timeout, "aclose")
         self._closed = True
         leaving = [r.aclose(timeout=timeout) for r in list(self._results)]
         leaving += [s.aclose(timeout=timeout) for s in list(self._sinks)]
