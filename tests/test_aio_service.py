@@ -7,6 +7,7 @@ Against real ``pushtable serve`` processes (tests/conftest.py ``serve_process``)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import signal
 import socket
@@ -26,6 +27,7 @@ from pushtable.errors import (
     ServerStoppedError,
     SinkClosedError,
     StreamFailedError,
+    TableExistsError,
     UnknownTableError,
     WriteTimeoutError,
 )
@@ -217,10 +219,16 @@ async def test_leaving_sinks_and_results_frees_their_streams_and_queries(tmp_pat
                     break  # the result is dropped here, its query still running
 
             for i in range(6):
-                await client.subscribe("ev", f"s{i}")
                 sink = await client.sink("ev")
-                await eventually(lambda: sink.write(rows(i)))  # noqa: B023 (awaited here)
-                await eventually(lambda: first(f"s{i}"))  # noqa: B023
+
+                async def subscribe_write_read(name: str = f"s{i}", k: int = i) -> None:
+                    # a query refused its slot drops its subscription: a retry starts anew
+                    with contextlib.suppress(TableExistsError):  # a write was the one refused
+                        await client.subscribe("ev", name)
+                    await sink.write(rows(k))  # noqa: B023 (awaited here)
+                    await first(name)
+
+                await eventually(subscribe_write_read)
                 gc.collect()
                 await sink.aclose()
             # the room comes back for good: a 7th subscription's query answers
