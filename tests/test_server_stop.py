@@ -107,6 +107,7 @@ def test_closing_a_sink_after_the_server_stopped_says_it_stopped(tmp_path: Path)
         client.create_table("t", SCHEMA, 4)
         sink = client.sink("t")
         sink.write(pa.record_batch({"v": [1]}, schema=SCHEMA))
+        sink.flush()  # acknowledged: the server's handler holds the stream when it stops
         proc.send_signal(signal.SIGTERM)
         proc.wait(WAIT)
     with pytest.raises(ServerStoppedError, match="stopped"):  # the stream heard the stop

@@ -92,6 +92,8 @@ class Ingest:
             self._acks.add(acks)
         try:
             with wire_errors(), audit(context, "do_put") as record, self._calls.held(context):
+                if self._calls.stopping.is_set():  # registered after the notices went out
+                    raise errors.ServerStoppedError("the pushtable server stopped")
                 try:
                     self._do_put(context, descriptor, reader, acks, record)
                 except (errors.SinkClosedError, errors.StreamFailedError) as exc:

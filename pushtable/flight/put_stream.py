@@ -171,7 +171,7 @@ class PutStream:
                     item.settle(None)
         except (flight.FlightError, pa.ArrowException) as exc:
             with self.changed:
-                self.error = protocol.client_error(exc)
+                self.error = _ended(exc)
         finally:
             with self.changed:
                 self.finished = True
@@ -212,7 +212,7 @@ class PutStream:
             with self.io:
                 self.writer.close()
         except (flight.FlightError, pa.ArrowException) as exc:
-            return protocol.client_error(exc)
+            return _ended(exc)
         return StreamEndedError("the server ended the stream before acknowledging every batch")
 
     def abandon(self, timeout: float = 5.0) -> None:
@@ -251,3 +251,18 @@ class PutStream:
             error = error or exc
         if error is not None:
             raise error
+
+
+def _ended(exc: BaseException) -> BaseException:
+    """The pushtable error a DoPut stream's end stands for.
+
+    A Flight error that is not one of ours (gRPC's ``CANCELLED`` when the server shut down
+    before its handler took the stream) is the stream ending without a reason: a
+    :class:`~pushtable.StreamEndedError`, which an idempotent producer rides out.
+    """
+    error = protocol.client_error(exc)
+    if error is exc and isinstance(exc, flight.FlightError):
+        ended = StreamEndedError(f"the server ended the stream: {exc}")
+        ended.__cause__ = exc
+        return ended
+    return error
