@@ -23,8 +23,10 @@ from pathlib import Path
 import lance
 import pyarrow as pa
 import pytest
+from datafusion import SessionConfig
 
-from pushtable import OffsetOutOfRangeError, SessionContext, Topic
+from pushtable import OffsetOutOfRangeError, SessionContext, SlowSubscriberError, Topic
+from pushtable.durable import store
 from pushtable.durable.store import OFFSET, LogStore, Stamp, StoredBatch, directory_bytes
 from pushtable.flight import Client, connect
 from tests.conftest import WAIT
@@ -208,6 +210,45 @@ def test_a_reader_keeps_the_version_it_reads_until_it_is_done(tmp_path: Path) ->
         topic.flush()  # the next deletion's cleanup is no longer held back
         assert not held & data_files(path)
         assert directory_bytes(path) <= keep + max(fragment_bytes_at(path)) + 32_000
+    finally:
+        topic.close()
+
+
+def test_a_detached_subscription_lets_go_of_the_history_it_had_not_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A subscription from ``earliest`` reads its history from a pinned version; cut loose by
+    ``on_slow="detach"`` while its query is stuck, it lets the version go at once (the pin
+    was held until the process ended), and retention's cleanup removes its files."""
+    monkeypatch.setattr(store, "SCAN_BATCH_ROWS", ROWS)  # history read a batch at a time
+    path = tmp_path / "events.lance"
+    topic = Topic(  # two batches kept in memory: the rest of the history is read from Lance
+        "events", SCHEMA, persist=path, retain=2, retention_bytes=200_000, upkeep_interval=None
+    )
+    log = topic.durable
+    assert log is not None
+    ctx = SessionContext(SessionConfig().with_target_partitions(1))  # no partition reads ahead
+    try:
+        for i in range(20):
+            topic.write(batch(i))
+            topic.flush()
+        sub = topic.subscribe(
+            ctx, "late", start="earliest", capacity=2, on_slow="detach", slow_timeout=0.1
+        )
+        stream = ctx.sql("SELECT k FROM late").execute_stream()
+        first = next(stream).to_pyarrow()  # one batch of history read; the query then stalls
+        assert first.num_rows > 0
+        assert log.store.oldest_pinned() is not None
+        held = data_files(path)
+        for i in range(20, 60):  # the stuck query's backlog fills: it is detached
+            topic.write(batch(i))
+            topic.flush()
+        assert sub.stats.state == "detached"
+        assert log.store.oldest_pinned() is None  # let go without the query polling again
+        assert not held & data_files(path)  # and retention's cleanup took the version's files
+        with pytest.raises(SlowSubscriberError, match="fell behind"):
+            for _ in stream:
+                pass
     finally:
         topic.close()
 

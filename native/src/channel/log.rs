@@ -2,12 +2,13 @@
 //! producers' waiting line, and trimming below the slowest cursor and the retention window.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::{Arc, Condvar};
+use std::sync::{Arc, Condvar, Mutex, Weak};
 use std::task::Waker;
 use std::time::{Duration, Instant};
 
 use arrow::array::RecordBatch;
 
+use super::reader::{Prelude, PreludeSlot};
 use crate::order::Newest;
 use crate::reorder::Held;
 
@@ -117,6 +118,8 @@ pub(super) struct Cursor {
     pub(super) read_batches: u64,
     /// The newest watermark this cursor's reader was handed.
     pub(super) watermark_delivered: Option<i64>,
+    /// The reader's history still to read (a topic subscription's prelude), if any.
+    pub(super) prelude: Option<Weak<Mutex<Option<Prelude>>>>,
 }
 
 impl Cursor {
@@ -132,6 +135,7 @@ impl Cursor {
             full_since: None,
             read_batches: 0,
             watermark_delivered: None,
+            prelude: None,
         }
     }
 }
@@ -160,6 +164,19 @@ pub(super) struct State {
     pub(super) stats: Stats,
     /// Batches each finished reader (cursor id) read in all: its stats stay readable.
     pub(super) finished_reads: HashMap<u64, u64>,
+    /// Histories of readers detached under the lock, let go once it is released
+    /// ([`State::take_let_go`]): dropping one may call back into Python.
+    pub(super) let_go: LetGo,
+}
+
+/// Histories of detached readers waiting to be dropped outside the lock.
+#[derive(Default)]
+pub(super) struct LetGo(Vec<PreludeSlot>);
+
+impl std::fmt::Debug for LetGo {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "LetGo({} histories)", self.0.len())
+    }
 }
 
 impl State {
@@ -180,6 +197,7 @@ impl State {
             held: Held::default(),
             stats: Stats::default(),
             finished_reads: HashMap::new(),
+            let_go: LetGo::default(),
         }
     }
 
@@ -273,9 +291,37 @@ impl State {
         let c = &mut self.cursors[index];
         c.state = ReaderState::Behind(message);
         c.next = self.first + self.log.len() as u64;
+        if let Some(slot) = c.prelude.take().and_then(|w| w.upgrade()) {
+            self.let_go.0.push(slot);
+        }
         self.stats.detached += 1;
         for (_, w) in c.wakers.drain(..) {
             w.wake();
         }
+    }
+
+    /// The histories [`State::detach`] cut loose: call [`let_go`] on them once the lock is
+    /// released.
+    pub(super) fn take_let_go(&mut self) -> LetGo {
+        std::mem::take(&mut self.let_go)
+    }
+}
+
+/// Drop the histories of detached readers (outside the channel's lock). One a stream is
+/// reading this moment is left to it: it sees the detachment before its next history batch.
+pub(super) fn let_go(slots: LetGo) {
+    if slots.0.is_empty() {
+        return;
+    }
+    if crate::finalizing::is() {
+        std::mem::forget(slots); // at exit, nothing calls back into Python
+        return;
+    }
+    for slot in slots.0 {
+        let unread = match slot.try_lock() {
+            Ok(mut prelude) => prelude.take(),
+            Err(_) => None,
+        };
+        drop(unread);
     }
 }

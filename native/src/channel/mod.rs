@@ -184,8 +184,26 @@ impl Channel {
         };
         let id = st.next_cursor;
         st.next_cursor += 1;
-        st.cursors.push(Cursor::new(id, next, limits));
-        Reader::new(Arc::clone(self), id, prelude)
+        let had_prelude = prelude.is_some();
+        let slot: reader::PreludeSlot = Arc::new(std::sync::Mutex::new(prelude));
+        let mut cursor = Cursor::new(id, next, limits);
+        if had_prelude {
+            cursor.prelude = Some(Arc::downgrade(&slot));
+        }
+        st.cursors.push(cursor);
+        Reader::new(Arc::clone(self), id, slot)
+    }
+
+    /// Whether reader `id` reads nothing more from the log: the producer failed, or the
+    /// reader was detached (or is gone).
+    fn reader_ended(&self, id: u64) -> bool {
+        let st = self.lock();
+        st.failure.is_some()
+            || st
+                .cursors
+                .iter()
+                .find(|c| c.id == id)
+                .is_none_or(|c| matches!(c.state, ReaderState::Behind(_)))
     }
 
     /// A new reader of a topic, from `start`; `prelude` (if any) is read before the log.

@@ -296,7 +296,9 @@ impl Channel {
         if let Some(since) = blocked_since {
             st.stats.blocked += since.elapsed();
         }
+        let detached = st.take_let_go();
         drop(st);
+        super::log::let_go(detached);
         // Wake the scans after releasing the lock, so the woken tasks do not queue up on it.
         outcome.map(|wakers| wakers.into_iter().for_each(Waker::wake))
     }

@@ -24,13 +24,18 @@ const CLOCK_TICK: Duration = Duration::from_millis(5);
 /// Batches a reader yields before the log (a topic subscription's history).
 pub type Prelude = Box<dyn Iterator<Item = Result<RecordBatch, ArrowError>> + Send>;
 
+/// Where a reader keeps its prelude. The channel holds a weak handle on it, so a detached
+/// reader's history is let go at once (a durable topic's history holds a pinned version of
+/// the store until then), not when its query next polls or ends.
+pub(super) type PreludeSlot = Arc<Mutex<Option<Prelude>>>;
+
 /// The right to read a channel through one cursor. Dropping it (unscanned, or after the
 /// scan ends early) removes the cursor; for a table, blocked producers learn "reader gone".
 pub struct Reader {
     channel: Arc<Channel>,
     id: u64,
     started: bool,
-    prelude: Mutex<Option<Prelude>>,
+    prelude: PreludeSlot,
 }
 
 impl std::fmt::Debug for Reader {
@@ -43,12 +48,12 @@ impl std::fmt::Debug for Reader {
 }
 
 impl Reader {
-    pub(super) fn new(channel: Arc<Channel>, id: u64, prelude: Option<Prelude>) -> Self {
+    pub(super) fn new(channel: Arc<Channel>, id: u64, prelude: PreludeSlot) -> Self {
         Self {
             channel,
             id,
             started: false,
-            prelude: Mutex::new(prelude),
+            prelude,
         }
     }
 
@@ -173,6 +178,14 @@ impl ReaderStream {
             .lock()
             .unwrap_or_else(|p| p.into_inner());
         let channel = &self.reader.channel;
+        prelude.as_ref()?;
+        if channel.reader_ended(self.reader.id) {
+            // Failed or detached: the log's side says so; the history is let go unread.
+            let unread = prelude.take();
+            drop(prelude);
+            drop(unread);
+            return None;
+        }
         let item = prelude.as_mut()?.next();
         match item {
             None => {
