@@ -134,10 +134,13 @@ def test_errors_keep_their_class_and_a_rejected_batch_leaves_the_sink_usable(
     bad = pa.record_batch([pa.array([None], pa.int32()), pa.array([0.5])], schema=SCHEMA)
     sink.write(batch(1, start=10))
     sink.write(bad)  # in flight: the server's verdict comes on a later call
-    refusals = []
-    for call in (lambda: sink.write(batch(2, start=20)), lambda: sink.flush(timeout=WAIT)):
-        try:
-            call()  # batch 2 is sent after the bad one, never taken: sent again, not lost
+    refusals: list[SchemaMismatchError] = []
+    for step in ("write", "flush"):
+        try:  # batch 2 is sent after the bad one, never taken: sent again, not lost
+            if step == "write":
+                sink.write(batch(2, start=20))
+            else:
+                sink.flush(timeout=WAIT)
         except SchemaMismatchError as exc:
             refusals.append(exc)
     # Raised once, by whichever call heard it first (the write still sent its batch).
