@@ -15,7 +15,7 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -249,6 +249,64 @@ def test_a_detached_subscription_lets_go_of_the_history_it_had_not_read(
         with pytest.raises(SlowSubscriberError, match="fell behind"):
             for _ in stream:
                 pass
+    finally:
+        topic.close()
+
+
+def test_an_executor_read_outlives_upkeep_removing_the_version_it_opened(tmp_path: Path) -> None:
+    """A Spark executor's read of ``dataset=`` (``read_offsets``) is another process: it
+    holds no pin. Compaction and cleanup removing the files of the version it opened before
+    it read them used to fail its scan (``Not found: .../data/....lance``); it now reads on
+    from the newest version, which holds the same rows for a retained range."""
+    path = tmp_path / "events.lance"
+    topic = Topic("events", SCHEMA, persist=path, retention_bytes=400_000, upkeep_interval=None)
+    log = topic.durable
+    assert log is not None
+    try:
+        for i in range(20):
+            topic.write(batch(i))
+            topic.flush()  # a fragment each: upkeep compacts them
+        expected = topic.read(5, 15).read_all()
+        reader = store.read_offsets(path, 5, 15)  # the version is opened, no file read yet
+        opened = data_files(path)
+        log.store.upkeep(timedelta(0))  # compacts (the opened version stays: it is tagged)
+        topic.write(batch(20))
+        topic.flush()  # a newer stamped version, which the tag moves to ...
+        log.store.upkeep(timedelta(0))  # ... so every older version goes
+        assert opened - data_files(path), "upkeep removed none of the opened version's files"
+        assert reader.read_all().equals(expected)
+    finally:
+        topic.close()
+
+
+def test_an_executor_read_resumes_after_the_row_it_had_reached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Files going mid-read: the read goes on from the newest version at the first row it
+    had not yielded, also inside an offset whose rows span batches. (The failure is injected
+    after the third batch of the first scan: Lance itself fails a scan so only for files it
+    had not opened yet.)"""
+    path = tmp_path / "events.lance"
+    topic = Topic("events", SCHEMA, persist=path, upkeep_interval=None)
+    try:
+        for i in range(6):
+            topic.write(batch(i))
+        topic.flush()
+        expected = topic.read(1, 5).read_all()
+        monkeypatch.setattr(store, "SCAN_BATCH_ROWS", ROWS * 2 // 3)  # offsets span batches
+        real_scan, scans = store._scan, []
+
+        def failing_scan(*args: object) -> Iterator[pa.RecordBatch]:
+            scans.append(args[2])  # where each scan starts
+            for n, b in enumerate(real_scan(*args)):  # type: ignore[arg-type]
+                if len(scans) == 1 and n == 3:
+                    raise OSError("LanceError(IO): Not found: data/gone.lance")
+                yield b
+
+        monkeypatch.setattr(store, "_scan", failing_scan)
+        got = pa.Table.from_batches(list(store.read_offsets(path, 1, 5)))
+        assert scans == [1, 2]  # three batches of 133 rows: offset 1 whole, 199 rows of 2
+        assert got.equals(expected)
     finally:
         topic.close()
 

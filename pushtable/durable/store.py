@@ -578,9 +578,15 @@ def read_offsets(
 
     For a reader that can open the dataset (an executor on the server's machine, or with the
     same object store): no server in the way. The rows are those a read through the server
-    gives, in the same order: one version is opened, and its newest stamp must hold the
+    gives, in the same order: the newest version is opened, and its stamp must hold the
     whole range, or :class:`~pushtable.OffsetOutOfRangeError` says which offsets can be read
     (``earliest`` as retention left it, ``committed``).
+
+    Such a reader holds no pin on the server (it is another process): when upkeep's
+    compaction or a retention deletion removes the files of the version it opened before it
+    read them, it opens the newest version and goes on from the first row it had not yielded
+    (a stored offset's rows are the same in every version that holds it). Only when
+    retention deleted the rest of the range meanwhile does it raise ``OffsetOutOfRangeError``.
 
     Example:
         >>> import tempfile, pyarrow as pa
@@ -591,7 +597,23 @@ def read_offsets(
         >>> read_offsets(uri, 0, 1).read_all().to_pydict()
         {'v': [1, 2]}
     """
-    ds = open_dataset(str(uri), storage_options)
+    uri = str(uri)
+    ds = _holding(uri, start, end, storage_options)
+    schema = describe(ds)[0]
+    return pa.RecordBatchReader.from_batches(
+        schema, _resuming(ds, schema, uri, start, end, storage_options)
+    )
+
+
+#: How many times an executor's read opens a newer version after its files were removed.
+READ_REOPENS = 5
+
+
+def _holding(
+    uri: str, start: int, end: int, storage_options: dict[str, str] | None
+) -> lance.LanceDataset:
+    """The newest version of the dataset at ``uri``, which must hold offsets ``[start, end)``."""
+    ds = open_dataset(uri, storage_options)
     stamp = stamp_of(ds) if ds is not None else Recovered(0, {}, 0)
     if ds is None or not stamp.earliest <= start <= end <= stamp.next_offset:
         error = OffsetOutOfRangeError(
@@ -601,7 +623,51 @@ def read_offsets(
         )
         error.earliest = stamp.earliest  # type: ignore[attr-defined]
         raise error
-    return _scan(ds, describe(ds)[0], start, end)
+    return ds
+
+
+def _resuming(
+    ds: lance.LanceDataset,
+    schema: pa.Schema,
+    uri: str,
+    start: int,
+    end: int,
+    storage_options: dict[str, str] | None,
+) -> Iterator[pa.RecordBatch]:
+    """The rows of ``[start, end)``, from ``ds`` and then, if its files go, from newer versions.
+
+    ``at`` is the offset of the last row yielded and ``done`` how many of its rows were: a
+    newer version is read from ``at``, its first ``done`` rows skipped.
+    """
+    at, done = start, 0
+    reopens = 0
+    with_offset = pa.schema([*schema, pa.field(OFFSET, pa.int64())])
+    while True:
+        skip = done  # rows of ``at`` a read before this one yielded
+        try:
+            for batch in _scan(ds, with_offset, at, end):
+                if skip:
+                    cut = min(skip, batch.num_rows)
+                    batch, skip = batch.slice(cut), skip - cut
+                    if batch.num_rows == 0:
+                        continue
+                offsets = batch.column(len(schema)).to_numpy()
+                last = int(offsets[-1])
+                tail = int(len(offsets) - np.searchsorted(offsets, last, side="left"))
+                if last == at:
+                    done += tail
+                else:
+                    at, done = last, tail
+                yield pa.RecordBatch.from_arrays(batch.columns[: len(schema)], schema=schema)
+            return
+        except (OSError, ValueError) as exc:
+            if not lance_commits.not_found(exc) or reopens == READ_REOPENS:
+                raise
+            reopens += 1
+            log.info(
+                "%s: files of version %d went mid-read; reading on from the newest", uri, ds.version
+            )
+            ds = _holding(uri, at, end, storage_options)
 
 
 def _oldest_half(ds: lance.LanceDataset) -> list[int]:
