@@ -11,6 +11,7 @@ that no commit holds.
 from __future__ import annotations
 
 import collections
+import threading
 from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
@@ -19,11 +20,13 @@ from typing import Any
 import lance
 import pyarrow as pa
 import pytest
+from datafusion import SessionConfig
 
-from pushtable import Topic, lance_commits
+from pushtable import SessionContext, Topic, lance_commits
 from pushtable.durable import store as store_module
-from pushtable.errors import CommitFailedError
-from tests.conftest import WAIT
+from pushtable.durable.log import epoch_of, epoch_sequence
+from pushtable.errors import CommitFailedError, WriteTimeoutError
+from tests.conftest import WAIT, Background, wait_until
 
 SCHEMA = pa.schema(
     [
@@ -168,3 +171,80 @@ def test_a_commit_that_keeps_failing_leaves_no_fragments_behind(
     held = {Path(f.path).name for fr in ds.get_fragments() for f in fr.data_files()}
     assert {p.name for p in (path / "data").iterdir()} == held
     assert ds.count_rows() == 2000
+
+
+def test_a_spark_epoch_is_stored_by_one_commit_or_none(tmp_path: Path) -> None:
+    """A Spark epoch's batches go in as one unit (``append_unit``): no commit takes a part of
+    it, so a replay after a crash finds all of it stored or none, however Spark splits the
+    re-run batch. Here the epoch's live write is held after its second batch (a subscriber
+    that takes one batch at a time); a commit asked for meanwhile stores nothing of it (the
+    batches were appended one by one, and a commit could take the first ones: a replay split
+    differently then skipped rows by sequence number or stored some twice)."""
+    schema = pa.schema([pa.field("k", pa.int64())])
+    topic = Topic("events", schema, persist=tmp_path / "events.lance", commit_interval=0.001)
+    log = topic.durable
+    assert log is not None
+    ctx = SessionContext(SessionConfig().with_target_partitions(1))
+    topic.subscribe(ctx, "live", capacity=1)
+    stream = ctx.sql("SELECT k FROM live").execute_stream()
+    batches = [pa.record_batch({"k": [i, i]}, schema=schema) for i in range(6)]
+    sequences = [epoch_sequence(3, i, last=i == 5) for i in range(6)]
+    publish = Background(
+        lambda: log.append_unit(batches, sequences, "spark:q", 0.05, lambda: False)
+    )
+    try:
+        seen = [next(stream).to_pyarrow()]  # the second batch's live write gets in: the
+        # third's waits, with two of the epoch's batches appended
+        wait_until(lambda: log.stats["pending_batches"] == 2, "the epoch's write to block")
+        log.commit_soon()  # a commit now may take only what is whole: nothing
+        assert not log.wait_committed(0, timeout=0.5)
+        seen += [next(stream).to_pyarrow() for _ in range(5)]
+        ticket = publish.join()
+        assert ticket == 5
+        assert log.wait_committed(ticket, timeout=WAIT)
+        assert sum(b.num_rows for b in seen) == 12
+        versions = lance.dataset(str(tmp_path / "events.lance")).versions()
+        uri = str(tmp_path / "events.lance")
+        rows = [lance.dataset(uri, version=v["version"]).count_rows() for v in versions]
+        assert set(rows) <= {0, 12}, rows  # every version holds none of the epoch or all of it
+        assert epoch_of(log.last_stored_sequence("spark:q")) == 3
+    finally:
+        topic.close()
+
+
+def test_an_epoch_given_up_midway_is_taken_back_and_its_retry_stores_it_once(
+    tmp_path: Path,
+) -> None:
+    """A publish that gives up while the epoch's live write waits (the server stops) takes
+    back what it appended: nothing of it is stored, the offsets are given again, and the
+    retry stores the epoch once."""
+    schema = pa.schema([pa.field("k", pa.int64())])
+    topic = Topic("events", schema, persist=tmp_path / "events.lance", commit_interval=0.001)
+    log = topic.durable
+    assert log is not None
+    ctx = SessionContext(SessionConfig().with_target_partitions(1))
+    topic.subscribe(ctx, "live", capacity=1)
+    stream = ctx.sql("SELECT k FROM live").execute_stream()
+    batches = [pa.record_batch({"k": [i]}, schema=schema) for i in range(4)]
+    sequences = [epoch_sequence(0, i, last=i == 3) for i in range(4)]
+    stop = threading.Event()
+    publish = Background(lambda: log.append_unit(batches, sequences, "spark:q", 0.05, stop.is_set))
+    try:
+        wait_until(lambda: log.stats["pending_batches"] == 1, "the epoch's write to block")
+        stop.set()  # the stop: the publish gives up
+        with pytest.raises(WriteTimeoutError):
+            publish.join()
+        assert log.stats["pending_batches"] == 0
+        assert log.offsets() == {"earliest": 0, "committed": 0, "next": 0}
+        assert log.last_sequence("spark:q") == -1
+        stop.clear()
+        again = Background(
+            lambda: log.append_unit(batches, sequences, "spark:q", 0.05, stop.is_set)
+        )
+        seen = [next(stream).to_pyarrow() for _ in range(5)]  # 1 taken back, then all 4
+        assert again.join() == 3
+        log.flush(WAIT)
+        assert sorted(topic.read(0, 4).read_all()["k"].to_pylist()) == [0, 1, 2, 3]
+        assert sum(b.num_rows for b in seen) == 5  # a live reader saw the taken-back batch
+    finally:
+        topic.close()

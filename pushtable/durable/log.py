@@ -21,7 +21,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -102,7 +102,21 @@ class _Entry:
     nbytes: int
     producer: str | None
     sequence: int | None
+    #: False for a batch of a unit still being appended (a Spark epoch): no commit takes
+    #: it before the unit's last batch, so a unit is stored by one commit or none.
+    closes: bool = True
 
+
+def _whole_units(entries: list[_Entry]) -> list[_Entry]:
+    """The batches of ``entries`` a commit may take: up to the last that closes its unit."""
+    end = len(entries)
+    while end and not entries[end - 1].closes:
+        end -= 1
+    return entries[:end]
+
+
+#: how often a closing committer looks again while a unit is being appended
+POLL_UNIT_S = 0.1
 
 #: groups whose fragments are written at once while the group before them commits
 ENCODERS = 2
@@ -232,52 +246,132 @@ class DurableLog:
         if not self._order.acquire(timeout=-1 if timeout is None else timeout):
             raise WriteTimeoutError(f"write to durable topic '{self.name}' timed out")
         try:
-            with self._cond:
-                if self._closing:
-                    raise SinkClosedError(f"durable topic '{self.name}' is closed")
-                if producer is not None:
-                    assert sequence is not None
-                    last = self._accepted.get(producer, -1)
-                    if sequence <= last:
-                        return self._next - 1 if self._pending else -1
-                    if sequence != last + 1 and not gaps:
-                        raise SequenceError(
-                            f"producer {producer!r} of topic '{self.name}' sent sequence "
-                            f"{sequence}, but the last one stored is {last}: batches "
-                            f"{last + 1}..{sequence - 1} were never received"
-                        )
-                if self._failure is not None:  # a resend above waits for the next attempt
-                    raise self._failure
-                nbytes = batch.get_total_buffer_size()
-                while self._pending and self._pending_bytes + nbytes > self.max_pending_bytes:
-                    self._urgent = True
-                    self._cond.notify_all()
-                    left = None if deadline is None else deadline - time.monotonic()
-                    if left is not None and left <= 0:
-                        raise WriteTimeoutError(
-                            f"write to durable topic '{self.name}' timed out with "
-                            f"{self._pending_bytes:,} bytes waiting for their commit"
-                        )
-                    self._cond.wait(left)
-                    if self._failure is not None:
-                        raise self._failure
-            if self.reserve is not None:
-                self.reserve(nbytes)  # ResourceLimitError over the data dir's limit
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            self._live(batch, left)  # checks the batch; raises before anything is appended
-            with self._cond:
-                offset = self._next
-                self._pending.append(_Entry(offset, now_us(), batch, nbytes, producer, sequence))
-                self._pending_bytes += nbytes
-                self._next += 1
-                if producer is not None:
-                    assert sequence is not None
-                    self._accepted[producer] = sequence
-                if len(self._pending) == 1:
-                    self._cond.notify_all()  # the committer starts its interval
-                return offset
+            return self._append(batch, deadline, producer, sequence, gaps, closes=True)
         finally:
             self._order.release()
+
+    def append_unit(
+        self,
+        batches: Sequence[pa.RecordBatch],
+        sequences: Sequence[int],
+        producer: str,
+        poll: float,
+        give_up: Callable[[], bool],
+    ) -> int:
+        """Append ``batches`` as one unit (a Spark epoch): one commit stores all or none.
+
+        Nothing else is appended between them, and no commit takes a part of the unit: a
+        replay after a crash finds the whole unit stored or none of it, however the re-run
+        batch is split. ``sequences`` number the batches (gaps allowed); those stored already
+        are skipped. A write that finds no room waits, ``poll`` seconds at a time, until
+        ``give_up()``; then, or on any error, the batches appended so far are taken back
+        (never stored; live readers may have seen them) and the error is raised. Returns the
+        offset whose commit acknowledges the unit (-1: already stored).
+        """
+        with self._order:
+            with self._cond:
+                before = (self._next, self._accepted.get(producer))
+            ticket = -1
+            try:
+                for i, (batch, sequence) in enumerate(zip(batches, sequences, strict=True)):
+                    last = i == len(batches) - 1
+                    while True:
+                        try:
+                            deadline = time.monotonic() + poll
+                            offset = self._append(
+                                batch, deadline, producer, sequence, True, closes=last
+                            )
+                            break
+                        except WriteTimeoutError:
+                            if give_up():
+                                raise
+                    ticket = max(ticket, offset)
+            except BaseException:
+                self._take_back(producer, *before)
+                raise
+            return ticket
+
+    def _take_back(self, producer: str, next_offset: int, accepted: int | None) -> None:
+        """Remove the batches appended from ``next_offset`` on (an unfinished unit's)."""
+        with self._cond:
+            while self._pending and self._pending[-1].offset >= next_offset:
+                self._pending_bytes -= self._pending.pop().nbytes
+            self._next = next_offset
+            if accepted is None:
+                self._accepted.pop(producer, None)
+            else:
+                self._accepted[producer] = accepted
+            self._cond.notify_all()
+
+    def _append(
+        self,
+        batch: pa.RecordBatch,
+        deadline: float | None,
+        producer: str | None,
+        sequence: int | None,
+        gaps: bool,
+        closes: bool,
+    ) -> int:
+        """:meth:`append`'s work; the caller holds ``_order``."""
+        with self._cond:
+            if self._closing:
+                raise SinkClosedError(f"durable topic '{self.name}' is closed")
+            if producer is not None:
+                assert sequence is not None
+                last = self._accepted.get(producer, -1)
+                if sequence <= last:
+                    return self._next - 1 if self._pending else -1
+                if sequence != last + 1 and not gaps:
+                    raise SequenceError(
+                        f"producer {producer!r} of topic '{self.name}' sent sequence "
+                        f"{sequence}, but the last one stored is {last}: batches "
+                        f"{last + 1}..{sequence - 1} were never received"
+                    )
+            if self._failure is not None:  # a resend above waits for the next attempt
+                raise self._failure
+            nbytes = batch.get_total_buffer_size()
+            # Room for it, unless all that waits is this unit's own (a unit's batches are the
+            # tail of what waits, and it commits whole: waiting for room would wait forever).
+            while (
+                self._ready()
+                and self._pending_bytes + nbytes > self.max_pending_bytes
+            ):
+                self._urgent = True
+                self._cond.notify_all()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise WriteTimeoutError(
+                        f"write to durable topic '{self.name}' timed out with "
+                        f"{self._pending_bytes:,} bytes waiting for their commit"
+                    )
+                self._cond.wait(left)
+                if self._failure is not None:
+                    raise self._failure
+        if self.reserve is not None:
+            self.reserve(nbytes)  # ResourceLimitError over the data dir's limit
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        self._live(batch, left)  # checks the batch; raises before anything is appended
+        with self._cond:
+            offset = self._next
+            was_ready = self._ready()
+            entry = _Entry(offset, now_us(), batch, nbytes, producer, sequence, closes)
+            self._pending.append(entry)
+            self._pending_bytes += nbytes
+            self._next += 1
+            if producer is not None:
+                assert sequence is not None
+                self._accepted[producer] = sequence
+            if closes and not was_ready:
+                self._cond.notify_all()  # the committer starts its interval
+            return offset
+
+    def _ready(self) -> bool:
+        """Whether a commit can take something (holding ``_cond``).
+
+        Something is, once a waiting batch closes its unit (an unfinished unit's batches are
+        the tail of what waits: its appender holds ``_order``; the walk passes only them).
+        """
+        return any(e.closes for e in reversed(self._pending))
 
     def last_sequence(self, producer: str) -> int:
         """The last sequence number of ``producer`` appended (-1: none)."""
@@ -329,9 +423,13 @@ class DurableLog:
             return True
 
     def flush(self, timeout: float | None = None) -> None:
-        """Wait until everything appended so far is stored."""
+        """Wait until everything appended so far is stored.
+
+        A unit still being appended is not waited for: until it is whole it may be taken back.
+        """
         with self._cond:
-            target = self._next - 1
+            whole = _whole_units(list(self._pending))
+            target = whole[-1].offset if whole else self._committed - 1
         if target >= 0 and not self.wait_committed(target, timeout):
             raise WriteTimeoutError(
                 f"flush of durable topic '{self.name}' timed out before offset {target} was stored"
@@ -383,12 +481,16 @@ class DurableLog:
         while True:
             if not ahead:
                 with self._cond:
-                    while not self._pending and not self._closing:
+                    while not self._ready() and not self._closing:
                         if not self._cond.wait(self._retention_wait()):
                             break
                     if not self._pending and self._closing:
                         return  # closing with nothing left
-                    idle = None if self._pending else self._stamp()
+                    if not self._ready() and self._closing:
+                        # A unit is being appended: it closes or is taken back (both notify).
+                        self._cond.wait(POLL_UNIT_S)
+                        continue
+                    idle = None if self._ready() else self._stamp()
                     if idle is None:
                         ahead.append(self._group(encoder, self._gather(), dict(self._stored)))
                 if idle is not None:  # nothing to commit: retention still deletes what ages out
@@ -496,7 +598,7 @@ class DurableLog:
             if len(ahead) >= ENCODERS:
                 return
             flight = len(current.entries) + sum(len(g.entries) for g in ahead)
-            more = list(self._pending)[flight:]
+            more = _whole_units(list(self._pending)[flight:])
             now = time.monotonic()
             if more and (self._urgent or self._closing or self._due(more[0]) <= now):
                 self._urgent = False
@@ -588,7 +690,7 @@ class DurableLog:
         while not (self._urgent or self._closing) and time.monotonic() < due:
             self._cond.wait(max(0.0, due - time.monotonic()))
         self._urgent = False
-        return list(self._pending)
+        return _whole_units(list(self._pending))
 
     def _due(self, oldest: _Entry) -> float:
         """When a group whose oldest batch is ``oldest`` is to start (monotonic seconds)."""

@@ -21,7 +21,7 @@ import pyarrow as pa
 from pushtable import errors
 from pushtable.durable import DurableLog
 from pushtable.durable.log import epoch_of, epoch_sequence
-from pushtable.errors import PushTableError, WriteTimeoutError
+from pushtable.errors import PushTableError
 from pushtable.flight import protocol
 from pushtable.flight.actions import Epoch, Epochs, Publish
 from pushtable.flight.auth import Grant
@@ -241,20 +241,14 @@ class Staging:
         (or this log) holds already are skipped by their sequence numbers; a refusal or a
         failed commit is raised and ends nothing: the epoch stays retryable.
         """
-        producer_id, ticket, written = spark_producer(query), -1, 0
-        for i, batch in enumerate(batches):
-            sequence = epoch_sequence(epoch, i, last=i == len(batches) - 1)
-            while True:  # room in the log, unless the server stops
-                try:
-                    offset = log.append(
-                        batch, POLL_S, producer=producer_id, sequence=sequence, gaps=True
-                    )
-                    break
-                except WriteTimeoutError:
-                    if self._stopping.is_set():
-                        raise
-            if offset >= 0:
-                ticket, written = max(ticket, offset), written + 1
+        producer_id = spark_producer(query)
+        last = len(batches) - 1
+        sequences = [epoch_sequence(epoch, i, last=i == last) for i in range(len(batches))]
+        stored = log.last_sequence(producer_id)
+        written = sum(1 for sequence in sequences if sequence > stored)
+        # One unit: a commit stores the whole epoch or none of it, so a replay after a crash
+        # finds it all stored or all missing, however Spark splits the re-run batch.
+        ticket = log.append_unit(batches, sequences, producer_id, POLL_S, self._stopping.is_set)
         if advance is not None and topic.watermark_type is not None:
             topic.advance(int(advance))
         if ticket < 0:  # nothing new: what an earlier attempt appended is what to wait for
