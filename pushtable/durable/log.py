@@ -332,10 +332,7 @@ class DurableLog:
             nbytes = batch.get_total_buffer_size()
             # Room for it, unless all that waits is this unit's own (a unit's batches are the
             # tail of what waits, and it commits whole: waiting for room would wait forever).
-            while (
-                self._ready()
-                and self._pending_bytes + nbytes > self.max_pending_bytes
-            ):
+            while self._ready() and self._pending_bytes + nbytes > self.max_pending_bytes:
                 self._urgent = True
                 self._cond.notify_all()
                 left = None if deadline is None else deadline - time.monotonic()
