@@ -275,3 +275,57 @@ def test_one_batch_far_over_the_table_s_byte_bound_goes_through_alone(tmp_path: 
             sink.write(pa.record_batch([pa.array([1]), pa.array(["y"])], schema=SCHEMA))
         got = reading.join().to_pydict()
     assert got == {"n": [rows + 1], "total": [rows * (rows - 1) // 2 + 1]}
+
+
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        b'{"advance": "x"}',
+        b'{"advance": {"iso": 5}}',
+        b'{"advance": {"iso": "yesterday"}}',
+        b'{"advance": {"int": "5"}}',
+        b'{"advance": {"int": 1e400}}',
+        b'{"advance": {"int": 99999999999999999999999}}',
+        b'{"advance": {"int": 1, "iso": "2026-01-01T00:00:00"}}',
+        b'["advance"]',
+        b"\xff\xfe",
+    ],
+)
+def test_bad_advance_metadata_is_refused_by_name(
+    served: tuple[subprocess.Popen[str], str], metadata: bytes
+) -> None:
+    """A watermark message the server cannot read says what it expects; it used to answer
+    with Python's own words ("string indices must be integers")."""
+    proc, location = served
+    client = flight.connect(location)
+    writer, _ = client.do_put(flight.FlightDescriptor.for_path("t"), SCHEMA, options())
+    with pytest.raises(flight.FlightError) as caught:
+        writer.write_with_metadata(pa.record_batch([[], []], schema=SCHEMA), pa.py_buffer(metadata))
+        writer.close()
+    text = str(caught.value)
+    expect_clear_error(caught.value)
+    assert "advance" in text or "app_metadata" in text, text
+    for python_words in ("indices", "KeyError", "TypeError", "OverflowError"):
+        assert python_words not in text, text
+    client.close()
+    still_serving(proc, location)
+
+
+def test_a_producer_id_past_its_bound_is_refused_by_name(
+    served: tuple[subprocess.Popen[str], str],
+) -> None:
+    """A producer id is stored in every commit of its topic: one of 1 MB was taken."""
+    proc, location = served
+    client = flight.connect(location)
+    path = ["t", "producer", "p" * 1_000_000, "0"]
+    writer, _ = client.do_put(flight.FlightDescriptor.for_path(*path), SCHEMA, options())
+    with pytest.raises(flight.FlightError, match=r"producer id takes at most 256 bytes"):
+        writer.write_batch(pa.record_batch([[1], ["x"]], schema=SCHEMA))
+        writer.close()
+    client.close()
+    with (
+        connect(location, token=TOKEN, timeout=CALL_S) as ours,
+        pytest.raises(ValueError, match=r"producer id takes at most 256 bytes"),
+    ):
+        ours.sink("t", producer_id="p" * 300)  # refused before any call
+    still_serving(proc, location)

@@ -256,6 +256,7 @@ class Client:
         """
         sink: RemoteSink
         if producer_id is not None:
+            protocol.producer_path([name, protocol.PRODUCER, producer_id, "0"])  # refused early
             sink = IdempotentSink(
                 self._transport,
                 name,

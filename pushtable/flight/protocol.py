@@ -186,8 +186,17 @@ def producer_path(path: list[str]) -> tuple[str, int] | None:
     except ValueError:
         raise ValueError(f"DoPut path {path!r}: the first sequence must be an integer") from None
     if not path[2] or first < 0:
-        raise ValueError(f"DoPut path {path!r}: a producer id and a sequence >= 0 are needed")
+        raise ValueError(f"DoPut path {path[:2]!r}: a producer id and a sequence >= 0 are needed")
+    if len(path[2].encode()) > MAX_PRODUCER_ID_BYTES:
+        raise ValueError(
+            f"a producer id takes at most {MAX_PRODUCER_ID_BYTES} bytes, got "
+            f"{len(path[2].encode()):,} (it is stored with every commit of the topic)"
+        )
     return path[2], first
+
+
+#: The longest producer id a server takes: each is stored in every commit of its topic.
+MAX_PRODUCER_ID_BYTES = 256
 
 
 def retriable(exc: BaseException) -> bool:
@@ -338,12 +347,29 @@ def advance_value(metadata: Any) -> Any:
     if metadata is None or metadata.size == 0 or is_later(metadata):
         return None
     try:
-        body = json.loads(metadata.to_pybytes())["advance"]
-    except (ValueError, KeyError, TypeError) as exc:
-        raise ValueError(f"unexpected DoPut app_metadata: {exc}") from None
-    if "iso" in body:
-        return datetime.fromisoformat(body["iso"])
-    return int(body["int"])
+        body = json.loads(metadata.to_pybytes())
+    except (ValueError, UnicodeDecodeError):
+        raise ValueError("unexpected DoPut app_metadata: not JSON") from None
+    advance = body.get("advance") if isinstance(body, dict) else None
+    if not isinstance(advance, dict) or len(advance) != 1:
+        raise ValueError(
+            'unexpected DoPut app_metadata: expected {"advance": {"int": <integer>}} or '
+            '{"advance": {"iso": "<ISO 8601 timestamp>"}}'
+        )
+    if isinstance(advance.get("iso"), str):
+        try:
+            return datetime.fromisoformat(advance["iso"])
+        except ValueError:
+            raise ValueError(
+                f"advance(): {advance['iso'][:64]!r} is not an ISO 8601 timestamp"
+            ) from None
+    value = advance.get("int")
+    if isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63:
+        return value
+    raise ValueError(
+        'unexpected DoPut app_metadata: "advance" takes {"int": <a 64-bit integer>} or '
+        '{"iso": "<ISO 8601 timestamp>"}'
+    )
 
 
 def check_batch_schema(table: str, expected: pa.Schema, got: pa.Schema) -> None:
