@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -561,3 +562,49 @@ def test_retain_bytes_bounds_the_committed_batches_kept_in_memory(tmp_path: Path
     none.flush(timeout=WAIT)
     assert (none.stats.retained_batches, none.stats.retained_bytes) == (0, 0)
     none.close()
+
+
+def test_a_failed_commit_says_the_producer_keeps_its_batches_and_they_are_stored_once(
+    durable_server: Server,
+) -> None:
+    """``CommitFailedError`` used to read "not acknowledged" while the idempotent sink kept
+    the batches and sent them later (and a write raising it reported ``batches_written=0``):
+    a producer that wrote them again stored them twice. Now the error says they are kept
+    (their sequences named, do not write them again), and a producer that does as it says
+    stores every batch once."""
+    client = connect(durable_server.location)
+    client.create_topic("t", SCHEMA, durable=True, commit_interval=0.05)
+    sink = client.sink("t", producer_id="a")
+    sink.write(rows(0))
+    sink.flush(timeout=WAIT)
+    path = data_dir(durable_server) / "t.lance"
+    moved = break_dataset(path)
+    sink.write(rows(2))
+    sink.write(rows(4))
+    with pytest.raises(CommitFailedError) as failed:
+        sink.flush(timeout=WAIT)
+    text = str(failed.value)
+    assert "keeps its 2 unacknowledged batch(es) (sequences 1..2" in text, text
+    assert "do not write them again" in text, text
+    assert getattr(failed.value, "kept", False) is True
+    # A write raises the failure when its stream has heard it already, else goes out.
+    raised: list[CommitFailedError] = []
+    try:
+        sink.write(rows(6))
+    except CommitFailedError as exc:
+        raised.append(exc)
+    for failure in raised:
+        assert failure.batches_written == 1  # kept: it counts as written
+        assert "keeps its 3 unacknowledged batch(es) (sequences 1..3" in str(failure)
+    with pytest.raises(CommitFailedError, match=r"keeps its 3 .*\(sequences 1\.\.3"):
+        sink.flush(timeout=WAIT)
+    mend_dataset(path, moved)
+    deadline = time.monotonic() + WAIT
+    while True:  # as the error says: flush again (an attempt under way at the mend fails)
+        try:
+            sink.flush(timeout=WAIT)
+            break
+        except CommitFailedError:
+            assert time.monotonic() < deadline, "the commit never recovered"
+    assert stored_keys(path) == list(range(8))  # each once
+    client.close()

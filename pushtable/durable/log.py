@@ -699,7 +699,9 @@ class DurableLog:
         error = CommitFailedError(
             f"durable topic '{self.name}': storing offsets {entries[0].offset}.."
             f"{entries[-1].offset} in {self.store.uri} failed ({type(exc).__name__}: {exc}); "
-            "they are not acknowledged"
+            "they are not acknowledged yet: the topic keeps them and retries the commit, and "
+            "they are stored once it succeeds (lost only if the topic closes first), so do not "
+            "write them again"
         )
         error.__cause__ = exc
         log.warning("%s", error)

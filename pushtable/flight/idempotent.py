@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from pushtable.errors import (
+    CommitFailedError,
     PushTableError,
     ServerUnavailableError,
     SinkClosedError,
@@ -227,9 +228,31 @@ class IdempotentSink(RemoteSink):
                 self._next_sequence += 1
                 try:
                     self._pump(None, deadline)
+                except CommitFailedError as exc:
+                    raise self._kept(exc, written + 1) from exc
                 except PushTableError as exc:
                     exc.batches_written = written
                     raise
+
+    def _kept(self, exc: CommitFailedError, taken: int) -> CommitFailedError:
+        """``exc`` saying what became of the batches: this sink keeps them, numbered.
+
+        ``taken`` batches of the call are counted as written: they are sent again (same
+        sequence numbers, stored once) by the next write or flush, so the producer must not
+        write them again.
+        """
+        seqs = [s for s, _, _ in self._unacked]
+        what = f"sequences {seqs[0]}..{seqs[-1]}" if seqs else "nothing"
+        if taken:
+            what += ", this call's included"
+        kept = CommitFailedError(
+            f"{exc}. Producer {self.producer_id!r} keeps its {len(seqs)} unacknowledged "
+            f"batch(es) ({what}) and sends them again with its next write or flush: each is "
+            "stored once; do not write them again"
+        )
+        kept.batches_written = taken
+        kept.kept = True  # type: ignore[attr-defined]
+        return kept
 
     def submit(self, item: Item, deadline: float | None) -> None:
         """As :meth:`RemoteSink.submit`, numbered: kept, and sent again, until stored.
@@ -276,7 +299,10 @@ class IdempotentSink(RemoteSink):
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             while True:
-                self._pump(0, deadline)
+                try:
+                    self._pump(0, deadline)
+                except CommitFailedError as exc:
+                    raise self._kept(exc, 0) from exc
                 if not self._unacked:
                     return
 
