@@ -585,3 +585,70 @@ def test_a_lookup_join_whose_bounded_side_outgrows_the_memory_limit_fails() -> N
     ample_sink.write(pa.record_batch([pa.array([5]), pa.array([1])], schema=LIVE))
     ample_sink.close()
     assert ample.sql(query).to_pydict() == {"ts": [5], "s": ["one"]}
+
+
+def _threads_of(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("Threads:"))
+
+
+def test_calls_that_never_send_a_first_message_count_from_their_first_byte(
+    tmp_path: Path,
+) -> None:
+    """pyarrow runs a DoPut's handler only once its first message came, holding a server
+    thread meanwhile: 10,000 silent DoPut calls held 10,041 threads, under no limit. Each
+    now counts against its token's ``max_streams_per_client`` and ``max_streams`` as it
+    opens (a real ``pushtable serve``, calls opened with grpcio that never send a byte of
+    data): the one over is refused at once, the server's threads stay bounded, another
+    token's producer still writes, and the slots come back when the calls go."""
+    grpc = pytest.importorskip("grpc")
+    config = {
+        "tokens": [
+            {"name": "noisy", "secret": "noisy-secret", "role": "admin"},
+            {"name": "quiet", "secret": "quiet-secret", "role": "admin"},
+        ],
+        "limits": {"max_streams_per_client": 4, "max_streams": 8},
+        "tables": [{"name": "t", "schema": {"k": "int64"}}],
+    }
+    with serve_process(config, tmp_path) as (proc, location):
+        channel = grpc.insecure_channel(location.removeprefix("grpc://"))
+        do_put = channel.stream_stream("/arrow.flight.protocol.FlightService/DoPut")
+        never = threading.Event()
+
+        def silence() -> Iterator[bytes]:  # a request stream that never sends a message
+            never.wait()
+            yield from ()
+
+        auth = [("authorization", "Bearer noisy-secret")]
+        before = _threads_of(proc.pid)
+        calls = [do_put(silence(), metadata=auth) for _ in range(60)]  # HTTP/2 allows 100
+        refused = []
+        for call in calls[4:]:
+            with pytest.raises(grpc.RpcError) as caught:
+                next(call)  # ended by the server at once, not left waiting
+            refused.append(caught.value.details())
+        assert all("max_streams_per_client" in r and "first message" in r for r in refused), (
+            refused[:3]
+        )
+        # 4 calls hold a thread each, not 60 (a few more are gRPC's own pollers)
+        assert _threads_of(proc.pid) - before < 30, (before, _threads_of(proc.pid))
+        with connect(location, token="quiet-secret", timeout=WAIT) as quiet:
+            sink = quiet.sink("t")  # another token writes while the silent calls wait
+            sink.write(pa.record_batch({"k": [1]}))
+            sink.flush(timeout=WAIT)  # (not closed: that would end table t)
+        for call in calls[:4]:
+            call.cancel()
+        never.set()
+        with connect(location, token="noisy-secret", timeout=WAIT) as noisy:  # slots are back
+            sink = noisy.sink("t")
+
+            def writes() -> bool:
+                try:
+                    sink.write(pa.record_batch({"k": [2]}))
+                    sink.flush(timeout=WAIT)
+                except ResourceLimitError:
+                    return False  # a cancelled call's slot not given back yet
+                return True
+
+            wait_until(writes, "the noisy token's slots to come back")
+        channel.close()

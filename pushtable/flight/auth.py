@@ -158,6 +158,22 @@ class Tokens:
             grants[str(secret)] = Grant(name, roles_set, tuple(str(t) for t in tables))
         return cls(grants)
 
+    def of_headers(self, headers: dict[str, list[Any]]) -> Grant | None:
+        """The grant of a call's ``authorization: Bearer <secret>`` header (None: none matches)."""
+        for key, values in headers.items():
+            if key.lower() != protocol.AUTH_HEADER:
+                continue
+            for value in values:
+                raw = value if isinstance(value, bytes) else str(value).encode()
+                grant = self.match(raw)
+                if grant is not None:
+                    return grant
+        return None
+
+    def name_of(self, headers: dict[str, list[Any]]) -> str:
+        """The name of the token a call carries (the open grant's on a server without tokens)."""
+        return (self.of_headers(headers) or OPEN).name
+
     def match(self, header: bytes) -> Grant | None:
         """The grant whose ``Bearer <secret>`` equals ``header``.
 
@@ -188,15 +204,10 @@ class BearerAuth(flight.ServerMiddlewareFactory):  # type: ignore[misc]
         self._tokens = tokens
 
     def start_call(self, info: Any, headers: dict[str, list[Any]]) -> _Caller:
-        for key, values in headers.items():
-            if key.lower() != protocol.AUTH_HEADER:
-                continue
-            for value in values:
-                raw = value if isinstance(value, bytes) else str(value).encode()
-                grant = self._tokens.match(raw)
-                if grant is not None:
-                    return _Caller(grant)
-        raise flight.FlightUnauthenticatedError("pushtable: missing or invalid bearer token")
+        grant = self._tokens.of_headers(headers)
+        if grant is None:
+            raise flight.FlightUnauthenticatedError("pushtable: missing or invalid bearer token")
+        return _Caller(grant)
 
 
 def caller(context: Any) -> Grant:

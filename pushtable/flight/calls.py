@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pyarrow as pa
@@ -48,6 +48,9 @@ class Calls:
     def held(self, context: Any) -> Iterator[None]:
         """Count a streaming call for as long as it runs, in one of its client's stream slots."""
         with self.usage.stream(client_of(context)):
+            opening = context.get_middleware(OPENING)
+            if isinstance(opening, _Opening):
+                opening.settle()  # counted as held from here
             with self._changed:
                 self._count += 1
             try:
@@ -72,6 +75,65 @@ class Calls:
     def give_up(self, context: Any) -> bool:
         """Whether a handler waiting for room should stop: its client left or the server stops."""
         return bool(context.is_cancelled()) or self.stopping.is_set()
+
+
+#: The middleware key of :class:`Opening`.
+OPENING = "opening"
+
+#: The streaming calls a client opens: each holds a server thread before its first message.
+STREAMING = (
+    flight.FlightMethod.DO_PUT,
+    flight.FlightMethod.DO_GET,
+    flight.FlightMethod.DO_EXCHANGE,
+)
+
+
+class _Opening(flight.ServerMiddleware):  # type: ignore[misc]
+    """A streaming call counted from its first byte until its handler holds its slot."""
+
+    def __init__(self, usage: Usage, token: str) -> None:
+        super().__init__()
+        self._usage, self._token = usage, token
+        self._lock = threading.Lock()
+        self._counted = True
+
+    def settle(self) -> None:
+        """Give the count back (once): the handler took the call's slot, or the call ended."""
+        with self._lock:
+            counted, self._counted = self._counted, False
+        if counted:
+            self._usage.opened(self._token)
+
+    def call_completed(self, exception: Any) -> None:
+        self.settle()  # a call that ended before its first message (or its handler)
+
+
+class Opening(flight.ServerMiddlewareFactory):  # type: ignore[misc]
+    """Counts each streaming call against the stream limits from the moment it opens.
+
+    pyarrow's server runs a DoPut's handler only once its first message came, and holds a
+    thread for the call meanwhile: 10,000 DoPut calls that never sent one held 10,041
+    threads, under no limit. Each now counts against ``max_streams`` (with the streams
+    held) and its token's ``max_streams_per_client`` from its first byte, and one over
+    either is refused at once. (A call still waiting for its first message cannot be ended
+    by the server: pyarrow gives it no way; the bound is what holds.)
+    """
+
+    def __init__(self, usage: Usage, name_of: Callable[[dict[str, list[Any]]], str]) -> None:
+        super().__init__()
+        self._usage = usage
+        self._name_of = name_of  # headers -> the token's name
+
+    def start_call(self, info: Any, headers: dict[str, list[Any]]) -> _Opening | None:
+        """Count a streaming call as it opens (refused over a limit); other calls pass."""
+        if info.method not in STREAMING:
+            return None
+        token = self._name_of(headers)
+        try:
+            self._usage.open_call(token)
+        except PushTableError as exc:
+            raise protocol.server_error(exc) from exc
+        return _Opening(self._usage, token)
 
 
 def client_of(context: Any) -> str:

@@ -131,6 +131,53 @@ class Usage:
         self.staged_bytes = 0
         self.staged_by_query: dict[tuple[str, str], int] = {}
         self.refusals: dict[str, int] = {}
+        #: streaming calls opened and not yet in their handler (no first message yet), by token
+        self.opening: dict[str, int] = {}
+
+    def open_call(self, token: str) -> None:
+        """Count a streaming call from its first byte, before its first message, or refuse it.
+
+        gRPC holds a server thread for a call from the moment it opens, and pyarrow's Flight
+        server calls the handler (where :meth:`stream` takes the call's slot) only once the
+        first message came: until then it counts here, against ``max_streams`` with every
+        stream held, and against ``max_streams_per_client`` for its token. :meth:`opened`
+        gives the count back.
+        """
+        with self._lock:
+            waiting = sum(self.opening.values())
+            total = sum(self.streams.values()) + waiting
+            if total >= self.limits.max_streams:
+                raise self._refuse(
+                    _refused(
+                        "open streams on the server (those still waiting for their first "
+                        "message included)",
+                        total + 1,
+                        self.limits.max_streams,
+                        "max_streams",
+                    ),
+                    "max_streams",
+                )
+            mine = self.opening.get(token, 0)
+            if mine >= self.limits.max_streams_per_client:
+                raise self._refuse(
+                    _refused(
+                        f"streams of token {token!r} waiting for their first message",
+                        mine + 1,
+                        self.limits.max_streams_per_client,
+                        "max_streams_per_client",
+                    ),
+                    "max_streams_per_client",
+                )
+            self.opening[token] = mine + 1
+
+    def opened(self, token: str) -> None:
+        """A call counted by :meth:`open_call` reached its handler, or ended before."""
+        with self._lock:
+            left = self.opening.get(token, 0) - 1
+            if left > 0:
+                self.opening[token] = left
+            else:
+                self.opening.pop(token, None)
 
     def _refuse(self, error: ResourceLimitError, reason: str) -> ResourceLimitError:
         self.refusals[reason] = self.refusals.get(reason, 0) + 1

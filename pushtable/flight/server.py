@@ -29,7 +29,15 @@ from pushtable.context import SessionContext
 from pushtable.errors import ServerStoppedError, UnsupportedCallError
 from pushtable.flight import actions, sql
 from pushtable.flight.auth import BearerAuth, Grant, Tokens, caller
-from pushtable.flight.calls import POLL_S, Calls, audit, table_named, wire_errors
+from pushtable.flight.calls import (
+    OPENING,
+    POLL_S,
+    Calls,
+    Opening,
+    audit,
+    table_named,
+    wire_errors,
+)
 from pushtable.flight.ingest import Ingest
 from pushtable.flight.limits import Limits, Usage
 from pushtable.flight.query import Queries
@@ -105,7 +113,10 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
         if tls is not None and location.startswith("grpc://"):
             location = "grpc+tls://" + location.removeprefix("grpc://")
         self.tokens = _tokens(token, tokens)
-        middleware = {"auth": BearerAuth(self.tokens)} if len(self.tokens) else {}
+        middleware: dict[str, flight.ServerMiddlewareFactory] = (
+            {"auth": BearerAuth(self.tokens)} if len(self.tokens) else {}
+        )
+        middleware[OPENING] = Opening(self.usage, self.tokens.name_of)  # after auth
         try:
             super().__init__(location, middleware=middleware, tls_certificates=_tls_pairs(tls))
         except pa.ArrowException as exc:  # gRPC says only "Server did not start properly"

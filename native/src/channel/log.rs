@@ -7,10 +7,18 @@ use std::task::Waker;
 use std::time::{Duration, Instant};
 
 use arrow::array::RecordBatch;
+use arrow::error::ArrowError;
 
-use super::reader::{Prelude, PreludeSlot};
 use crate::order::Newest;
 use crate::reorder::Held;
+
+/// Batches a reader yields before the log (a topic subscription's history).
+pub type Prelude = Box<dyn Iterator<Item = Result<RecordBatch, ArrowError>> + Send>;
+
+/// Where a reader keeps its prelude. The channel holds a weak handle on it, so a detached
+/// reader's history is let go at once (a durable topic's history holds a pinned version of
+/// the store until then), not when its query next polls or ends.
+pub(super) type PreludeSlot = Arc<Mutex<Option<Prelude>>>;
 
 /// What a full cursor does to producers.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -39,10 +39,11 @@ use arrow::datatypes::{DataType, SchemaRef};
 use crate::order::OrderGate;
 use crate::reorder::Reorder;
 
+pub use log::Prelude;
 use log::{Cursor, ReaderState, State};
 pub use log::{CursorStats, Limits, OnSlow, Retention, Start, Stats};
 pub use push::{CancelToken, PushError};
-pub use reader::{CursorWatch, Markers, Prelude, Reader, ReaderStream, WatermarkCell};
+pub use reader::{CursorWatch, Markers, Reader, ReaderStream, WatermarkCell};
 
 /// Whether a channel backs one table or a topic.
 #[derive(Debug)]
@@ -185,7 +186,7 @@ impl Channel {
         let id = st.next_cursor;
         st.next_cursor += 1;
         let had_prelude = prelude.is_some();
-        let slot: reader::PreludeSlot = Arc::new(std::sync::Mutex::new(prelude));
+        let slot: log::PreludeSlot = Arc::new(std::sync::Mutex::new(prelude));
         let mut cursor = Cursor::new(id, next, limits);
         if had_prelude {
             cursor.prelude = Some(Arc::downgrade(&slot));

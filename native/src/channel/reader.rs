@@ -9,25 +9,16 @@ use std::time::{Duration, Instant};
 
 use arrow::array::RecordBatch;
 use arrow::datatypes::{DataType, SchemaRef};
-use arrow::error::ArrowError;
 use datafusion_common::{DataFusionError, Result as DFResult, ScalarValue};
 use datafusion_execution::RecordBatchStream;
 use futures::Stream;
 
-use super::log::{CursorStats, ReaderState};
+use super::log::{CursorStats, PreludeSlot, ReaderState};
 use super::Channel;
 use crate::schema;
 
 /// How often an idle reader of an arrival-time table learns that the clock moved.
 const CLOCK_TICK: Duration = Duration::from_millis(5);
-
-/// Batches a reader yields before the log (a topic subscription's history).
-pub type Prelude = Box<dyn Iterator<Item = Result<RecordBatch, ArrowError>> + Send>;
-
-/// Where a reader keeps its prelude. The channel holds a weak handle on it, so a detached
-/// reader's history is let go at once (a durable topic's history holds a pinned version of
-/// the store until then), not when its query next polls or ends.
-pub(super) type PreludeSlot = Arc<Mutex<Option<Prelude>>>;
 
 /// The right to read a channel through one cursor. Dropping it (unscanned, or after the
 /// scan ends early) removes the cursor; for a table, blocked producers learn "reader gone".
