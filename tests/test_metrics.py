@@ -3,9 +3,13 @@ against the tables' own ``stats``; the in-process registry for embedders."""
 
 from __future__ import annotations
 
+import json
+import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pyarrow as pa
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pushtable import ResourceLimitError, SessionContext, SinkStats, metrics
@@ -13,9 +17,12 @@ from pushtable.flight import Limits, Server, connect, serve
 from tests.conftest import SCHEMA, WAIT, Background, batch, wait_until
 
 
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    with urllib.request.urlopen(url, timeout=WAIT) as response:
-        text = response.read().decode()
+def scrape(
+    url: str, token: str | None = None
+) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    headers = {} if token is None else {"Authorization": f"Bearer {token}"}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=WAIT) as r:
+        text = r.read().decode()
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
         for family in text_string_to_metric_families(text)
@@ -128,3 +135,59 @@ def test_a_client_keeps_the_counters_it_knows_of_a_newer_servers_stats() -> None
     assert SinkStats.known(counters) == SinkStats(
         **{k: v for k, v in counters.items() if k != "counted_by_a_newer_server"}
     )
+
+
+def test_metrics_take_the_servers_tokens_and_show_each_only_its_tables(tmp_path: Path) -> None:
+    """``/metrics`` (its own port and the browser view's) answered anyone, with every table and
+    topic name; on a server with tokens it now takes a bearer token, and a scoped token sees
+    only the samples of its own tables (a real server started by ``serve``)."""
+    config = tmp_path / "serve.json"
+    config.write_text(
+        json.dumps(
+            {
+                "tokens": [
+                    {"name": "ops", "secret": "ops-secret", "role": "admin"},
+                    {
+                        "name": "alerts",
+                        "secret": "alerts-secret",
+                        "role": "read",
+                        "tables": ["al*"],
+                    },
+                ],
+                "tables": [
+                    {"name": "alerts", "schema": {"k": "int64"}},
+                    {"name": "payroll_secret", "schema": {"k": "int64"}},
+                ],
+            }
+        )
+    )
+    server = serve(
+        "127.0.0.1", 0, config=config, metrics_port=0, ui_port=0, block=False, say=lambda _: None
+    )
+    try:
+        assert server.metrics_url is not None
+        assert server.ui_url is not None
+        for url in (server.metrics_url, server.ui_url + "metrics"):
+            with pytest.raises(urllib.error.HTTPError) as refused:
+                urllib.request.urlopen(url, timeout=WAIT)
+            assert refused.value.code == 401
+            wrong = urllib.request.Request(url, headers={"Authorization": "Bearer nope"})
+            with pytest.raises(urllib.error.HTTPError):
+                urllib.request.urlopen(wrong, timeout=WAIT)
+            everything = scrape(url, "ops-secret")
+            tables = {dict(labels).get("table") for _, labels in everything}
+            assert {"alerts", "payroll_secret"} <= tables
+            scoped = scrape(url, "alerts-secret")
+            seen = {dict(labels).get("table") for _, labels in scoped} - {None}
+            assert seen == {"alerts"}, seen
+            assert ("pushtable_rows_written_total", ()) not in scoped
+            text = raw(url, "alerts-secret")
+            assert "payroll_secret" not in text
+    finally:
+        server.stop()
+
+
+def raw(url: str, token: str) -> str:
+    request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=WAIT) as response:
+        return str(response.read().decode())

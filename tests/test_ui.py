@@ -74,7 +74,13 @@ def test_the_api_answers_only_what_the_token_allows(tmp_path: Path) -> None:
         assert "error" in refused[0], refused
         with connect(server.location, token="reader-token", timeout=WAIT) as client:
             assert [t["name"] for t in client.tables()] == ["events"]
-        with urllib.request.urlopen(server.ui_url + "metrics", timeout=WAIT) as reply:
+        with pytest.raises(urllib.error.HTTPError) as no_token:  # metrics take the tokens too
+            urllib.request.urlopen(server.ui_url + "metrics", timeout=WAIT)
+        assert no_token.value.code == 401
+        scrape = urllib.request.Request(
+            server.ui_url + "metrics", headers={"Authorization": "Bearer reader-token"}
+        )
+        with urllib.request.urlopen(scrape, timeout=WAIT) as reply:
             assert b"pushtable_rows_written_total" in reply.read()
     finally:
         server.stop()

@@ -398,19 +398,21 @@ def serve(
             f"pushtable serve: data dir {server.data_dir} ({len(durable)} durable topic(s), "
             f"{synced})"
         )
-    if metrics_port is not None:
-        import prometheus_client
-
-        http, _ = prometheus_client.start_http_server(
-            metrics_port, addr=host, registry=metrics.REGISTRY
-        )
-        server.metrics_url = f"http://{host}:{http.server_port}/metrics"
-        server._http_stops.append(http.shutdown)
-        say(f"pushtable serve: metrics on {server.metrics_url}")
-    if ui_port is not None:
+    if metrics_port is not None or ui_port is not None:
+        from pushtable.flight.metrics_http import MetricsApp
         from pushtable.flight.ui import UiApp, UiServer
 
-        ui = UiServer(host, ui_port, UiApp(server.location, tls_root_certs=tls[0] if tls else None))
+        scrape = MetricsApp(server.tokens)  # the server's tokens, each seeing its own tables
+    if metrics_port is not None:
+        http = UiServer(host, metrics_port, scrape, name="pushtable-metrics")
+        server.metrics_url = f"{http.url}metrics"
+        server._http_stops.append(http.stop)
+        say(f"pushtable serve: metrics on {server.metrics_url}")
+    if ui_port is not None:
+        roots = tls[0] if tls else None
+        ui = UiServer(
+            host, ui_port, UiApp(server.location, tls_root_certs=roots, metrics_app=scrape)
+        )
         server.ui_url = ui.url
         server._http_stops.append(ui.stop)
         say(f"pushtable serve: browser view on {server.ui_url}")

@@ -29,9 +29,10 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import pyarrow as pa
 
-from pushtable import metrics
 from pushtable.errors import PermissionDeniedError, UnauthenticatedError
+from pushtable.flight.auth import Tokens
 from pushtable.flight.client import Client, RemoteResult, connect
+from pushtable.flight.metrics_http import MetricsApp
 from pushtable.flight.query import UPSERT_KEY
 
 Start = Callable[[str, list[tuple[str, str]]], Any]
@@ -110,7 +111,12 @@ class UiApp:
     ``/api/*`` makes Flight calls with the caller's token.
     """
 
-    def __init__(self, location: str, tls_root_certs: str | Path | bytes | None = None) -> None:
+    def __init__(
+        self,
+        location: str,
+        tls_root_certs: str | Path | bytes | None = None,
+        metrics_app: MetricsApp | None = None,
+    ) -> None:
         self.location = location
         self.tls_root_certs = tls_root_certs
         self._assets = {
@@ -118,9 +124,8 @@ class UiApp:
             "/static/app.js": ("text/javascript; charset=utf-8", _static("app.js")),
             "/static/plotly.min.js": ("text/javascript; charset=utf-8", _plotly_js()),
         }
-        import prometheus_client
-
-        self._metrics = prometheus_client.make_wsgi_app(metrics.REGISTRY)
+        #: ``/metrics``, behind the server's tokens (open when it has none)
+        self._metrics = metrics_app if metrics_app is not None else MetricsApp(Tokens({}))
 
     def _client(self, environ: dict[str, Any]) -> Client:
         auth = environ.get("HTTP_AUTHORIZATION", "")
@@ -132,7 +137,7 @@ class UiApp:
         path = environ.get("PATH_INFO", "/")
         method = environ.get("REQUEST_METHOD", "GET")
         if path == "/metrics":
-            return self._metrics(environ, start)  # type: ignore[no-any-return]
+            return self._metrics(environ, start)
         if path in self._assets and method == "GET":
             kind, body = self._assets[path]
             start("200 OK", [("Content-Type", kind), ("Cache-Control", "no-store")])
@@ -263,14 +268,14 @@ def _error(start: Start, status: str, exc: BaseException) -> list[bytes]:
 
 
 class UiServer:
-    """The HTTP server of :class:`UiApp`, on a daemon thread."""
+    """The HTTP server of :class:`UiApp` (or of another WSGI app), on a daemon thread."""
 
-    def __init__(self, host: str, port: int, app: UiApp) -> None:
+    def __init__(
+        self, host: str, port: int, app: UiApp | MetricsApp, name: str = "pushtable-ui"
+    ) -> None:
         self._http = make_server(host, port, app, _Server, handler_class=_QuietHandler)
         self.url = f"http://{host}:{self._http.server_port}/"
-        self._thread = threading.Thread(
-            target=self._http.serve_forever, name="pushtable-ui", daemon=True
-        )
+        self._thread = threading.Thread(target=self._http.serve_forever, name=name, daemon=True)
         self._thread.start()
 
     def stop(self) -> None:

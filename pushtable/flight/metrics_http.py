@@ -1,0 +1,80 @@
+"""``/metrics`` over HTTP for ``pushtable serve``: Prometheus text behind the server's tokens.
+
+A server with tokens answers a scrape only with ``Authorization: Bearer <secret>`` of one of
+them (Prometheus' ``authorization`` scrape setting), and shows that token only what its
+scope covers: a sample labelled with a table or topic outside the scope is left out, so a
+token scoped to ``alerts*`` learns nothing of the other tables, not even their names. A
+server without tokens trusts whoever can reach it, as its Flight port does: bind it where
+the operator says (``--host``).
+
+Example:
+    >>> from pushtable.flight.auth import Grant, Tokens
+    >>> app = MetricsApp(Tokens({"s3cret": Grant("prom", {"read"}, ("alerts*",))}))
+    >>> got = []
+    >>> _ = app({"HTTP_AUTHORIZATION": ""}, lambda status, headers: got.append(status))
+    >>> got
+    ['401 Unauthorized']
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from pushtable import metrics
+from pushtable.flight.auth import OPEN, Grant, Tokens
+
+__all__ = ["MetricsApp", "scoped"]
+
+Start = Callable[[str, list[tuple[str, str]]], Any]
+
+#: a ``table`` or ``topic`` label of a sample line, with its (escaped) value
+_NAMED = re.compile(r'[{,](?:table|topic)="((?:[^"\\]|\\.)*)"')
+
+
+class MetricsApp:
+    """The WSGI app answering ``GET /metrics`` for one server's tokens."""
+
+    def __init__(self, tokens: Tokens) -> None:
+        self._tokens = tokens
+
+    def __call__(self, environ: dict[str, Any], start: Start) -> Iterable[bytes]:
+        """The registry's samples the caller's token may see (401 without a known token)."""
+        grant: Grant | None = OPEN
+        if len(self._tokens):
+            header = str(environ.get("HTTP_AUTHORIZATION", "")).encode()
+            grant = self._tokens.match(header)
+        if grant is None:
+            start(
+                "401 Unauthorized",
+                [("Content-Type", "text/plain"), ("WWW-Authenticate", 'Bearer realm="pushtable"')],
+            )
+            return [b"pushtable: missing or invalid bearer token\n"]
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        text = generate_latest(metrics.REGISTRY).decode()
+        start("200 OK", [("Content-Type", CONTENT_TYPE_LATEST), ("Cache-Control", "no-store")])
+        return [scoped(text, grant).encode()]
+
+
+def scoped(text: str, grant: Grant) -> str:
+    """The lines of Prometheus ``text`` that ``grant`` may see.
+
+    Every sample labelled with a table or topic it does not cover is dropped (the comment
+    lines stay: they name metrics, not tables).
+    """
+    if "*" in grant.tables:
+        return text
+    kept = []
+    for line in text.splitlines(keepends=True):
+        if not line.startswith("#"):
+            names = [_unescape(v) for v in _NAMED.findall(line.split("}", 1)[0] + "}")]
+            if not all(grant.covers(name) for name in names):
+                continue
+        kept.append(line)
+    return "".join(kept)
+
+
+def _unescape(value: str) -> str:
+    return value.replace('\\"', '"').replace("\\n", "\n").replace("\\\\", "\\")
