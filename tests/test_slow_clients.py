@@ -21,6 +21,7 @@ from typing import Any
 
 import pyarrow as pa
 import pyarrow.flight as flight
+import pytest
 
 from pushtable.flight import Client, connect, protocol
 from tests.conftest import WAIT, wait_until
@@ -92,6 +93,7 @@ class Unread:
         self._stop.set()
 
 
+@pytest.mark.slow  # 260,000 messages (about 50 s on 2 cores): CI's slow run has it
 def test_a_producer_that_never_reads_its_acks_stalls_only_itself(tmp_path: Path) -> None:
     """While one client floods a durable topic and reads none of its acknowledgements,
     another producer of the same topic is acknowledged all along (acknowledgements leave
