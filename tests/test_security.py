@@ -652,3 +652,61 @@ def test_calls_that_never_send_a_first_message_count_from_their_first_byte(
 
             wait_until(writes, "the noisy token's slots to come back")
         channel.close()
+
+
+def test_a_producer_id_is_bound_to_the_token_that_first_used_it(tmp_path: Path) -> None:
+    """A write token reusing another producer's id made that producer's next batch
+    acknowledged and never stored (taken for a resend). The id is now bound to the token
+    that first used it; another token is refused by name, and the first goes on."""
+    server = Server(data_dir=tmp_path / "data", tokens=TOKENS)
+    try:
+        with as_(server, ADMIN) as admin:
+            admin.create_topic("events", SCHEMA, durable=True)
+            first = admin.sink("events", producer_id="sensor-7")
+            first.write(batch(2))
+            first.flush(timeout=WAIT)
+        with as_(server, INGEST) as other:
+            thief = other.sink("events", producer_id="sensor-7")
+            with pytest.raises(PermissionDeniedError, match=r"belongs to token 'ops'"):
+                thief.write(batch(1, start=100))
+                thief.flush(timeout=WAIT)
+            own = other.sink("events", producer_id="ingest-1")  # its own id: fine
+            own.write(batch(1, start=200))
+            own.flush(timeout=WAIT)
+        with as_(server, ADMIN) as admin:
+            first = admin.sink("events", producer_id="sensor-7")
+            first.write(batch(1, start=300))
+            first.flush(timeout=WAIT)
+            keys = admin.read("events", 0, 3).read_all().column("k").to_pylist()
+        assert sorted(keys) == [0, 1, 200, 300]  # nothing of the other token's under the id
+    finally:
+        server.stop()
+
+
+def test_other_rows_under_a_sequence_already_stored_are_refused_not_dropped(
+    tmp_path: Path,
+) -> None:
+    """A batch sent again under a sequence number already taken is a resend when its rows are
+    the same (acknowledged, stored once); with other rows it used to be acknowledged and
+    silently dropped: it is refused (``SequenceError``), and the producer's stream goes on."""
+    server = Server(data_dir=tmp_path / "data")
+    try:
+        with connect(server.location, timeout=WAIT) as client:
+            client.create_topic("events", SCHEMA, durable=True)
+            sink = client.sink("events", producer_id="p")
+            sink.write(batch(2))
+            sink.flush(timeout=WAIT)
+        raw = flight.connect(server.location)
+        descriptor = flight.FlightDescriptor.for_path("events", "producer", "p", "0")
+        same, _ = raw.do_put(descriptor, SCHEMA)
+        same.write_batch(batch(2))  # a resend: the same rows under sequence 0
+        same.close()
+        other, _ = raw.do_put(descriptor, SCHEMA)
+        with pytest.raises(flight.FlightError, match=r"sent sequence 0 again with other rows"):
+            other.write_batch(batch(2, start=50))
+            other.close()
+        raw.close()
+        with connect(server.location, timeout=WAIT) as client:
+            assert client.offsets("events")["next"] == 1  # stored once, nothing more
+    finally:
+        server.stop()

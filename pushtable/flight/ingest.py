@@ -39,6 +39,8 @@ class Ingest:
         self._calls = calls
         self._lock = threading.Lock()
         self._acks: set[Acks] = set()  # the open DoPut streams
+        #: (topic, producer id) -> the token that first used it (see :meth:`_claim`)
+        self._owners: dict[tuple[str, str], str] = {}
         self._idle_sweep = threading.Thread(
             target=self._end_idle_streams, name="pushtable-idle", daemon=True
         )
@@ -185,6 +187,8 @@ class Ingest:
         """
         log = topic.durable
         assert log is not None
+        if identity is not None:
+            self._claim(topic.name, identity[0], caller(context).name)
         acks = CommitAcks(
             writer,
             topic.name,
@@ -229,6 +233,22 @@ class Ingest:
         finally:
             log.unlisten(acks.on_commit)
             acks.done()
+
+    def _claim(self, topic: str, producer_id: str, token: str) -> None:
+        """Bind ``producer_id`` of ``topic`` to the token that first used it (fencing).
+
+        Another token's batches under it would be taken for the first producer's resends
+        (acknowledged and dropped) or move its sequence past the first's: refused by name.
+        The binding lives as long as the server process (after a restart, the first token to
+        use the id again holds it).
+        """
+        with self._lock:
+            owner = self._owners.setdefault((topic, producer_id), token)
+        if owner != token:
+            raise errors.PermissionDeniedError(
+                f"producer id {producer_id!r} of topic '{topic}' belongs to token {owner!r}: "
+                f"token {token!r} may not write under it (give each producer its own id)"
+            )
 
     def _stored(self, context: Any, log: DurableLog, acks: CommitAcks) -> None:
         """Wait until a commit holds every batch of the stream so far, and acknowledge them."""
