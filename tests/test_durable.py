@@ -608,3 +608,26 @@ def test_a_failed_commit_says_the_producer_keeps_its_batches_and_they_are_stored
             assert time.monotonic() < deadline, "the commit never recovered"
     assert stored_keys(path) == list(range(8))  # each once
     client.close()
+
+
+def test_consumer_names_and_counts_are_bounded_by_name(durable_server: Server) -> None:
+    """Every commit stores every consumer's position: a 200 KB consumer name made each
+    commit carry it (320 MB of transaction files for 20 one-row commits). Names are at most
+    256 bytes and a topic keeps 1,024 consumers; past either, the call is refused by name
+    (through the server too), and the positions kept are unchanged."""
+    client = connect(durable_server.location)
+    client.create_topic("t", SCHEMA, durable=True)
+    sink = client.sink("t", producer_id="a")
+    sink.write(rows(0))
+    sink.flush(timeout=WAIT)
+    with pytest.raises(InvalidRequestError, match=r"consumer name takes at most 256 bytes"):
+        client.consumed("t", "c" * 200_000, 1)
+    for i in range(1024):
+        client.consumed("t", f"reader-{i}", 1)
+    with pytest.raises(ResourceLimitError, match=r"positions of 1,024 consumers already"):
+        client.consumed("t", "one-more", 1)
+    client.consumed("t", "reader-7", 1)  # a known consumer moves on
+    consumers = client.stats("t")["consumers"]
+    assert len(consumers) == 1024
+    assert "one-more" not in consumers
+    client.close()

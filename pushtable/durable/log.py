@@ -35,6 +35,7 @@ from pushtable.durable.store import LogStore, Stamp, StoredBatch, Written, micro
 from pushtable.errors import (
     CommitFailedError,
     OffsetOutOfRangeError,
+    ResourceLimitError,
     SequenceError,
     SinkClosedError,
     WriteTimeoutError,
@@ -107,6 +108,11 @@ class _Entry:
     #: it before the unit's last batch, so a unit is stored by one commit or none.
     closes: bool = True
 
+
+#: the longest consumer name :meth:`DurableLog.consumed` takes, and how many consumers a topic
+#: keeps positions for (each commit stores them all)
+MAX_CONSUMER_NAME_BYTES = 256
+MAX_CONSUMERS = 1024
 
 #: how many of each idempotent producer's last sequences keep a fingerprint (see
 #: ``DurableLog._check_resend``; ~40 KB a producer): a client's window of resends is 256 by
@@ -821,10 +827,23 @@ class DurableLog:
 
         Spark's source calls it from ``commit(end)``. Positions are kept in memory, reported by
         :attr:`stats`, and stored with the topic's next commit, so a restart recovers them.
+        Every commit carries every consumer's position, so names are at most
+        :data:`MAX_CONSUMER_NAME_BYTES` bytes and a topic keeps at most :data:`MAX_CONSUMERS`
+        consumers (200 KB names made every commit carry megabytes).
         """
         if not consumer:
             raise ValueError("a consumer needs a name")
+        if len(consumer.encode()) > MAX_CONSUMER_NAME_BYTES:
+            raise ValueError(
+                f"a consumer name takes at most {MAX_CONSUMER_NAME_BYTES} bytes, got "
+                f"{len(consumer.encode()):,} (every commit of the topic stores it)"
+            )
         with self._cond:
+            if consumer not in self._consumers and len(self._consumers) >= MAX_CONSUMERS:
+                raise ResourceLimitError(
+                    f"durable topic '{self.name}' keeps the positions of {MAX_CONSUMERS:,} "
+                    f"consumers already (every commit stores them all): refused {consumer!r}"
+                )
             if not 0 <= offset <= self._committed:
                 raise ValueError(
                     f"durable topic '{self.name}': consumer {consumer!r} cannot have read up to "
