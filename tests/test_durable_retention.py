@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from datetime import timedelta
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import lance
 import pyarrow as pa
@@ -28,7 +29,7 @@ from datafusion import SessionConfig
 from pushtable import OffsetOutOfRangeError, SessionContext, SlowSubscriberError, Topic
 from pushtable.durable import store
 from pushtable.durable.store import OFFSET, LogStore, Stamp, StoredBatch, directory_bytes
-from pushtable.flight import Client, connect
+from pushtable.flight import Client, Limits, Server, connect
 from tests.conftest import WAIT
 from tests.test_durable_crash import Serve, free_port
 
@@ -439,3 +440,79 @@ def test_a_server_syncs_each_commit_before_acknowledging_it(tmp_path: Path, fsyn
         assert after - before >= 3 * 5
     else:
         assert after == before == 0
+
+
+def test_a_reader_holds_its_version_no_longer_than_the_server_lets_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A range read that took a batch and stalled pinned its version for as long as it
+    lived: the topic's directory grew to 13x its retention bound in 180 s. A server's
+    ``reader_hold`` bounds that: past it, retention's cleanup takes the version's files
+    (here a hold of 1 ms), and the reader, if it still needs them, is told with
+    ``OffsetOutOfRangeError`` naming the earliest offset, as Kafka's consumer is."""
+    server = Server(data_dir=tmp_path / "data", limits=Limits(reader_hold=0.001))
+    try:
+        with connect(server.location, timeout=WAIT) as client:
+            client.create_topic("events", SCHEMA, durable=True, retention_bytes=40_000)
+            write_committed(client, 10)
+            topic = server.table("events")
+            assert isinstance(topic, Topic)
+            log = topic.durable
+            assert log is not None
+            assert log.store.hold == 0.001  # the server's limit, on every durable topic
+            first = log.offsets()["earliest"]
+            reader = log.read(first, first + 2)  # pinned: held for 1 ms
+            held = data_files(tmp_path / "data" / "events.lance")
+            write_committed(client, 20, first=10)  # retention deletes; cleanup ignores the pin
+            assert not held & data_files(tmp_path / "data" / "events.lance")
+            told: list[OffsetOutOfRangeError] = []
+            got: list[int] = []
+            try:  # Lance may have read the rows ahead already; else the reader is told
+                got = reader.read_all().column("k").to_pylist()
+            except OffsetOutOfRangeError as exc:
+                told.append(exc)
+            for error in told:
+                assert error.earliest > first  # type: ignore[attr-defined]
+                assert "read again from offset" in str(error)
+            if not told:  # never other rows
+                assert got == list(range(first * ROWS, (first + 2) * ROWS))
+    finally:
+        server.stop()
+
+
+def test_a_read_past_its_hold_whose_files_went_is_told_which_offsets_remain(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The error a reader past its hold gets when its version's files went mid-read (Lance's
+    'Not found' is injected after the first batch: Lance fails so only for files it had not
+    opened yet)."""
+    path = tmp_path / "events.lance"
+    topic = Topic("events", SCHEMA, persist=path, upkeep_interval=None)
+    log = topic.durable
+    assert log is not None
+    try:
+        for i in range(4):
+            topic.write(batch(i))
+        topic.flush()
+        monkeypatch.setattr(store, "SCAN_BATCH_ROWS", ROWS)
+        real_scan = store._scan
+
+        def vanishing(*args: Any) -> Iterator[pa.RecordBatch]:
+            for n, b in enumerate(real_scan(*args)):
+                if n == 1:
+                    raise OSError("LanceError(IO): Not found: data/gone.lance")
+                yield b
+
+        monkeypatch.setattr(store, "_scan", vanishing)
+        log.store.hold = 0.0
+        reader = log.read(0, 4)
+        assert reader.read_next_batch().num_rows == ROWS
+        with pytest.raises(OffsetOutOfRangeError, match=r"held version \d+ longer than readers"):
+            reader.read_next_batch()
+        log.store.hold = None  # without a hold, the same loss is Lance's own error
+        reader = log.read(0, 4)
+        reader.read_next_batch()
+        with pytest.raises(OSError, match="Not found"):
+            reader.read_next_batch()
+    finally:
+        topic.close()

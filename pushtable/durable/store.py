@@ -10,7 +10,6 @@ restart reads it back without scanning any data.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import json
@@ -126,9 +125,12 @@ class Written:
 class Pin:
     """A reader's hold on a version of the dataset (see :meth:`LogStore.pin`)."""
 
-    def __init__(self, store: LogStore, version: int) -> None:
+    def __init__(self, store: LogStore, version: int, key: int) -> None:
         self._store: LogStore | None = store
         self.version = version
+        self._key = key
+        #: when it was taken (monotonic seconds): a store's ``hold`` bounds how long it counts
+        self.taken = time.monotonic()
         self._lock = threading.Lock()
 
     def release(self) -> None:
@@ -136,7 +138,7 @@ class Pin:
         with self._lock:
             store, self._store = self._store, None
         if store is not None:
-            store._unpin(self.version)
+            store._unpin(self._key)
 
 
 class LogStore:
@@ -180,9 +182,15 @@ class LogStore:
         #: in flight had Lance rebase the compaction over it, and the rows came out of
         #: offset order (the rebased compaction's fragment after the appended ones).
         self._committing = threading.Lock()
-        #: versions readers hold (version -> readers): cleanup never removes them
-        self._pins: collections.Counter[int] = collections.Counter()
+        #: versions readers hold (pin -> (version, taken at)): cleanup keeps them, for
+        #: ``hold`` seconds at most
+        self._pins: dict[int, tuple[int, float]] = {}
+        self._next_pin = 0
         self._pins_lock = threading.Lock()
+        #: seconds a reader may hold a version against cleanup (None: as long as it reads).
+        #: Past it the version's files may go, and the reader is told with
+        #: ``OffsetOutOfRangeError`` (a server sets its ``reader_hold`` limit here).
+        self.hold: float | None = None
         #: every version below this is removed (a lower bound: cleanup may have done more)
         self._cleaned_below = 1
         ds = self._open()
@@ -433,6 +441,10 @@ class LogStore:
         def batches() -> Iterator[pa.RecordBatch]:
             try:
                 yield from reader
+            except (OSError, ValueError) as exc:
+                if self._overheld(pin) and lance_commits.not_found(exc):
+                    raise self._overheld_error(start, end, pin) from exc
+                raise
             finally:
                 pin.release()
 
@@ -447,19 +459,34 @@ class LogStore:
         after which :meth:`release` runs, so no release falls between the choice and the pin.
         """
         with self._pins_lock:
-            self._pins[version] += 1
-        return Pin(self, version)
+            key, self._next_pin = self._next_pin, self._next_pin + 1
+            pin = Pin(self, version, key)
+            self._pins[key] = (version, pin.taken)
+        return pin
 
-    def _unpin(self, version: int) -> None:
+    def _unpin(self, key: int) -> None:
         with self._pins_lock:
-            self._pins[version] -= 1
-            if self._pins[version] <= 0:
-                del self._pins[version]
+            self._pins.pop(key, None)
 
     def oldest_pinned(self) -> int | None:
-        """The oldest version a reader holds (None: none)."""
+        """The oldest version a reader holds, within ``hold`` (None: none)."""
+        since = -float("inf") if self.hold is None else time.monotonic() - self.hold
         with self._pins_lock:
-            return min(self._pins, default=None)
+            return min((v for v, taken in self._pins.values() if taken > since), default=None)
+
+    def _overheld(self, pin: Pin) -> bool:
+        return self.hold is not None and time.monotonic() - pin.taken >= self.hold
+
+    def _overheld_error(self, start: int, end: int, pin: Pin) -> OffsetOutOfRangeError:
+        """A read that held its version past ``hold`` and lost its files: told as Kafka's is."""
+        earliest = self.recover().earliest
+        error = OffsetOutOfRangeError(
+            f"the read of offsets [{start}, {end}) of {self.uri} held version {pin.version} "
+            f"longer than readers may ({self.hold:g} s, the server's reader_hold) and "
+            f"retention or upkeep removed its files: read again from offset {earliest} or later"
+        )
+        error.earliest = earliest  # type: ignore[attr-defined]
+        return error
 
     def offset_at(self, when: datetime, version: int | None = None) -> int | None:
         """The first offset that arrived at or after ``when`` (None: none stored)."""

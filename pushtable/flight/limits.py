@@ -61,6 +61,12 @@ class Limits:
     #: seconds a durable topic's producer may leave its acknowledgements unread (while the
     #: server waits to send one) before its stream is cut off; it never stalls others.
     ack_timeout: float = 30.0
+    #: seconds a reader of a durable topic's stored history (a range read, a subscription's
+    #: catch-up, a Spark batch read through the server) may hold the version it opened
+    #: against retention and upkeep; past it the version's files may go, and the reader gets
+    #: ``OffsetOutOfRangeError`` naming the earliest offset (as Kafka's consumer that fell
+    #: behind retention does). Bounds the disk a stalled reader can pin.
+    reader_hold: float = 60.0
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -159,6 +159,7 @@ class Tables:
         assert self._budget is not None
         topic.durable.reserve = self._budget.reserve
         topic.durable.room = self._budget.room
+        topic.durable.store.hold = self._usage.limits.reader_hold  # readers pin for so long
         return topic
 
     def fail_all(self, exc: BaseException) -> None:
