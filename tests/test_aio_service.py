@@ -114,6 +114,32 @@ async def test_each_write_hears_its_own_outcome_and_a_refusal_costs_only_its_bat
     await no_aio_threads()
 
 
+async def test_an_idempotent_producers_refused_batch_costs_only_its_write(
+    tmp_path: Path,
+) -> None:
+    """The same into a durable topic through an idempotent sink: B (a NULL in NOT NULL) is
+    refused to its own write; C, sent after it on the same stream, takes B's number and is
+    stored; so is D. B used to stay in the sink, sent again and refused with every call,
+    and nothing written after it was stored."""
+    data = str(tmp_path / "data")
+    with serve_process({}, tmp_path, "--data-dir", data) as (_, location):
+        async with AsyncClient.connect(location) as client:
+            await client.create_topic("ticks", SCHEMA, durable=True)
+            sink = await client.sink("ticks", producer_id="p", retry=WAIT)
+            await sink.write(rows(1))
+            b = await sink.send(rows(None))
+            c = await sink.send(rows(2))
+            with pytest.raises(SchemaMismatchError, match="NOT NULL"):
+                await asyncio.wait_for(b, WAIT)
+            await asyncio.wait_for(c, WAIT)
+            await sink.write(rows(3))
+            await sink.flush(timeout=WAIT)
+            got = await client.read("ticks", 0, 3).read_all()
+            assert got["k"].to_pylist() == [1, 2, 3]
+            assert (await client.offsets("ticks"))["next"] == 3  # each once
+    await no_aio_threads()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -25,6 +25,7 @@ from pushtable.errors import (
     InvalidRequestError,
     PermissionDeniedError,
     ResourceLimitError,
+    SchemaMismatchError,
     SequenceError,
 )
 from pushtable.flight import Limits, Server, connect, protocol
@@ -630,4 +631,38 @@ def test_consumer_names_and_counts_are_bounded_by_name(durable_server: Server) -
     consumers = client.stats("t")["consumers"]
     assert len(consumers) == 1024
     assert "one-more" not in consumers
+    client.close()
+
+
+def test_a_refused_batch_of_an_idempotent_producer_is_let_go_and_the_rest_stored_once(
+    durable_server: Server,
+) -> None:
+    """A batch the server refuses (a NULL in a NOT NULL column: its data, not an outage)
+    used to stay in the idempotent sink and go again with every call, refused each time:
+    every later flush raised, and nothing written after it was ever stored. The refusal is
+    now raised once; the batches after it take its number and are stored, each once."""
+    schema = pa.schema([pa.field("k", pa.int64(), nullable=False)])
+    client = connect(durable_server.location)
+    client.create_topic("t", schema, durable=True)
+    sink = client.sink("t", producer_id="p")
+    sink.write(pa.record_batch({"k": [1]}, schema=schema))
+    sink.flush(timeout=WAIT)
+    bad = pa.record_batch([pa.array([None], pa.int64())], schema=schema)
+    refusals: list[SchemaMismatchError] = []
+    for data in (bad, pa.record_batch({"k": [2]}, schema=schema)):
+        try:  # the refusal comes with a later call: whichever hears it
+            sink.write(data)
+        except SchemaMismatchError as exc:
+            refusals.append(exc)
+    for _ in range(3):
+        try:
+            sink.flush(timeout=WAIT)
+        except SchemaMismatchError as exc:
+            refusals.append(exc)
+    assert len(refusals) == 1, refusals  # raised once
+    assert "NOT NULL" in str(refusals[0])
+    sink.write(pa.record_batch({"k": [3]}, schema=schema))
+    sink.flush(timeout=WAIT)
+    stored = client.read("t", 0, client.offsets("t")["committed"]).read_all()
+    assert stored.column("k").to_pylist() == [1, 2, 3]
     client.close()

@@ -162,6 +162,8 @@ class _Writer:
                     return
             except PushTableError as exc:
                 now = time.monotonic()
+                if getattr(exc, "refused_sequence", None) is not None and not job.item.settled:
+                    continue  # the server refused an earlier item (told already); this one goes
                 if retry is not _PLAIN and protocol.retriable(exc):
                     if outage_ends is None and isinstance(retry, (int, float)):
                         outage_ends = now + retry

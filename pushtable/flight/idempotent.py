@@ -169,9 +169,11 @@ class IdempotentSink(RemoteSink):
                 self._trim()
                 return
             except PushTableError as exc:
+                first = self._first  # the open stream's first sequence, before it is dropped
                 if self._put is not None and (self._put.error is not None or self._put.finished):
                     self._drop_stream()
                 if not protocol.retriable(exc):
+                    self._let_go_refused(exc, first)
                     raise
                 now = time.monotonic()
                 give_up = (
@@ -185,6 +187,36 @@ class IdempotentSink(RemoteSink):
                     raise self._unavailable(exc) from exc
                 time.sleep(pause)
                 pause = min(1.0, pause * 2)
+
+    def _let_go_refused(self, exc: PushTableError, first: int) -> None:
+        """Forget the batch the server refused (its data), numbering those after it anew.
+
+        The server took every batch before it and none after (the stream ended there): the
+        later ones take the numbers from the refused one's on, and go on the next stream. It
+        used to be kept and sent again with every call, refused each time, and nothing
+        written after it was ever stored.
+        """
+        refused = getattr(exc, "refused_message", None)
+        if refused is None:
+            return
+        sequence = first + refused - 1
+        kept = [entry for entry in self._unacked if entry[0] != sequence]
+        if len(kept) == len(self._unacked):
+            return  # not one of ours (acknowledged meanwhile, or already let go)
+        if (item := self._items.pop(sequence, None)) is not None:
+            item.settle(exc)
+        renumbered: collections.deque[tuple[int, pa.RecordBatch, int]] = collections.deque()
+        items: dict[int, Item] = {}
+        for seq, batch, size in kept:
+            new = seq - 1 if seq > sequence else seq
+            renumbered.append((new, batch, size))
+            if (item := self._items.get(seq)) is not None:
+                item.sequence = new
+                items[new] = item
+        self._unacked_bytes -= sum(size for seq, _, size in self._unacked if seq == sequence)
+        self._unacked, self._items = renumbered, items
+        self._next_sequence -= 1
+        exc.refused_sequence = sequence  # type: ignore[attr-defined]
 
     def _bytes_fit(self, put: PutStream, batch: pa.RecordBatch, deadline: float | None) -> bool:
         """Wait until ``batch`` and the batches in flight on ``put`` fit ``window_bytes``.
@@ -231,7 +263,11 @@ class IdempotentSink(RemoteSink):
                 except CommitFailedError as exc:
                     raise self._kept(exc, written + 1) from exc
                 except PushTableError as exc:
-                    exc.batches_written = written
+                    # This call's batch counts as written unless it is the one refused (a
+                    # refusal of an earlier one is raised here; this one is kept and sent).
+                    refused = getattr(exc, "refused_sequence", None)
+                    kept = refused is not None and refused != self._next_sequence
+                    exc.batches_written = written + (1 if kept else 0)
                     raise
 
     def _kept(self, exc: CommitFailedError, taken: int) -> CommitFailedError:
@@ -276,18 +312,23 @@ class IdempotentSink(RemoteSink):
     def tend(self, deadline: float | None) -> None:
         """Forget what is stored, and go on sending what is kept (reconnecting if need be).
 
-        An error that is not an outage (the server refused a batch) is told to every item
-        still waiting for its outcome.
+        A stream that ended is asked why first: a refused batch's item is told, and the
+        others go again on the next stream; another error that is not an outage is told to
+        every item still waiting for its outcome.
         """
         with self._lock:
             self._trim()
             if not self._unacked:
                 return
+            put = self._put
+            ended = put is not None and (put.finished or put.error is not None)
             try:
-                self._pump(None, deadline)
+                self._pump(0 if ended else None, deadline)
             except PushTableError as exc:
                 if protocol.retriable(exc) or isinstance(exc, WriteTimeoutError):
                     raise
+                if getattr(exc, "refused_sequence", None) is not None:
+                    raise  # the refused item is told; the others are kept, sent next time
                 items, self._items = list(self._items.values()), {}
                 for item in items:
                     item.settle(exc)
