@@ -28,7 +28,7 @@ from pushtable.errors import (
     SchemaMismatchError,
     SequenceError,
 )
-from pushtable.flight import Limits, Server, connect, protocol
+from pushtable.flight import Client, Limits, RemoteSink, Server, connect, protocol
 from pushtable.flight.auth import Grant
 from pushtable.flight.idempotent import DURABLE_WINDOW, IdempotentSink
 from tests.conftest import WAIT, Background, wait_until
@@ -379,14 +379,20 @@ def test_a_resend_after_a_lost_acknowledgement_is_not_stored_twice(
     assert isinstance(protocol.client_error(caught.value), SequenceError)  # the client's class
 
 
-def test_a_commit_failure_surfaces_on_the_producer(durable_server: Server) -> None:
-    client = connect(durable_server.location)
+def stored_once_then_broken(server: Server) -> tuple[Client, RemoteSink, Path, Path]:
+    """A durable topic ``t`` with producer ``a``'s first batch stored, then its data dir
+    broken (:func:`break_dataset`): (client, sink, dataset path, where its data went)."""
+    client = connect(server.location)
     client.create_topic("t", SCHEMA, durable=True, commit_interval=0.05)
     sink = client.sink("t", producer_id="a")
     sink.write(rows(0))
     sink.flush(timeout=WAIT)
-    path = data_dir(durable_server) / "t.lance"
-    moved = break_dataset(path)
+    path = data_dir(server) / "t.lance"
+    return client, sink, path, break_dataset(path)
+
+
+def test_a_commit_failure_surfaces_on_the_producer(durable_server: Server) -> None:
+    client, sink, path, moved = stored_once_then_broken(durable_server)
     sink.write(rows(2))
     with pytest.raises(CommitFailedError, match=r"'t': storing offsets 1\.\.1"):
         sink.flush(timeout=WAIT)
@@ -573,13 +579,7 @@ def test_a_failed_commit_says_the_producer_keeps_its_batches_and_they_are_stored
     a producer that wrote them again stored them twice. Now the error says they are kept
     (their sequences named, do not write them again), and a producer that does as it says
     stores every batch once."""
-    client = connect(durable_server.location)
-    client.create_topic("t", SCHEMA, durable=True, commit_interval=0.05)
-    sink = client.sink("t", producer_id="a")
-    sink.write(rows(0))
-    sink.flush(timeout=WAIT)
-    path = data_dir(durable_server) / "t.lance"
-    moved = break_dataset(path)
+    client, sink, path, moved = stored_once_then_broken(durable_server)
     sink.write(rows(2))
     sink.write(rows(4))
     with pytest.raises(CommitFailedError) as failed:

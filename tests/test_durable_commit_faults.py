@@ -24,7 +24,7 @@ from datafusion import SessionConfig
 
 from pushtable import SessionContext, Topic, lance_commits
 from pushtable.durable import store as store_module
-from pushtable.durable.log import epoch_of, epoch_sequence
+from pushtable.durable.log import DurableLog, epoch_of, epoch_sequence
 from pushtable.errors import CommitFailedError, WriteTimeoutError
 from tests.conftest import WAIT, Background, wait_until
 
@@ -173,6 +173,19 @@ def test_a_commit_that_keeps_failing_leaves_no_fragments_behind(
     assert ds.count_rows() == 2000
 
 
+def with_a_reader_taking_one_batch_at_a_time(
+    tmp_path: Path, schema: pa.Schema
+) -> tuple[Topic, DurableLog, Any]:
+    """A durable topic committing every millisecond, with a live subscriber of capacity 1
+    whose query's stream the test reads batch by batch: (topic, its log, the stream)."""
+    topic = Topic("events", schema, persist=tmp_path / "events.lance", commit_interval=0.001)
+    log = topic.durable
+    assert log is not None
+    ctx = SessionContext(SessionConfig().with_target_partitions(1))
+    topic.subscribe(ctx, "live", capacity=1)
+    return topic, log, ctx.sql("SELECT k FROM live").execute_stream()
+
+
 def test_a_spark_epoch_is_stored_by_one_commit_or_none(tmp_path: Path) -> None:
     """A Spark epoch's batches go in as one unit (``append_unit``): no commit takes a part of
     it, so a replay after a crash finds all of it stored or none, however Spark splits the
@@ -181,12 +194,7 @@ def test_a_spark_epoch_is_stored_by_one_commit_or_none(tmp_path: Path) -> None:
     batches were appended one by one, and a commit could take the first ones: a replay split
     differently then skipped rows by sequence number or stored some twice)."""
     schema = pa.schema([pa.field("k", pa.int64())])
-    topic = Topic("events", schema, persist=tmp_path / "events.lance", commit_interval=0.001)
-    log = topic.durable
-    assert log is not None
-    ctx = SessionContext(SessionConfig().with_target_partitions(1))
-    topic.subscribe(ctx, "live", capacity=1)
-    stream = ctx.sql("SELECT k FROM live").execute_stream()
+    topic, log, stream = with_a_reader_taking_one_batch_at_a_time(tmp_path, schema)
     batches = [pa.record_batch({"k": [i, i]}, schema=schema) for i in range(6)]
     sequences = [epoch_sequence(3, i, last=i == 5) for i in range(6)]
     publish = Background(
@@ -219,12 +227,7 @@ def test_an_epoch_given_up_midway_is_taken_back_and_its_retry_stores_it_once(
     back what it appended: nothing of it is stored, the offsets are given again, and the
     retry stores the epoch once."""
     schema = pa.schema([pa.field("k", pa.int64())])
-    topic = Topic("events", schema, persist=tmp_path / "events.lance", commit_interval=0.001)
-    log = topic.durable
-    assert log is not None
-    ctx = SessionContext(SessionConfig().with_target_partitions(1))
-    topic.subscribe(ctx, "live", capacity=1)
-    stream = ctx.sql("SELECT k FROM live").execute_stream()
+    topic, log, stream = with_a_reader_taking_one_batch_at_a_time(tmp_path, schema)
     batches = [pa.record_batch({"k": [i]}, schema=schema) for i in range(4)]
     sequences = [epoch_sequence(0, i, last=i == 3) for i in range(4)]
     stop = threading.Event()
