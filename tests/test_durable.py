@@ -448,6 +448,36 @@ def test_the_data_dir_has_a_byte_limit(tmp_path: Path) -> None:
         server.stop()
 
 
+def test_a_topic_over_its_own_budget_stops_only_its_own_producers(tmp_path: Path) -> None:
+    """``max_data_bytes`` is the whole data dir: one topic filling it refused every
+    producer of every topic. ``max_topic_bytes`` bounds each topic's dataset: past it, that
+    topic's producer is refused by name, and another topic takes writes all along."""
+    limits = Limits(max_data_bytes=10_000_000, max_topic_bytes=200_000)
+    server = Server(data_dir=tmp_path / "data", limits=limits)
+    try:
+        client = connect(server.location)
+        client.create_topic("noisy", SCHEMA, durable=True)
+        client.create_topic("quiet", SCHEMA, durable=True)
+        noisy = client.sink("noisy", producer_id="a")
+        quiet = client.sink("quiet", producer_id="b")
+        noise = [os.urandom(16).hex() for _ in range(2_000)]  # stored at about its Arrow size
+        big = pa.record_batch({"k": list(range(2_000)), "s": noise}, schema=SCHEMA)
+        stored = 0
+        with pytest.raises(ResourceLimitError, match=r"durable topic 'noisy'.*max_topic_bytes"):
+            for _ in range(20):
+                noisy.write(big)
+                noisy.flush(timeout=WAIT)
+                stored += 1
+        assert stored >= 1
+        for i in range(3):  # the other topic is not held up
+            quiet.write(rows(2 * i))
+            quiet.flush(timeout=WAIT)
+        assert client.offsets("quiet")["committed"] == 3
+        assert client.offsets("noisy")["committed"] == stored
+    finally:
+        server.stop()
+
+
 def test_only_admin_creates_durable_topics_and_no_client_chooses_a_path(
     tmp_path: Path,
 ) -> None:

@@ -58,6 +58,9 @@ class Limits:
     #: bytes the durable topics of ``--data-dir`` may take on disk (a write past it is
     #: refused; what is stored stays readable).
     max_data_bytes: int = 64 * GiB
+    #: ... and each durable topic's own dataset, so one topic that fills up stops only its
+    #: own producers (set the topics' bounds to add up to at most ``max_data_bytes``).
+    max_topic_bytes: int = 16 * GiB
     #: seconds a durable topic's producer may leave its acknowledgements unread (while the
     #: server waits to send one) before its stream is cut off; it never stalls others.
     ack_timeout: float = 30.0
@@ -304,10 +307,19 @@ class DataBudget:
     directory is measured again, since upkeep removes old versions.
     """
 
-    def __init__(self, path: Path, limit: int, usage: Usage) -> None:
+    def __init__(
+        self,
+        path: Path,
+        limit: int,
+        usage: Usage,
+        option: str = "max_data_bytes",
+        what: str | None = None,
+    ) -> None:
         self.path = path
         self.limit = limit
         self._usage = usage
+        self._option = option
+        self._what = what or f"bytes in the data dir {path}"
         self._lock = threading.Lock()
         self.used = directory_bytes(path)
 
@@ -317,13 +329,8 @@ class DataBudget:
                 self.used = directory_bytes(self.path)
             if self.used + nbytes > self.limit:
                 raise self._usage._refuse(
-                    _refused(
-                        f"bytes in the data dir {self.path}",
-                        self.used + nbytes,
-                        self.limit,
-                        "max_data_bytes",
-                    ),
-                    "max_data_bytes",
+                    _refused(self._what, self.used + nbytes, self.limit, self._option),
+                    self._option,
                 )
             self.used += nbytes
 

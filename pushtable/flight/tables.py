@@ -157,8 +157,21 @@ class Tables:
         """``topic``'s writes and upkeep held to the data dir's ``max_data_bytes``."""
         assert topic.durable is not None
         assert self._budget is not None
-        topic.durable.reserve = self._budget.reserve
-        topic.durable.room = self._budget.room
+        whole = self._budget
+        own = DataBudget(
+            Path(topic.durable.store.uri),
+            self._usage.limits.max_topic_bytes,
+            self._usage,
+            "max_topic_bytes",
+            f"bytes of durable topic '{topic.name}'",
+        )
+
+        def reserve(nbytes: int) -> None:
+            own.reserve(nbytes)  # this topic's bound first: over it, only it is refused
+            whole.reserve(nbytes)
+
+        topic.durable.reserve = reserve
+        topic.durable.room = lambda: min(own.room(), whole.room())
         topic.durable.store.hold = self._usage.limits.reader_hold  # readers pin for so long
         return topic
 
