@@ -9,9 +9,11 @@ rides out a server that is killed and restarted (``retry``), and prints ``done``
 from __future__ import annotations
 
 import sys
+import time
 
 import pyarrow as pa
 
+from pushtable.errors import CommitFailedError
 from pushtable.flight import connect
 from pushtable.flight.idempotent import IdempotentSink
 
@@ -25,6 +27,20 @@ def batch(producer: str, seq: int, rows: int) -> pa.RecordBatch:
     )
 
 
+def flush(sink: IdempotentSink) -> None:
+    """Flush; a commit that failed (``tests/faulty_serve.py`` injects some) is retried by the
+    topic, and the sink keeps what it covers: flush again, as the error says (bounded)."""
+    for _ in range(200):
+        try:
+            sink.flush()
+            return
+        except CommitFailedError as exc:
+            if not getattr(exc, "kept", False):
+                raise
+            time.sleep(0.05)
+    sink.flush()
+
+
 def main(location: str, topic: str, producer: str, batches: int, rows: int, every: int) -> None:
     client = connect(location)
     sink = client.sink(topic, producer_id=producer, retry=60.0)
@@ -32,11 +48,15 @@ def main(location: str, topic: str, producer: str, batches: int, rows: int, ever
     first = sink._next_sequence  # a restarted producer continues after what is stored
     print("ready", flush=True)
     for seq in range(first, batches):
-        sink.write(batch(producer, seq, rows))
+        try:
+            sink.write(batch(producer, seq, rows))
+        except CommitFailedError as exc:  # kept by the sink, as the error says: not again
+            if not getattr(exc, "kept", False):
+                raise
         if (seq + 1) % every == 0:
-            sink.flush()
+            flush(sink)
             print(f"flushed {seq}", flush=True)
-    sink.flush()
+    flush(sink)
     print(f"flushed {batches - 1}", flush=True)
     print("done", flush=True)
     client.close()

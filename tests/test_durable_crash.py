@@ -132,11 +132,21 @@ def port() -> int:
 
 
 def crash_run(
-    data_dir: Path, port: int, *, batches: int, rows: int, every: int, kill_after: int
+    data_dir: Path,
+    port: int,
+    *,
+    batches: int,
+    rows: int,
+    every: int,
+    kill_after: int,
+    prefix: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Four producers; SIGKILL the server once they flushed ``kill_after`` times together;
-    check what was acknowledged is stored; restart; subscribe from "earliest"; finish."""
-    server = Serve(data_dir, port)
+    check what was acknowledged is stored; restart; subscribe from "earliest"; finish.
+
+    ``prefix`` runs the server under a wrapper (``tests/faulty_serve.py``: commits that
+    land, then raise), both times."""
+    server = Serve(data_dir, port, prefix=prefix)
     producers: list[Producer] = []
     try:
         connect(server.location).create_topic("events", SCHEMA, durable=True)
@@ -161,7 +171,7 @@ def crash_run(
             missing = [s for s in range(upto + 1) if after_kill.get((name, s)) != rows]
             assert not missing, f"{name}: acknowledged batches {missing} are not stored"
 
-        server = Serve(data_dir, port)
+        server = Serve(data_dir, port, prefix=prefix)
         client = connect(server.location)
         client.subscribe("events", "everything", start="earliest", capacity=64)
         reading = Background(
@@ -192,6 +202,27 @@ def test_sigkill_during_ingest_loses_nothing_acknowledged_and_duplicates_nothing
 ) -> None:
     result = crash_run(tmp_path / "data", port, batches=60, rows=500, every=5, kill_after=8)
     assert result["acknowledged_at_kill"] >= 8 * 5
+
+
+FAULTY_SERVE = str(Path(__file__).with_name("faulty_serve.py"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("run", range(10))
+def test_crash_sweep_with_commits_that_land_then_raise(tmp_path: Path, port: int, run: int) -> None:
+    """The sweep again, with one manifest commit or sync in five raising after it landed (a
+    late fsync error, an object store's lost reply: ``tests/faulty_serve.py``), before and
+    after the kill: every batch stored exactly once, none acknowledged lost."""
+    rng = random.Random(1000 + run)
+    crash_run(
+        tmp_path / "data",
+        port,
+        batches=rng.randint(20, 60),
+        rows=rng.choice([1, 100, 2000]),
+        every=rng.randint(1, 7),
+        kill_after=rng.randint(0, 10),
+        prefix=(sys.executable, FAULTY_SERVE, str(run), "0.2", "--"),
+    )
 
 
 @pytest.mark.slow

@@ -564,6 +564,16 @@ class DurableLog:
                     self.store.discard(written)
                     self._discard(ahead)
                     continue
+                if self._unsure:
+                    # Still cannot tell whether an earlier commit of these offsets landed:
+                    # committing them now could store them twice. This gathering never
+                    # landed: its files go; the next attempt asks again first.
+                    self.store.discard(written)
+                    written = None
+                    raise OSError(
+                        "cannot tell whether the previous commit landed (its stamp could not "
+                        "be read); asked again before the next attempt"
+                    )
                 with self._cond:  # as of now: retention or a consumer may have moved meanwhile
                     consumers, earliest = dict(self._consumers), self._earliest
                 last = current.entries[-1].offset
@@ -576,7 +586,8 @@ class DurableLog:
                 # The commit may have landed before it raised (a late sync error, an object
                 # store's lost reply): then its offsets are stored, and appending them again
                 # would store them twice. Read the newest stamp before anything is retried.
-                self._unsure = written is not None
+                # (Unsure already, it stays so: a failure before this commit proves nothing.)
+                self._unsure = self._unsure or written is not None
                 if written is not None and self._settle_landed(written):
                     continue
                 if written is not None and not self._unsure:
