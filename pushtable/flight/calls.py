@@ -48,9 +48,7 @@ class Calls:
     def held(self, context: Any) -> Iterator[None]:
         """Count a streaming call for as long as it runs, in one of its client's stream slots."""
         with self.usage.stream(client_of(context)):
-            opening = context.get_middleware(OPENING)
-            if isinstance(opening, _Opening):
-                opening.settle()  # counted as held from here
+            opened(context)  # counted as held from here
             with self._changed:
                 self._count += 1
             try:
@@ -134,6 +132,13 @@ class Opening(flight.ServerMiddlewareFactory):  # type: ignore[misc]
         except PushTableError as exc:
             raise protocol.server_error(exc) from exc
         return _Opening(self._usage, token)
+
+
+def opened(context: Any) -> None:
+    """The call's first message came (its handler runs): it no longer counts as opening."""
+    opening = context.get_middleware(OPENING)
+    if isinstance(opening, _Opening):
+        opening.settle()
 
 
 def client_of(context: Any) -> str:

@@ -36,7 +36,7 @@ from pushtable.errors import (
 )
 from pushtable.flight import catalog, parameters, sql
 from pushtable.flight.auth import READ, caller
-from pushtable.flight.calls import POLL_S, Calls, audit, query_error, wire_errors
+from pushtable.flight.calls import POLL_S, Calls, audit, opened, query_error, wire_errors
 from pushtable.flight.limits import Slot
 from pushtable.flight.tables import Tables
 from pushtable.topic import Topic
@@ -141,6 +141,7 @@ class Queries:
         Its kind is the first of :data:`_TICKETS`' keys that
         the ticket's JSON object holds.
         """
+        opened(context)  # the ticket is its first message: not a call still opening
         call = _Get(None, contextlib.ExitStack(), time.perf_counter())
         with wire_errors(), call.held:  # audit, query slot, stream slot: until the last batch
             call.record = call.held.enter_context(audit(context, "do_get"))
