@@ -48,13 +48,17 @@ CLOSE_WAIT_S = 5.0
 class _Job:
     """An item on its way to the writer thread; a task that stops waiting abandons it."""
 
-    __slots__ = ("abandoned", "deadline", "item", "sent")
+    __slots__ = ("deadline", "item", "sent")
 
     def __init__(self, item: Item, deadline: float | None) -> None:
         self.item = item
         self.deadline = deadline
         self.sent = False
-        self.abandoned = False
+
+    @property
+    def abandoned(self) -> bool:
+        """Whether its task stopped waiting (the sink, seeing it, does not send it)."""
+        return self.item.withdrawn
 
 
 class _Call:
@@ -341,7 +345,7 @@ class AsyncSink:
         try:
             await self._queue(job, deadline)
         except BaseException:
-            job.abandoned = True
+            _abandon([job])
             raise
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         await within(asyncio.shield(outcome), left, f"advance of '{self.name}'")
@@ -443,7 +447,7 @@ class AsyncSink:
 def _abandon(jobs: list[_Job]) -> None:
     """The task stopped waiting: what the writer has not sent yet, it never sends."""
     for job in jobs:
-        job.abandoned = True
+        job.item.withdrawn = True
 
 
 async def _all(outcomes: list[asyncio.Future[None]]) -> None:

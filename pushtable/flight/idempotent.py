@@ -128,6 +128,22 @@ class IdempotentSink(RemoteSink):
                 if (item := self._items.pop(sequence, None)) is not None:
                     item.settle(None)
 
+    def _withdraw(self, sequence: int) -> bool:
+        """Take back the newest batch if its writer stopped waiting before it was sent.
+
+        Only the newest can go without renumbering those after it; an older one withdrawn is
+        sent as numbered (its writer was told it may still be stored).
+        """
+        item = self._items.get(sequence)
+        if item is None or not item.withdrawn or sequence != self._next_sequence - 1:
+            return False
+        _, _, size = self._unacked.pop()
+        del self._items[sequence]
+        self._unacked_bytes -= size
+        self._next_sequence -= 1
+        item.sequence = None
+        return True
+
     def _unsent(self) -> list[tuple[int, pa.RecordBatch, int]]:
         """The batches the open stream has not carried yet (the newest), oldest first.
 
@@ -160,6 +176,8 @@ class IdempotentSink(RemoteSink):
                             f"{put.sent - put.acked} batch(es) unacknowledged"
                         )
                     self._trim()
+                    if self._withdraw(sequence):
+                        break  # the newest, never sent: nothing follows it
                     put.send(self._items.get(sequence) or batch, ack_every=max(1, self.window // 2))
                     self._sent_upto = sequence
                 if most_unacked == 0 and put.sent > put.acked:

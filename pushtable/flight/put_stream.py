@@ -38,7 +38,7 @@ class Item:
     :attr:`error` for the producer's next call to raise.
     """
 
-    __slots__ = ("batch", "error", "metadata", "outcome", "sequence", "settled")
+    __slots__ = ("batch", "error", "metadata", "outcome", "sequence", "settled", "withdrawn")
 
     def __init__(
         self,
@@ -53,6 +53,9 @@ class Item:
         self.settled = False
         #: an idempotent producer's number for it, once it has one
         self.sequence: int | None = None
+        #: its writer stopped waiting for it: a sink that has not sent it yet never does
+        #: (checked again once the window has room, so a withdrawal before that always holds)
+        self.withdrawn = False
 
     def settle(self, error: BaseException | None) -> None:
         """Record the item's outcome and tell its callback (once)."""

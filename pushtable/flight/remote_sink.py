@@ -233,6 +233,9 @@ class RemoteSink(ProducerScope):
                     f"write to remote table '{self.name}' timed out with {self.window} "
                     "batch(es) unacknowledged"
                 )
+            if self._pending[0].withdrawn:
+                self._pending.popleft()  # its writer stopped waiting before it could go
+                continue
             try:
                 put.send(self._pending.popleft(), ack_every=max(1, self.window // 2))
             except PushTableError as exc:  # the stream is over: its end says what it took
