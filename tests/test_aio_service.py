@@ -228,6 +228,32 @@ async def test_shutdown_with_a_full_table_is_bounded_and_holds_no_executor(
     await no_aio_threads()
 
 
+async def test_aclose_frees_a_stream_whose_batch_waits_for_room(tmp_path: Path) -> None:
+    """A sink left with ``aclose`` while the server waits for room for its batch in flight
+    frees its stream slot before ``aclose`` returns, and that batch is not stored (it was
+    never acknowledged). The stream used to stay the server's until the table had room:
+    with 2 streams a client, the second sink after it was refused."""
+    config = {"limits": {"max_streams_per_client": 2}}
+    with serve_process(config, tmp_path) as (_, location):
+        async with AsyncClient.connect(location) as client:
+            await client.create_table("full", SCHEMA, capacity=1)
+            await client.create_topic("other", SCHEMA)
+            stuck = await client.sink("full", window=2)
+            await stuck.write(rows(1))  # queued in the table: full
+            await stuck.send(rows(2))  # in flight: the server waits for room for it
+            await asyncio.wait_for(stuck.aclose(timeout=2.0), WAIT)
+            sinks = [await client.sink("other") for _ in range(2)]
+            for i, sink in enumerate(sinks):
+                await sink.write(rows(10 + i), timeout=WAIT)  # both slots free
+            reading = asyncio.create_task(keys_of(client.sql("SELECT k FROM full")))
+            closer = await client.sink("full")
+            await sinks[0].aclose()
+            await closer.close(timeout=WAIT)
+            assert await asyncio.wait_for(reading, WAIT) == [1]
+            await sinks[1].aclose()
+    await no_aio_threads()
+
+
 async def test_leaving_sinks_and_results_frees_their_streams_and_queries(tmp_path: Path) -> None:
     """With 2 streams a client and 1 query allowed, 6 sinks left with ``aclose`` and 6
     results left with ``break`` (then dropped) leave room for the next: they used to hold

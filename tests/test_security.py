@@ -229,6 +229,23 @@ def test_a_producer_fails_its_own_stream_and_a_refused_fail_keeps_its_error(
         assert any("lacks the 'write' role" in n for n in notes), notes
 
 
+def test_only_the_token_that_opened_a_stream_can_leave_it(secured: Server) -> None:
+    """``leave`` names a DoPut by the id its client sent: another token naming that id
+    leaves nothing, even with ``admin``; the token that opened it ends it (its handler,
+    waiting for room in a full table, gives up and the stream's slot is free)."""
+    with as_(secured, ADMIN) as ops, as_(secured, INGEST) as ingest:
+        ops.create_table("events", SCHEMA, capacity=1)
+        sink = ingest.sink("events", window=4)
+        sink.write(batch(1), timeout=WAIT)  # queued: the table is full
+        sink.write(batch(2), timeout=WAIT)  # in flight: the server waits for room
+        put = sink._put
+        assert put is not None
+        assert ops._transport.action("leave", {"stream": put.stream_id}) == {"left": False}
+        assert secured.usage.streams  # still the server's
+        assert ingest._transport.action("leave", {"stream": put.stream_id}) == {"left": True}
+        wait_until(lambda: not secured.usage.streams, "the left stream to end")
+
+
 def test_wrong_and_missing_tokens_are_unauthenticated(secured: Server) -> None:
     for token in ("nope", None, ADMIN + "x", ADMIN[:-1]):
         with (

@@ -90,6 +90,13 @@ class Producer(Named):
 
 
 @dataclass(frozen=True)
+class Leave(Request):
+    """``leave``: the caller's own DoPut ``stream`` (its id) is over; no table named."""
+
+    stream: str
+
+
+@dataclass(frozen=True)
 class Fail(Named):
     """``fail``: the producer's error, by message and class name."""
 
@@ -149,6 +156,7 @@ ACTIONS: dict[str, Action] = {
     "published": Action(ADMIN, "read the published epoch of", Epochs),
     "offsets": Action((READ, WRITE), "read the offsets of", Named),
     "producer": Action(WRITE, "push to", Producer),
+    "leave": Action(WRITE, "leave a stream of", Leave),
     "consumed": Action(READ, "read", Consumed),
     "discard": Action(ADMIN, "discard staged shares of", Epoch),
 }

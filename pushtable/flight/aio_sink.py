@@ -419,8 +419,11 @@ class AsyncSink:
         if self._closed:
             return await self._exited(timeout)
         self._leave(end_stream=False)
-        with contextlib.suppress(PushTableError):  # the stream ends, or it is let go
-            await within(off_loop(self.sync._end_stream), timeout, "aclose")
+        # the stream ends; one the server holds (a batch waiting for room) is left half-way
+        # through ``timeout``, so the server frees its slot before this returns
+        wait = CLOSE_WAIT_S if timeout is None else min(CLOSE_WAIT_S, timeout / 2)
+        with contextlib.suppress(PushTableError):
+            await within(off_loop(self.sync._end_stream, wait), timeout, "aclose")
         await self._exited(timeout)
 
     async def _exited(self, timeout: float | None) -> None:

@@ -72,7 +72,9 @@ class Calls:
 
     def give_up(self, context: Any) -> bool:
         """Whether a handler waiting for room should stop: its client left or the server stops."""
-        return bool(context.is_cancelled()) or self.stopping.is_set()
+        opening = context.get_middleware(OPENING)
+        left = isinstance(opening, _Opening) and opening.left
+        return left or bool(context.is_cancelled()) or self.stopping.is_set()
 
 
 #: The middleware key of :class:`Opening`.
@@ -87,13 +89,20 @@ STREAMING = (
 
 
 class _Opening(flight.ServerMiddleware):  # type: ignore[misc]
-    """A streaming call counted from its first byte until its handler holds its slot."""
+    """A streaming call counted from its first byte until its handler holds its slot.
 
-    def __init__(self, usage: Usage, token: str) -> None:
+    It also carries the call's stream id (the client's ``STREAM_HEADER``) and whether its
+    client left it (the ``leave`` action): a handler waiting for room gives up then.
+    """
+
+    def __init__(self, usage: Usage, token: str, stream: str | None, ended: Callable[[], None]):
         super().__init__()
         self._usage, self._token = usage, token
         self._lock = threading.Lock()
         self._counted = True
+        self.stream = stream
+        self.left = False
+        self._ended = ended
 
     def settle(self) -> None:
         """Give the count back (once): the handler took the call's slot, or the call ended."""
@@ -104,6 +113,7 @@ class _Opening(flight.ServerMiddleware):  # type: ignore[misc]
 
     def call_completed(self, exception: Any) -> None:
         self.settle()  # a call that ended before its first message (or its handler)
+        self._ended()
 
 
 class Opening(flight.ServerMiddlewareFactory):  # type: ignore[misc]
@@ -121,6 +131,9 @@ class Opening(flight.ServerMiddlewareFactory):  # type: ignore[misc]
         super().__init__()
         self._usage = usage
         self._name_of = name_of  # headers -> the token's name
+        self._lock = threading.Lock()
+        #: the calls with a stream id, by (token, id): as many as the streams open
+        self._streams: dict[tuple[str, str], _Opening] = {}
 
     def start_call(self, info: Any, headers: dict[str, list[Any]]) -> _Opening | None:
         """Count a streaming call as it opens (refused over a limit); other calls pass."""
@@ -131,7 +144,36 @@ class Opening(flight.ServerMiddlewareFactory):  # type: ignore[misc]
             self._usage.open_call(token)
         except PushTableError as exc:
             raise protocol.server_error(exc) from exc
-        return _Opening(self._usage, token)
+        ids = headers.get(protocol.STREAM_HEADER) or []
+        stream = ids[0] if len(ids) == 1 else None
+        if isinstance(stream, bytes):
+            stream = stream.decode("utf-8", "replace")
+        if stream is not None and len(stream) > protocol.MAX_STREAM_ID_CHARS:
+            stream = None
+        key = (token, stream) if stream is not None else None
+        opening = _Opening(self._usage, token, stream, lambda: self._forget(key, opening))
+        if key is not None:
+            with self._lock:
+                self._streams[key] = opening  # a reused id: the newest call is the one left
+        return opening
+
+    def _forget(self, key: tuple[str, str] | None, opening: _Opening) -> None:
+        if key is not None:
+            with self._lock:
+                if self._streams.get(key) is opening:
+                    del self._streams[key]
+
+    def leave(self, token: str, stream: str) -> bool:
+        """Mark ``token``'s stream ``stream`` as left by its client; whether it was open.
+
+        Only the token that opened a stream can leave it.
+        """
+        with self._lock:
+            opening = self._streams.get((token, stream))
+        if opening is None:
+            return False
+        opening.left = True
+        return True
 
 
 def opened(context: Any) -> None:

@@ -43,6 +43,12 @@ from pushtable import errors
 STAGE = "stage"
 PRODUCER = "producer"
 AUTH_HEADER = "authorization"
+#: a DoPut's id, chosen by its client: the ``leave`` action names it to end a stream whose
+#: handler waits for room (pyarrow's client cannot cancel a DoPut, and a stream whose client
+#: said ``done_writing`` is still the server's until its last batch is written)
+STREAM_HEADER = "pushtable-stream"
+#: the longest stream id a server keeps (longer ones are ignored: that stream cannot be left)
+MAX_STREAM_ID_CHARS = 64
 
 _ERROR = re.compile(
     r"\[pushtable:(?P<cls>\w+)\] (?P<msg>.*?) \[/pushtable\](?:\[refused:(?P<refused>\d+)\])?",

@@ -13,6 +13,7 @@ import collections
 import contextlib
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,8 @@ __all__ = ["Item", "PutStream"]
 
 _LATER = pa.py_buffer(protocol.LATER)
 _SYNC = pa.py_buffer(protocol.SYNC)
+#: how long a stream that was left is given to end (the server looks every ``POLL_S``)
+LEAVE_WAIT_S = 2.0
 
 
 class Item:
@@ -77,7 +80,10 @@ class PutStream:
         schema: pa.Schema,
         on_end: Callable[[], None] | None = None,
     ) -> None:
-        self.writer, self._reader = transport.do_put(descriptor, schema)
+        self._transport = transport
+        #: this stream's id: the ``leave`` action names it
+        self.stream_id = uuid.uuid4().hex
+        self.writer, self._reader = transport.do_put(descriptor, schema, self.stream_id)
         self._on_end = on_end  # told (on the reader thread) when the stream has ended
         self.schema = schema
         self.sent = 0
@@ -234,17 +240,35 @@ class PutStream:
         with self.io, contextlib.suppress(flight.FlightError, pa.ArrowException, OSError):
             self.writer.close()
 
-    def finish(self, timeout: float | None = None) -> None:
-        """End the stream: every acknowledgement read, the server's verdict raised."""
-        with self.io, contextlib.suppress(PushTableError):  # the ack reader has the verdict
-            protocol.call(self.writer.done_writing)
-        deadline = None if timeout is None else time.monotonic() + timeout
+    def _wait_finished(self, deadline: float | None) -> bool:
+        """Wait until the server ended the stream (or ``deadline``); whether it did."""
         with self.changed:
             while not self.finished:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise WriteTimeoutError("the server did not finish the stream in time")
+                    return False
                 self.changed.wait(left)
+        return True
+
+    def finish(self, timeout: float | None = None) -> None:
+        """End the stream: every acknowledgement read, the server's verdict raised.
+
+        If the server has not ended it within ``timeout`` seconds (its handler waits for room
+        for a batch in flight), the stream is left (the ``leave`` action: the server stops
+        waiting, and what it had not written is not acknowledged) and
+        :class:`~pushtable.WriteTimeoutError` raised once it ended, or ``LEAVE_WAIT_S`` later.
+        """
+        with self.io, contextlib.suppress(PushTableError):  # the ack reader has the verdict
+            protocol.call(self.writer.done_writing)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._wait_finished(deadline):
+            with contextlib.suppress(PushTableError):
+                self._transport.action("leave", {"stream": self.stream_id})
+            self._wait_finished(time.monotonic() + LEAVE_WAIT_S)
+            raise WriteTimeoutError(
+                f"the server did not finish the stream within {timeout}s: it was left "
+                f"({len(self.inflight)} batch(es) in flight not acknowledged)"
+            )
         self._ack_reader.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
         error = self.error
         try:

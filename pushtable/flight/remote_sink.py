@@ -42,6 +42,10 @@ from pushtable.producer import ProducerScope, SinkStats, TopicStats, arrow_batch
 
 __all__ = ["RemoteSink", "RemoteSinkStats", "Stager"]
 
+#: how long a producer leaving (its client closing) waits for its stream to end before it
+#: leaves it (see :meth:`PutStream.finish`)
+END_WAIT_S = 5.0
+
 
 @dataclass(frozen=True)
 class RemoteSinkStats:
@@ -137,16 +141,20 @@ class RemoteSink(ProducerScope):
             self._stopped |= isinstance(put.error, ServerStoppedError)
             put.abandon()  # its error was raised already
 
-    def _end_stream(self) -> None:
-        """End the open stream, if any (the client is closing); the table stays open."""
-        with self._lock:
-            self._end_stream_locked()
+    def _end_stream(self, timeout: float = END_WAIT_S) -> None:
+        """End the open stream, if any (the client is closing); the table stays open.
 
-    def _end_stream_locked(self) -> None:
+        A stream the server has not ended after ``timeout`` seconds (a batch in flight waits
+        for room in a full table) is left: the server stops waiting and frees its slot.
+        """
+        with self._lock:
+            self._end_stream_locked(timeout)
+
+    def _end_stream_locked(self, timeout: float = END_WAIT_S) -> None:
         put, self._put = self._put, None
         if put is not None:
             with contextlib.suppress(PushTableError):
-                put.finish(timeout=5.0)
+                put.finish(timeout=timeout)
             self._sent += put.sent
             self._acked += put.acked
 

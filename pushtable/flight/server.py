@@ -116,7 +116,8 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
         middleware: dict[str, flight.ServerMiddlewareFactory] = (
             {"auth": BearerAuth(self.tokens)} if len(self.tokens) else {}
         )
-        middleware[OPENING] = Opening(self.usage, self.tokens.name_of)  # after auth
+        self._opening = Opening(self.usage, self.tokens.name_of)
+        middleware[OPENING] = self._opening  # after auth
         try:
             super().__init__(location, middleware=middleware, tls_certificates=_tls_pairs(tls))
         except pa.ArrowException as exc:  # gRPC says only "Server did not start properly"
@@ -139,6 +140,7 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
             "tables": self._tables.listing,
             "offsets": self._tables.offsets,
             "producer": self._tables.producer,
+            "leave": lambda req, grant: {"left": self._opening.leave(grant.name, req.stream)},
             "consumed": self._tables.consumed,
             "publish": self._staging.publish,
             "published": self._staging.published,

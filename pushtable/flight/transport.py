@@ -82,9 +82,11 @@ class Transport:
         )
         return json.loads(results[0].body.to_pybytes()) if results else None
 
-    def do_put(self, descriptor: Any, schema: pa.Schema) -> tuple[Any, Any]:
-        """Open a DoPut stream: (writer, acknowledgement reader)."""
-        writer, reader = protocol.call(self._flight.do_put, descriptor, schema, self.stream_options)
+    def do_put(self, descriptor: Any, schema: pa.Schema, stream: str) -> tuple[Any, Any]:
+        """Open a DoPut stream with id ``stream``: (writer, acknowledgement reader)."""
+        headers = [*self._headers, (protocol.STREAM_HEADER.encode(), stream.encode())]
+        options = flight.FlightCallOptions(headers=headers)
+        writer, reader = protocol.call(self._flight.do_put, descriptor, schema, options)
         return writer, reader
 
     def do_get(self, ticket: dict[str, Any]) -> Any:
