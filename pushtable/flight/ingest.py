@@ -153,6 +153,7 @@ class Ingest:
                     producer.advance(watermark)
                 else:
                     batch = protocol.checked(path[0], count, batch)
+                    self._calls.usage.limits.check_batch(path[0], count, batch)
                     self._write(context, producer, batch)
                     record.rows += batch.num_rows
             except protocol.BATCH_REFUSALS as exc:
@@ -214,6 +215,7 @@ class Ingest:
                         ticket = log.offsets()["next"] - 1
                     else:
                         batch = protocol.checked(topic.name, count, batch)
+                        self._calls.usage.limits.check_batch(topic.name, count, batch)
                         ticket = self._append(context, log, batch, producer_id, sequence)
                         rows += batch.num_rows
                         if sequence is not None:

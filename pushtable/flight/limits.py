@@ -2,7 +2,9 @@
 
 The limits bind remote calls only: the operator's own Python API (``Server.ctx``,
 ``Server.create_table``) keeps full power. Every refusal is a :class:`ResourceLimitError`
-naming the limit, its value and the option that sets it; the server goes on serving.
+naming the limit, its value and the option that sets it (a batch over ``max_batch_bytes`` or
+``max_value_bytes``: an :class:`InvalidBatchError`, which costs only that batch); the server
+goes on serving.
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from pushtable.durable.store import directory_bytes
-from pushtable.errors import ResourceLimitError
+from pushtable.errors import InvalidBatchError, ResourceLimitError
 
 __all__ = ["Limits"]
 
@@ -70,6 +75,12 @@ class Limits:
     #: ``OffsetOutOfRangeError`` naming the earliest offset (as Kafka's consumer that fell
     #: behind retention does). Bounds the disk a stalled reader can pin.
     reader_hold: float = 60.0
+    #: largest batch (bytes of its buffers) a DoPut or a staged Spark share may carry; a
+    #: bigger one is refused by name, and the stream goes on.
+    max_batch_bytes: int = 256 * MiB
+    #: largest single string or binary value in a batch from the network (inside lists,
+    #: structs, maps and dictionaries too), refused as above.
+    max_value_bytes: int = 16 * MiB
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -121,6 +132,59 @@ class Limits:
         if isinstance(size, int) and size > self.max_table_bytes:
             raise _refused(f"{nbytes} asked for", size, self.max_table_bytes, "max_table_bytes")
         return options
+
+
+    def check_batch(self, table: str, number: int, batch: pa.RecordBatch) -> None:
+        """Refuse a batch from the network too big, or holding a value too long.
+
+        Over ``max_batch_bytes``, or with a string or binary value over ``max_value_bytes``:
+        :class:`~pushtable.InvalidBatchError`, naming which. O(buffers), plus one length
+        pass over each variable-width column (without the GIL).
+        """
+        size = batch.get_total_buffer_size()
+        if size > self.max_batch_bytes:
+            raise InvalidBatchError(
+                f"batch {number} for table {table!r} is {size:,} bytes, over the server's "
+                f"limit of {self.max_batch_bytes:,} (max_batch_bytes); it was refused"
+            )
+        for name, column in zip(batch.schema.names, batch.columns, strict=True):
+            longest = _longest_value(column)
+            if longest > self.max_value_bytes:
+                raise InvalidBatchError(
+                    f"batch {number} for table {table!r} holds a value of {longest:,} bytes in "
+                    f"column {name!r}, over the server's limit of {self.max_value_bytes:,} "
+                    "(max_value_bytes); it was refused"
+                )
+
+
+def _longest_value(array: pa.Array) -> int:
+    """The longest string or binary value in ``array`` (nested ones included); 0 if none."""
+    kind = array.type
+    if pa.types.is_dictionary(kind):
+        return _longest_value(array.dictionary)
+    if pa.types.is_struct(kind):
+        return max((_longest_value(array.field(i)) for i in range(kind.num_fields)), default=0)
+    if pa.types.is_map(kind):
+        return max(_longest_value(array.keys), _longest_value(array.items))
+    if (
+        pa.types.is_list(kind)
+        or pa.types.is_large_list(kind)
+        or pa.types.is_fixed_size_list(kind)
+        or pa.types.is_list_view(kind)
+        or pa.types.is_large_list_view(kind)
+    ):
+        return _longest_value(array.flatten())
+    if (
+        pa.types.is_string(kind)
+        or pa.types.is_large_string(kind)
+        or pa.types.is_binary(kind)
+        or pa.types.is_large_binary(kind)
+        or pa.types.is_string_view(kind)
+        or pa.types.is_binary_view(kind)
+    ):
+        longest = pc.max(pc.binary_length(array)).as_py()
+        return int(longest or 0)
+    return 0
 
 
 def _refused(what: str, value: int, limit: int, option: str) -> ResourceLimitError:

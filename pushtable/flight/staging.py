@@ -79,7 +79,10 @@ class Staging:
         try:
             for batch in protocol.batches(reader.read_chunk):
                 protocol.check_batch_schema(table, producer.schema, batch.schema)
-                share.add(protocol.checked(table, len(share.batches) + 1, batch))
+                number = len(share.batches) + 1
+                batch = protocol.checked(table, number, batch)  # valid before it is measured
+                self._usage.limits.check_batch(table, number, batch)
+                share.add(batch)
                 ack(len(share.batches))
         except BaseException:
             share.release()
