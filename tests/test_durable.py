@@ -664,6 +664,47 @@ def test_consumer_names_and_counts_are_bounded_by_name(durable_server: Server) -
     client.close()
 
 
+def test_producer_ids_are_bounded_and_an_idle_one_makes_room(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every commit stores each idempotent producer's last sequence, so a topic keeps at most
+    ``MAX_PRODUCERS`` (1,024; 3 here): a new producer id past it is refused by name while the
+    others are active; once the longest-idle one has appended nothing for ``PRODUCER_IDLE_S``
+    it goes (its sequence starts afresh, as Kafka's expired producer ids do), the new one is
+    taken, and commits (and a restart) keep only the producers kept."""
+    import pushtable.durable.log as durable_log
+
+    monkeypatch.setattr(durable_log, "MAX_PRODUCERS", 3)
+    server = Server(data_dir=tmp_path / "data")
+    client = connect(server.location)
+    client.create_topic("t", SCHEMA, durable=True)
+    for i, name in enumerate(("a", "b", "c")):
+        sink = client.sink("t", producer_id=name)
+        sink.write(rows(i))
+        sink.flush(timeout=WAIT)
+    late = client.sink("t", producer_id="d")
+    with pytest.raises(ResourceLimitError, match=r"sequences of 3 idempotent producers.*'d'"):
+        late.write(rows(3))
+        late.flush(timeout=WAIT)
+    monkeypatch.setattr(durable_log, "PRODUCER_IDLE_S", 0.0)  # every one idle long enough
+    late = client.sink("t", producer_id="d")
+    late.write(rows(3))
+    late.flush(timeout=WAIT)
+
+    def last(producer: str) -> int:
+        return int(client._action("producer", {"name": "t", "producer_id": producer})["sequence"])
+
+    assert [last(p) for p in "abcd"] == [-1, 0, 0, 0]  # "a", idle longest, went
+    assert client.offsets("t")["next"] == 4  # nothing refused was stored
+    client.close()
+    server.stop()
+    server = Server(data_dir=tmp_path / "data")  # the newest commit stores b, c, d only
+    client = connect(server.location)
+    assert [last(p) for p in "abcd"] == [-1, 0, 0, 0]
+    client.close()
+    server.stop()
+
+
 def test_a_refused_batch_of_an_idempotent_producer_is_let_go_and_the_rest_stored_once(
     durable_server: Server,
 ) -> None:

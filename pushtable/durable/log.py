@@ -114,6 +114,13 @@ class _Entry:
 MAX_CONSUMER_NAME_BYTES = 256
 MAX_CONSUMERS = 1024
 
+#: how many idempotent producers a topic keeps the last sequence of (each commit stores them
+#: all), and how long one that appends nothing keeps its place once the topic is at that bound
+#: (Kafka forgets an idle producer id after a day; Spark queries and services restarted from
+#: their state write at least daily, or start afresh with their sequence as the server has it)
+MAX_PRODUCERS = 1024
+PRODUCER_IDLE_S = 7 * 24 * 3600.0
+
 #: how many of each idempotent producer's last sequences keep a fingerprint (see
 #: ``DurableLog._check_resend``; ~40 KB a producer): a client's window of resends is 256 by
 #: default
@@ -219,6 +226,8 @@ class DurableLog:
         #: producer's sequences follow each other, so the newest is ``_accepted[producer]``'s)
         self._prints: dict[str, deque[int]] = {}
         self._stored = dict(recovered.producers)  # producer -> last sequence committed
+        #: producer -> when it last appended (monotonic; those recovered: when the log opened)
+        self._seen = dict.fromkeys(recovered.producers, time.monotonic())
         self._consumers = dict(recovered.consumers)  # consumer -> offset it has read up to
         self._pending: deque[_Entry] = deque()
         self._pending_bytes = 0
@@ -329,6 +338,7 @@ class DurableLog:
             self._next = next_offset
             if accepted is None:
                 self._accepted.pop(producer, None)
+                self._seen.pop(producer, None)
             else:
                 self._accepted[producer] = accepted
             self._cond.notify_all()
@@ -350,6 +360,8 @@ class DurableLog:
                 raise SinkClosedError(f"durable topic '{self.name}' is closed")
             if producer is not None:
                 assert sequence is not None
+                if producer not in self._accepted:
+                    self._make_room_for(producer)
                 last = self._accepted.get(producer, -1)
                 if sequence <= last:
                     if not gaps:
@@ -392,6 +404,7 @@ class DurableLog:
             if producer is not None:
                 assert sequence is not None
                 self._accepted[producer] = sequence
+                self._seen[producer] = time.monotonic()
                 if fingerprint is not None:
                     self._remember(producer, fingerprint)
             if closes and not was_ready:
@@ -417,6 +430,29 @@ class DurableLog:
                 "again with other rows than the batch stored under it: refused (is the "
                 "producer id used by two producers, or did one number its batches afresh?)"
             )
+
+    def _make_room_for(self, producer: str) -> None:
+        """Room for a new producer's sequence (the caller holds ``_cond``), or refuse it.
+
+        At :data:`MAX_PRODUCERS`, the producer idle longest goes if it appended nothing for
+        :data:`PRODUCER_IDLE_S` (its next commit stores it no more; if it comes back, its
+        sequence starts afresh, as Kafka's expired producer ids do); otherwise the new one is
+        refused by name.
+        """
+        if len(self._accepted) < MAX_PRODUCERS:
+            return
+        now = time.monotonic()
+        oldest = min(self._accepted, key=lambda p: self._seen.get(p, now), default=None)
+        if oldest is not None and now - self._seen.get(oldest, now) >= PRODUCER_IDLE_S:
+            for known in (self._accepted, self._stored, self._prints, self._seen):
+                known.pop(oldest, None)
+            return
+        raise ResourceLimitError(
+            f"durable topic '{self.name}' keeps the sequences of {MAX_PRODUCERS:,} idempotent "
+            f"producers already, each active within {PRODUCER_IDLE_S / 3600:g} h (every commit "
+            f"stores them all): refused producer id {producer!r}; reuse a producer's id across "
+            "its restarts rather than a new one each time"
+        )
 
     def _remember(self, producer: str, fingerprint: int) -> None:
         """Keep the fingerprint of ``producer``'s newest batch (its sequence follows the last)."""
@@ -677,7 +713,7 @@ class DurableLog:
         self, encoder: ThreadPoolExecutor, entries: list[_Entry], stored: dict[str, int]
     ) -> _Group:
         """``entries`` handed to the encoder; ``stored`` is what the commit before says."""
-        stored = dict(stored)
+        stored = {p: last for p, last in stored.items() if p in self._accepted}  # not forgotten
         for e in entries:
             if e.producer is not None:
                 assert e.sequence is not None
@@ -792,7 +828,7 @@ class DurableLog:
                 self._pending_bytes -= entry.nbytes
                 self._keep(entry)
             self._committed = entries[-1].offset + 1
-            self._stored = stored
+            self._stored = {p: last for p, last in stored.items() if p in self._accepted}
             self._version = version
             self._failure = None
             self._attempts += 1

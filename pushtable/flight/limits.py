@@ -133,7 +133,6 @@ class Limits:
             raise _refused(f"{nbytes} asked for", size, self.max_table_bytes, "max_table_bytes")
         return options
 
-
     def check_batch(self, table: str, number: int, batch: pa.RecordBatch) -> None:
         """Refuse a batch from the network too big, or holding a value too long.
 
