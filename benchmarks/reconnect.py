@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-import pushtable.flight.transport as transport
+import pushtable.flight.client.transport as transport
 from pushtable.flight import connect
 
 SCHEMA = pa.schema([("v", pa.int64())])

@@ -31,12 +31,12 @@ if TYPE_CHECKING:
     from pushtable.context import SessionContext, register_streaming_table
     from pushtable.dataframe import DataFrame
     from pushtable.explain import LiveExplanation, explain_live
-    from pushtable.flight.client import connect
-    from pushtable.flight.server import serve
+    from pushtable.flight.client.client import connect
+    from pushtable.flight.server.server import serve
     from pushtable.sink import TableSink
     from pushtable.topic import Subscription, Topic
 
-#: Names loaded on first use, by module: ``import pushtable.flight.client`` (a Spark
+#: Names loaded on first use, by module: ``import pushtable.flight.client.client`` (a Spark
 #: executor's remote producer) then needs neither DataFusion nor the native core.
 _LAZY = {
     "SessionContext": "pushtable.context",
@@ -44,8 +44,8 @@ _LAZY = {
     "DataFrame": "pushtable.dataframe",
     "LiveExplanation": "pushtable.explain",
     "explain_live": "pushtable.explain",
-    "connect": "pushtable.flight.client",
-    "serve": "pushtable.flight.server",
+    "connect": "pushtable.flight.client.client",
+    "serve": "pushtable.flight.server.server",
     "TableSink": "pushtable.sink",
     "Subscription": "pushtable.topic",
     "Topic": "pushtable.topic",

@@ -224,7 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         import pyarrow as pa
 
         from pushtable.flight import serve
-        from pushtable.flight.server import run_until_stopped
+        from pushtable.flight.server.server import run_until_stopped
 
         if (args.tls_cert is None) != (args.tls_key is None):
             parser().error("--tls-cert and --tls-key go together")

@@ -1,6 +1,6 @@
 """Names a package loads on first use (PEP 562), so a light module loads without the heavy ones.
 
-Importing one light module of it (``pushtable.flight.client``) does not load the heavy ones
+Importing one light module of it (``pushtable.flight.client.client``) does not load the heavy ones
 (DataFusion, the native core).
 """
 

@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from pushtable.errors import CommitFailedError
 from pushtable.flight import connect
-from pushtable.flight.idempotent import IdempotentSink
+from pushtable.flight.client.idempotent import IdempotentSink
 
 SCHEMA = pa.schema([("producer", pa.string()), ("seq", pa.int64()), ("row", pa.int64())])
 

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Iterator, Sequence
 import grpc  # type: ignore[import-untyped]
 import pyarrow as pa
 
-from pushtable.flight.sql import bytes_field, varint
+from pushtable.flight.server.sql import bytes_field, varint
 
 DO_PUT = "/arrow.flight.protocol.FlightService/DoPut"
 

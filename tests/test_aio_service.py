@@ -32,7 +32,7 @@ from pushtable.errors import (
     UnknownTableError,
     WriteTimeoutError,
 )
-from pushtable.flight.aio import AsyncClient
+from pushtable.flight.client.aio import AsyncClient
 from tests.conftest import WAIT, no_aio_threads, serve_process
 
 pytestmark = pytest.mark.asyncio

@@ -53,7 +53,7 @@ def test_a_checkout_without_the_built_core_says_to_build_it(tmp_path: Path) -> N
             done.stderr
         ), done.stderr
         assert "circular import" not in done.stderr
-    done = run("from pushtable.flight.client import connect; print(connect.__name__)")
+    done = run("from pushtable.flight.client.client import connect; print(connect.__name__)")
     assert (done.returncode, done.stdout.strip()) == (0, "connect"), done.stderr
 
 
@@ -64,8 +64,8 @@ def test_the_remote_client_loads_neither_datafusion_nor_the_native_core() -> Non
     import sys
 
     code = (
-        "import sys, pushtable.flight.client as c, pushtable.flight.idempotent;"
-        "import pushtable.flight.aio;"
+        "import sys, pushtable.flight.client.client as c, pushtable.flight.client.idempotent;"
+        "import pushtable.flight.client.aio;"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('datafusion', 'lance')"
         " or m == 'pushtable._native'))"
     )

@@ -29,8 +29,8 @@ from pushtable.errors import (
     SequenceError,
 )
 from pushtable.flight import Client, Limits, RemoteSink, Server, connect, protocol
-from pushtable.flight.auth import Grant
-from pushtable.flight.idempotent import DURABLE_WINDOW, IdempotentSink
+from pushtable.flight.client.idempotent import DURABLE_WINDOW, IdempotentSink
+from pushtable.flight.server.auth import Grant
 from tests.conftest import WAIT, Background, wait_until
 
 SCHEMA = pa.schema([("k", pa.int64()), ("s", pa.string())])

@@ -207,7 +207,7 @@ def test_result_batches_that_queued_up_go_out_together_and_an_error_after_them_c
 
     from pushtable.errors import RemoteError
     from pushtable.flight import protocol
-    from pushtable.flight.query import GROUP_ROWS, HANDOFF
+    from pushtable.flight.server.query import GROUP_ROWS, HANDOFF
 
     workers: list[threading.Thread] = []
 

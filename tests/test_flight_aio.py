@@ -28,7 +28,7 @@ from pushtable import (
     TableExistsError,
     UnknownTableError,
 )
-from pushtable.flight.aio import AsyncClient, AsyncSink
+from pushtable.flight.client.aio import AsyncClient, AsyncSink
 from tests.conftest import WAIT, no_aio_threads, serve_process
 
 pytestmark = pytest.mark.asyncio

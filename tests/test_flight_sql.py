@@ -15,9 +15,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pushtable.flight import Client, Server, connect, sql
-from pushtable.flight.auth import Grant
-from pushtable.flight.catalog import sql_type_name
+from pushtable.flight import Client, Server, connect
+from pushtable.flight.server import sql
+from pushtable.flight.server.auth import Grant
+from pushtable.flight.server.catalog import sql_type_name
 from tests.conftest import SCHEMA, Background, batch, wait_until
 
 
@@ -251,7 +252,7 @@ def test_bound_parameters_over_1_mib_are_refused_and_smaller_ones_bind(browsed: 
     ("Converting Expr::ScalarFunction to a Python object is not implemented"), then a result
     column DataFusion knew was never null once bound ("schema does not match the declared
     schema of this GeneratorStream")."""
-    from pushtable.flight.parameters import MAX_BYTES
+    from pushtable.flight.server.parameters import MAX_BYTES
 
     with adbc(browsed) as conn, conn.cursor() as cur:
         cur.execute("SELECT length(?) AS n", ("x" * 1000,))

@@ -17,7 +17,7 @@ import pytest
 
 from pushtable import ServerUnavailableError
 from pushtable.flight import connect
-from pushtable.flight.remote_sink import RemoteSink
+from pushtable.flight.client.remote_sink import RemoteSink
 from tests.conftest import WAIT, Background, serve_process
 
 SCHEMA = pa.schema([("v", pa.int64())])

@@ -27,7 +27,8 @@ from pushtable import (
     StreamFailedError,
     UnauthenticatedError,
 )
-from pushtable.flight import Client, Grant, Limits, RemoteSink, Server, connect, sql
+from pushtable.flight import Client, Grant, Limits, RemoteSink, Server, connect
+from pushtable.flight.server import sql
 from tests.conftest import SCHEMA, WAIT, Background, batch, serve_process, wait_until
 
 ADMIN, INGEST, DASH = "admin-s3cret", "ingest-s3cret", "dash-s3cret"

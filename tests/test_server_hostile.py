@@ -19,7 +19,8 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from pushtable.flight import actions, catalog, connect, sql
+from pushtable.flight import connect
+from pushtable.flight.server import actions, catalog, sql
 from tests.conftest import WAIT, Background, serve_process
 from tests.flight_raw import do_put, flight_data, ipc_messages, lie_about_length, path_descriptor
 

@@ -327,7 +327,7 @@ def test_the_page_draws_a_window_by_its_start_and_nested_values_as_text() -> Non
 
     import pyarrow as pa
 
-    from pushtable.flight.ui import _display_type, _json_value
+    from pushtable.flight.server.ui import _display_type, _json_value
 
     t0 = datetime(2026, 11, 26, 12, tzinfo=timezone.utc)
     window = pa.struct(

@@ -13,7 +13,7 @@
 - **latency**: a remote producer writes one-row batches at 100/s; a remote ``SELECT k`` stamps
   each row as it arrives: write -> result time p50 / p99 / max.
 - **asyncio**: the same live ``SELECT`` while one producer writes, through the asyncio face
-  (:mod:`pushtable.flight.aio`, one event loop) against the sync client, alternating; and
+  (:mod:`pushtable.flight.client.aio`, one event loop) against the sync client, alternating; and
   write -> result latency through it.
 - **spark**: 1,000,000-row epochs on ``local[2]``: :class:`~pushtable.spark.RemoteBridge`
   with ``push="executors"`` vs ``push="driver"`` into a server table drained by a query, without
@@ -238,7 +238,7 @@ def sql_stream_async(uri: str, name: str, rows: int, batches: int) -> float:
 
     One event loop writes (an ``AsyncSink``) and reads (``async for`` over ``client.sql``).
     """
-    from pushtable.flight.aio import AsyncClient
+    from pushtable.flight.client.aio import AsyncClient
 
     data = _batches(rows, batches, 1)
 
@@ -276,7 +276,7 @@ def latency_async(uri: str, name: str, samples: int, rate: float) -> dict[str, f
     One loop writes one-row batches at ``rate``/s (``await sink.write``) and stamps each row
     as ``async for`` hands it over.
     """
-    from pushtable.flight.aio import AsyncClient
+    from pushtable.flight.client.aio import AsyncClient
 
     async def main() -> list[float]:
         async with AsyncClient.connect(uri) as client:
@@ -515,7 +515,7 @@ def table(results: dict[str, Any]) -> str:
         a = results["asyncio"]
         al = a["latency"]
         lines.append(
-            f"asyncio face (pushtable.flight.aio), live SELECT while writing "
+            f"asyncio face (pushtable.flight.client.aio), live SELECT while writing "
             f"{a['batch_rows']:,}-row batches: {a['async_rows_per_s'] / 1e6:.1f} M rows/s "
             f"against sync {a['sync_rows_per_s'] / 1e6:.1f} ({a['async_vs_sync']:.2f}x); "
             f"write -> result at 100/s: p50 {al['p50_ms']:.2f} ms, p99 {al['p99_ms']:.2f} ms, "

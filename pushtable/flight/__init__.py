@@ -15,26 +15,26 @@ from pushtable.errors import ServerStoppedError
 from pushtable.lazy import lazy_names
 
 if TYPE_CHECKING:
-    from pushtable.flight.aio import AsyncClient
-    from pushtable.flight.auth import Grant, Tokens
-    from pushtable.flight.client import Client, RemoteResult, connect
-    from pushtable.flight.limits import Limits
-    from pushtable.flight.remote_sink import RemoteSink, RemoteSinkStats
-    from pushtable.flight.server import Server, serve
+    from pushtable.flight.client.aio import AsyncClient
+    from pushtable.flight.client.client import Client, RemoteResult, connect
+    from pushtable.flight.client.remote_sink import RemoteSink, RemoteSinkStats
+    from pushtable.flight.server.auth import Grant, Tokens
+    from pushtable.flight.server.limits import Limits
+    from pushtable.flight.server.server import Server, serve
 
 #: Names loaded on first use: the client's modules load neither the server nor DataFusion.
 _LAZY = {
-    "AsyncClient": "pushtable.flight.aio",
-    "Grant": "pushtable.flight.auth",
-    "Tokens": "pushtable.flight.auth",
-    "Client": "pushtable.flight.client",
-    "RemoteResult": "pushtable.flight.client",
-    "connect": "pushtable.flight.client",
-    "Limits": "pushtable.flight.limits",
-    "RemoteSink": "pushtable.flight.remote_sink",
-    "RemoteSinkStats": "pushtable.flight.remote_sink",
-    "Server": "pushtable.flight.server",
-    "serve": "pushtable.flight.server",
+    "AsyncClient": "pushtable.flight.client.aio",
+    "Grant": "pushtable.flight.server.auth",
+    "Tokens": "pushtable.flight.server.auth",
+    "Client": "pushtable.flight.client.client",
+    "RemoteResult": "pushtable.flight.client.client",
+    "connect": "pushtable.flight.client.client",
+    "Limits": "pushtable.flight.server.limits",
+    "RemoteSink": "pushtable.flight.client.remote_sink",
+    "RemoteSinkStats": "pushtable.flight.client.remote_sink",
+    "Server": "pushtable.flight.server.server",
+    "serve": "pushtable.flight.server.server",
 }
 
 

@@ -27,7 +27,7 @@ import pyarrow as pa
 
 from pushtable import lance_epochs
 from pushtable.errors import SchemaDriftError, UnknownTableError
-from pushtable.flight.client import Client, connect
+from pushtable.flight.client.client import Client, connect
 from pushtable.spark.arrow import arrow_schema
 from pushtable.spark.bridge import EpochReport, stamp_epoch, stamped_schema
 from pushtable.spark.session import ensure_worker_python

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import pyarrow as pa
 from pyspark.sql.datasource import DataSourceStreamArrowWriter, WriterCommitMessage
 
-from pushtable.flight.client import connect
+from pushtable.flight.client.client import connect
 from pushtable.lance_epochs import dataset_schema
 from pushtable.spark.arrow import arrow_schema
 from pushtable.spark.options import Options

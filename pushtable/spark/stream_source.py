@@ -38,7 +38,7 @@ from pyspark.sql.streaming.datasource import (
     SupportsTriggerAvailableNow,
 )
 
-from pushtable.flight.client import Client, connect
+from pushtable.flight.client.client import Client, connect
 from pushtable.spark.options import Options
 
 if TYPE_CHECKING:

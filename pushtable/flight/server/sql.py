@@ -2,11 +2,11 @@
 
 The commands are decoded from their protobuf bytes; the messages sent back are few.
 
-Served (what runs them: :mod:`pushtable.flight.query` and :mod:`pushtable.flight.catalog`):
-``CommandStatementQuery``; prepared statements (``CreatePreparedStatement``,
-``CommandPreparedStatementQuery``, parameters bound by ``DoPut``, ``ClosePreparedStatement``);
-the catalog commands ``CommandGetSqlInfo``, ``CommandGetTableTypes``, ``CommandGetCatalogs``,
-``CommandGetDbSchemas``, ``CommandGetTables``, ``CommandGetPrimaryKeys``,
+Served (what runs them: :mod:`pushtable.flight.server.query` and
+:mod:`pushtable.flight.server.catalog`): ``CommandStatementQuery``; prepared statements
+(``CreatePreparedStatement``, ``CommandPreparedStatementQuery``, parameters bound by ``DoPut``,
+``ClosePreparedStatement``); the catalog commands ``CommandGetSqlInfo``, ``CommandGetTableTypes``,
+``CommandGetCatalogs``, ``CommandGetDbSchemas``, ``CommandGetTables``, ``CommandGetPrimaryKeys``,
 ``CommandGetExportedKeys``, ``CommandGetImportedKeys``, ``CommandGetCrossReference`` and
 ``CommandGetXdbcTypeInfo``. Updates, Substrait plans and transactions are refused by name.
 

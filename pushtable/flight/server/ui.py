@@ -30,10 +30,10 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 import pyarrow as pa
 
 from pushtable.errors import PermissionDeniedError, UnauthenticatedError
-from pushtable.flight.auth import Tokens
-from pushtable.flight.client import Client, RemoteResult, connect
-from pushtable.flight.metrics_http import MetricsApp
-from pushtable.flight.query import UPSERT_KEY
+from pushtable.flight.client.client import Client, RemoteResult, connect
+from pushtable.flight.server.auth import Tokens
+from pushtable.flight.server.metrics_http import MetricsApp
+from pushtable.flight.server.query import UPSERT_KEY
 
 Start = Callable[[str, list[tuple[str, str]]], Any]
 #: a query's rows are sent at most this many per message, and the page keeps the last 1,000
@@ -62,7 +62,7 @@ def _plotly_js() -> bytes:
 
 
 def _static(name: str) -> bytes:
-    return resources.files("pushtable.flight").joinpath("static").joinpath(name).read_bytes()
+    return resources.files("pushtable.flight.server").joinpath("static").joinpath(name).read_bytes()
 
 
 def _json_value(value: Any) -> Any:

@@ -36,8 +36,8 @@ from pushtable.errors import (
     WriteTimeoutError,
 )
 from pushtable.flight import protocol
-from pushtable.flight.put_stream import Item, PutStream
-from pushtable.flight.transport import Transport
+from pushtable.flight.client.put_stream import Item, PutStream
+from pushtable.flight.client.transport import Transport
 from pushtable.producer import ProducerScope, SinkStats, TopicStats, arrow_batches, check_timeout
 
 __all__ = ["RemoteSink", "RemoteSinkStats", "Stager"]

@@ -1,12 +1,12 @@
 """``pushtable serve``: streaming tables and topics behind Arrow Flight.
 
-Remote producers push with DoPut (:mod:`pushtable.flight.ingest`): the server writes each batch
-into the table's sink while the client waits for room, so backpressure reaches the client (gRPC
-flow control plus the client's window of unacknowledged batches). Remote SQL runs with DoGet
-(:mod:`pushtable.flight.query`) and streams batches as the query produces them. Who may do what:
-:mod:`pushtable.flight.auth`; what remote clients may use: :mod:`pushtable.flight.limits`. This
-module holds the tables, the actions and the server's lifecycle. Wire conventions:
-:mod:`pushtable.flight.protocol`.
+Remote producers push with DoPut (:mod:`pushtable.flight.server.ingest`): the server writes each
+batch into the table's sink while the client waits for room, so backpressure reaches the client
+(gRPC flow control plus the client's window of unacknowledged batches). Remote SQL runs with DoGet
+(:mod:`pushtable.flight.server.query`) and streams batches as the query produces them. Who may do
+what: :mod:`pushtable.flight.server.auth`; what remote clients may use:
+:mod:`pushtable.flight.server.limits`. This module holds the tables, the actions and the server's
+lifecycle. Wire conventions: :mod:`pushtable.flight.protocol`.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import pyarrow.flight as flight
 from pushtable import metrics
 from pushtable.context import SessionContext
 from pushtable.errors import ServerStoppedError, UnsupportedCallError
-from pushtable.flight import actions, sql
-from pushtable.flight.auth import BearerAuth, Grant, Tokens, caller
-from pushtable.flight.calls import (
+from pushtable.flight.server import actions, sql
+from pushtable.flight.server.auth import BearerAuth, Grant, Tokens, caller
+from pushtable.flight.server.calls import (
     OPENING,
     POLL_S,
     Calls,
@@ -38,11 +38,11 @@ from pushtable.flight.calls import (
     table_named,
     wire_errors,
 )
-from pushtable.flight.ingest import Ingest
-from pushtable.flight.limits import Limits, Usage
-from pushtable.flight.query import Queries
-from pushtable.flight.staging import Staging
-from pushtable.flight.tables import Tables
+from pushtable.flight.server.ingest import Ingest
+from pushtable.flight.server.limits import Limits, Usage
+from pushtable.flight.server.query import Queries
+from pushtable.flight.server.staging import Staging
+from pushtable.flight.server.tables import Tables
 from pushtable.sink import TableSink
 from pushtable.topic import Topic
 
@@ -69,10 +69,11 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
     queries ``StreamFailedError``) and shuts down.
 
     The server is assembled from parts, each owning its state: the tables
-    (:mod:`~pushtable.flight.tables`), DoPut (:mod:`~pushtable.flight.ingest`), Spark's staged
-    epochs (:mod:`~pushtable.flight.staging`) and remote SQL (:mod:`~pushtable.flight.query`).
-    This class routes Flight's calls to them and answers actions through one table: each
-    action's role and request (:data:`pushtable.flight.actions.ACTIONS`) and its handler here.
+    (:mod:`~pushtable.flight.server.tables`), DoPut (:mod:`~pushtable.flight.server.ingest`),
+    Spark's staged epochs (:mod:`~pushtable.flight.server.staging`) and remote SQL
+    (:mod:`~pushtable.flight.server.query`). This class routes Flight's calls to them and answers
+    actions through one table: each action's role and request
+    (:data:`pushtable.flight.server.actions.ACTIONS`) and its handler here.
 
     Example:
         >>> import pyarrow as pa
@@ -129,7 +130,7 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
         self._staging = Staging(self._tables, self.usage, self._calls.stopping)
         self._ingest = Ingest(self._tables, self._staging, self._calls)
         self._queries = Queries(self.ctx, self._tables, self._calls)
-        #: Each action's handler (their roles and requests: pushtable.flight.actions).
+        #: Each action's handler (their roles and requests: pushtable.flight.server.actions).
         self._handlers: dict[str, Handler] = {
             "create_table": self._tables.create_remote,
             "subscribe": self._tables.subscribe,
@@ -221,8 +222,8 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
     def do_put(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
         """A producer's stream, or Flight SQL's parameters for a prepared statement.
 
-        A producer's stream (:mod:`~pushtable.flight.ingest`), or Flight SQL's parameters
-        for a prepared statement (a command descriptor: :mod:`~pushtable.flight.query`).
+        A producer's stream (:mod:`~pushtable.flight.server.ingest`), or Flight SQL's parameters
+        for a prepared statement (a command descriptor: :mod:`~pushtable.flight.server.query`).
         """
         if descriptor.descriptor_type == flight.DescriptorType.CMD:
             self._queries.sql_put(context, descriptor, reader, writer)
@@ -268,7 +269,7 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
     def _act(self, grant: Grant, kind: str, body: dict[str, Any]) -> Any:
         """Answer action ``kind``.
 
-        Its request checked (:mod:`pushtable.flight.actions`), its role
+        Its request checked (:mod:`pushtable.flight.server.actions`), its role
         required on the tables it touches, then its handler.
         """
         req = actions.request(kind, body)
@@ -376,7 +377,7 @@ def serve(
     """Start a server on ``host:port`` (127.0.0.1 by default: not reachable from other machines).
 
     ``metrics_port`` serves Prometheus metrics; ``ui_port`` serves the browser view (tables,
-    rates, a live query; see :mod:`pushtable.flight.ui`) and ``/metrics`` too. ``data_dir``
+    rates, a live query; see :mod:`pushtable.flight.server.ui`) and ``/metrics`` too. ``data_dir``
     holds durable topics; a server started on it again reopens each of them; with ``fsync``
     (default) their acknowledgements wait until each commit is synced to disk.
     With ``block=True`` (the command) it serves until Ctrl-C or SIGTERM, then stops cleanly;
@@ -401,8 +402,8 @@ def serve(
             f"{synced})"
         )
     if metrics_port is not None or ui_port is not None:
-        from pushtable.flight.metrics_http import MetricsApp
-        from pushtable.flight.ui import UiApp, UiServer
+        from pushtable.flight.server.metrics_http import MetricsApp
+        from pushtable.flight.server.ui import UiApp, UiServer
 
         scrape = MetricsApp(server.tokens)  # the server's tokens, each seeing its own tables
     if metrics_port is not None:

@@ -19,11 +19,11 @@ import pyarrow.flight as flight
 from pushtable import errors
 from pushtable.errors import PermissionDeniedError, PushTableError, StatementRefusedError
 from pushtable.flight import protocol
-from pushtable.flight.audit import AuditRecord, audited
-from pushtable.flight.auth import caller
-from pushtable.flight.limits import Usage
+from pushtable.flight.server.audit import AuditRecord, audited
+from pushtable.flight.server.auth import caller
+from pushtable.flight.server.limits import Usage
 
-log = logging.getLogger("pushtable.flight.server")
+log = logging.getLogger("pushtable.flight.server.server")
 
 #: How often a blocked handler looks whether its client went away or the server is stopping.
 POLL_S = 0.25
@@ -189,7 +189,7 @@ def client_of(context: Any) -> str:
 
 
 def audit(context: Any, action: str) -> contextlib.AbstractContextManager[AuditRecord]:
-    """The audit line of the call ``context`` stands for (see :mod:`pushtable.flight.audit`)."""
+    """The audit line of the call ``context`` stands for (see :mod:`.audit`)."""
     return audited(str(context.peer()), caller(context).name, action)
 
 

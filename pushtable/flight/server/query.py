@@ -34,11 +34,11 @@ from pushtable.errors import (
     UnknownTableError,
     UnsupportedCallError,
 )
-from pushtable.flight import catalog, parameters, sql
-from pushtable.flight.auth import READ, caller
-from pushtable.flight.calls import POLL_S, Calls, audit, opened, query_error, wire_errors
-from pushtable.flight.limits import Slot
-from pushtable.flight.tables import Tables
+from pushtable.flight.server import catalog, parameters, sql
+from pushtable.flight.server.auth import READ, caller
+from pushtable.flight.server.calls import POLL_S, Calls, audit, opened, query_error, wire_errors
+from pushtable.flight.server.limits import Slot
+from pushtable.flight.server.tables import Tables
 from pushtable.topic import Topic
 
 
@@ -99,7 +99,7 @@ class Queries:
     def get_flight_info(self, context: Any, descriptor: Any) -> Any:
         """Describe a Flight SQL command (its schema) and give the ticket that runs it.
 
-        A statement (:mod:`pushtable.flight.sql`) is planned (its
+        A statement (:mod:`pushtable.flight.server.sql`) is planned (its
         schema, nothing runs), a catalog command described; then one ticket to run it.
         """
         with wire_errors(), audit(context, "flight_sql_info"):

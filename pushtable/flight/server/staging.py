@@ -23,11 +23,11 @@ from pushtable.durable import DurableLog
 from pushtable.durable.log import epoch_of, epoch_sequence
 from pushtable.errors import PushTableError
 from pushtable.flight import protocol
-from pushtable.flight.actions import Epoch, Epochs, Publish
-from pushtable.flight.auth import Grant
-from pushtable.flight.calls import POLL_S
-from pushtable.flight.limits import Usage
-from pushtable.flight.tables import Tables
+from pushtable.flight.server.actions import Epoch, Epochs, Publish
+from pushtable.flight.server.auth import Grant
+from pushtable.flight.server.calls import POLL_S
+from pushtable.flight.server.limits import Usage
+from pushtable.flight.server.tables import Tables
 from pushtable.sink import TableSink
 from pushtable.topic import Topic
 

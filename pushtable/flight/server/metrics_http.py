@@ -8,7 +8,7 @@ server without tokens trusts whoever can reach it, as its Flight port does: bind
 the operator says (``--host``).
 
 Example:
-    >>> from pushtable.flight.auth import Grant, Tokens
+    >>> from pushtable.flight.server.auth import Grant, Tokens
     >>> app = MetricsApp(Tokens({"s3cret": Grant("prom", {"read"}, ("alerts*",))}))
     >>> got = []
     >>> _ = app({"HTTP_AUTHORIZATION": ""}, lambda status, headers: got.append(status))
@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from pushtable import metrics
-from pushtable.flight.auth import OPEN, Grant, Tokens
+from pushtable.flight.server.auth import OPEN, Grant, Tokens
 
 __all__ = ["MetricsApp", "scoped"]
 

@@ -25,9 +25,9 @@ from pushtable.errors import (
     WriteTimeoutError,
 )
 from pushtable.flight import protocol
-from pushtable.flight.put_stream import Item, PutStream
-from pushtable.flight.remote_sink import RemoteSink
-from pushtable.flight.transport import Transport
+from pushtable.flight.client.put_stream import Item, PutStream
+from pushtable.flight.client.remote_sink import RemoteSink
+from pushtable.flight.client.transport import Transport
 from pushtable.producer import arrow_batches, check_timeout
 
 __all__ = ["DURABLE_WINDOW", "DURABLE_WINDOW_BYTES", "IdempotentSink"]

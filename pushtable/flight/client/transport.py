@@ -2,10 +2,10 @@
 
 Its producers use them too.
 
-The client declares tables and runs queries; its producers (:mod:`pushtable.flight.remote_sink`,
-:mod:`pushtable.flight.idempotent`) open streams and send control actions. Both go through a
-``Transport``, so the producers need nothing of the client, and the client nothing of theirs
-but their public methods.
+The client declares tables and runs queries; its producers
+(:mod:`pushtable.flight.client.remote_sink`, :mod:`pushtable.flight.client.idempotent`) open streams
+and send control actions. Both go through a ``Transport``, so the producers need nothing of the
+client, and the client nothing of theirs but their public methods.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ A request names the fields its action needs; :func:`request` takes a JSON body a
 one, so a missing or mistyped field is an :class:`~pushtable.InvalidRequestError` naming it
 before anything runs, and the server's handler reads typed attributes. Fields an action
 takes as options (a table's ``capacity``, a publish's ``advance``) stay in ``options`` for
-the checks of :mod:`pushtable.flight.limits` and the handler.
+the checks of :mod:`pushtable.flight.server.limits` and the handler.
 
 Example:
     >>> request("offsets", {"name": "events"})
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from pushtable.errors import InvalidRequestError
-from pushtable.flight.auth import ADMIN, READ, WRITE
+from pushtable.flight.server.auth import ADMIN, READ, WRITE
 
 __all__ = ["ACTIONS", "Action", "request"]
 

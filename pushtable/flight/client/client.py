@@ -1,7 +1,7 @@
 """Talking to ``pushtable serve``: connecting, declaring tables, remote SQL, staged epochs.
 
 :func:`connect` opens the client; the staged epochs are the Spark bridge's. Producers are in
-:mod:`pushtable.flight.remote_sink`.
+:mod:`pushtable.flight.client.remote_sink`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from pushtable.errors import (
     UnknownTableError,
 )
 from pushtable.flight import protocol
-from pushtable.flight.idempotent import DURABLE_WINDOW, DURABLE_WINDOW_BYTES, IdempotentSink
-from pushtable.flight.remote_sink import RemoteSink, Stager
-from pushtable.flight.transport import Transport
+from pushtable.flight.client.idempotent import DURABLE_WINDOW, DURABLE_WINDOW_BYTES, IdempotentSink
+from pushtable.flight.client.remote_sink import RemoteSink, Stager
+from pushtable.flight.client.transport import Transport
 from pushtable.producer import Late, OnSlow
 
 __all__ = ["Client", "RemoteResult", "connect"]

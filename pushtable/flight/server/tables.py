@@ -3,11 +3,11 @@
 They are declared by the operator, a config file or a
 remote admin, and looked up by every other part of the server by name.
 
-Durable topics live under the server's data dir (``DIR/<name>.lance``) and are reopened when
-the server starts on it again, each held to the data dir's ``max_data_bytes``. The action
-handlers here (``create_table``, ``subscribe``, ``close``, ``fail``, ``stats``, ``tables``,
-``offsets``, ``producer``, ``consumed``) take a checked request (:mod:`pushtable.flight.actions`)
-and the caller's grant, whose role the server has already required.
+Durable topics live under the server's data dir (``DIR/<name>.lance``) and are reopened when the
+server starts on it again, each held to the data dir's ``max_data_bytes``. The action handlers here
+(``create_table``, ``subscribe``, ``close``, ``fail``, ``stats``, ``tables``, ``offsets``,
+``producer``, ``consumed``) take a checked request (:mod:`pushtable.flight.server.actions`) and the
+caller's grant, whose role the server has already required.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ import pyarrow as pa
 from pushtable import errors
 from pushtable.context import SessionContext
 from pushtable.errors import PermissionDeniedError, ResourceLimitError, UnknownTableError
-from pushtable.flight import actions, protocol
-from pushtable.flight.auth import Grant
-from pushtable.flight.limits import DataBudget, Usage
+from pushtable.flight import protocol
+from pushtable.flight.server import actions
+from pushtable.flight.server.auth import Grant
+from pushtable.flight.server.limits import DataBudget, Usage
 from pushtable.sink import TableSink
 from pushtable.topic import Topic
 

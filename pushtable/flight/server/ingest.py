@@ -2,7 +2,7 @@
 
 Batches go into tables (with backpressure end
 to end) and into durable topics (acknowledged once committed, idempotent producers); Spark
-task attempts' shares handed to :mod:`pushtable.flight.staging`; idle streams told to end.
+task attempts' shares handed to :mod:`pushtable.flight.server.staging`; idle streams told to end.
 """
 
 from __future__ import annotations
@@ -17,11 +17,11 @@ from pushtable import errors, metrics
 from pushtable.durable import DurableLog
 from pushtable.errors import WriteTimeoutError
 from pushtable.flight import protocol
-from pushtable.flight.acks import Acks, CommitAcks
-from pushtable.flight.auth import ADMIN, WRITE, caller
-from pushtable.flight.calls import POLL_S, Calls, audit, wire_errors
-from pushtable.flight.staging import Staging
-from pushtable.flight.tables import Tables
+from pushtable.flight.server.acks import Acks, CommitAcks
+from pushtable.flight.server.auth import ADMIN, WRITE, caller
+from pushtable.flight.server.calls import POLL_S, Calls, audit, wire_errors
+from pushtable.flight.server.staging import Staging
+from pushtable.flight.server.tables import Tables
 from pushtable.sink import TableSink
 from pushtable.topic import Topic
 

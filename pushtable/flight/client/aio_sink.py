@@ -29,9 +29,9 @@ import pyarrow as pa
 
 from pushtable.errors import PushTableError, SinkClosedError, WriteTimeoutError
 from pushtable.flight import protocol
-from pushtable.flight.aio_threads import deliver, off_loop, within
-from pushtable.flight.put_stream import Item
-from pushtable.flight.remote_sink import RemoteSink, RemoteSinkStats
+from pushtable.flight.client.aio_threads import deliver, off_loop, within
+from pushtable.flight.client.put_stream import Item
+from pushtable.flight.client.remote_sink import RemoteSink, RemoteSinkStats
 from pushtable.producer import arrow_batches, check_timeout
 
 __all__ = ["SINK_QUEUED", "AsyncSink"]
@@ -227,7 +227,7 @@ class AsyncSink:
     Example:
         >>> import asyncio, pyarrow as pa
         >>> from pushtable.flight import Server
-        >>> from pushtable.flight.aio import AsyncClient
+        >>> from pushtable.flight.client.aio import AsyncClient
         >>> server = Server()
         >>> async def main() -> dict[str, int]:
         ...     async with AsyncClient.connect(server.location) as client:

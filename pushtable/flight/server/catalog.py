@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import pyarrow as pa
 
-from pushtable.flight.sql import Command
+from pushtable.flight.server.sql import Command
 
 __all__ = ["CATALOG", "COMMANDS", "DB_SCHEMA", "answer", "result_schema"]
 

@@ -22,7 +22,7 @@ import pyarrow.flight as flight
 
 from pushtable.errors import PushTableError, ServerStoppedError, StreamEndedError, WriteTimeoutError
 from pushtable.flight import protocol
-from pushtable.flight.transport import Transport
+from pushtable.flight.client.transport import Transport
 
 __all__ = ["Item", "PutStream"]
 
