@@ -373,8 +373,8 @@ def query_error(exc: BaseException) -> PushTableError | None:
         return unbounded
     if match := _EXHAUSTED.search(text):
         return ResourceLimitError(
-            f"the query ran out of its share of the server's query memory (query_memory): "
-            f"{match.group(0)}"
+            "the query ran out of its share of the memory pool (a session's memory_limit; "
+            f"on pushtable serve, its query_memory): {match.group(0)}"
         )
     if match := _FAILED.search(text):
         table, message = match.group("table"), match.group("msg")

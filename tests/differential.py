@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
@@ -414,26 +415,35 @@ def oracle(case: Case) -> pa.Table:
     return ctx.sql(case.query.sql).to_arrow_table()
 
 
-def live(case: Case) -> pa.Table:
-    """The query by pushtable: ``l`` (and ``r`` when ``r_live``) written while it runs, by one
-    producer thread writing both tables' batches in turn, then closing them."""
-    if case.query.subscriptions:
-        return _subscriptions(case)
-    ctx = SessionContext()
+#: Declares a live table (name, schema, capacity, unbounded) and returns its producer.
+LiveTable = Callable[[str, pa.Schema, int, bool], Any]
+#: Registers a table in memory (name, its rows as a batch).
+MemoryTable = Callable[[str, pa.RecordBatch], None]
+
+
+def feed(
+    case: Case, live_table: LiveTable, memory_table: MemoryTable
+) -> tuple[list[tuple[Any, pa.RecordBatch]], list[Any]]:
+    """Declare the case's tables (``l``, and ``r``/``m`` when live, the rest in memory) and
+    return the writes one producer thread makes in turn, and the producers it then closes.
+
+    With ``r_live`` one thread feeds ``l`` and ``r`` batch by batch, in turn; a live ``m`` is
+    written first. In process the producers are ``TableSink``s; through a server, remote
+    sinks (the network's ingest path).
+    """
     writes: list[tuple[Any, pa.RecordBatch]] = []
     sinks = []
     unbounded = case.query.unbounded
     if "l" in case.query.tables:
-        sink_l = ctx.register_streaming_table("l", L, case.capacity, unbounded="l" in unbounded)
+        sink_l = live_table("l", L, case.capacity, "l" in unbounded)
         sinks.append(sink_l)
         writes += [(sink_l, b) for b in split(case.l_rows, L, case.l_cuts)]
     else:
-        ctx.register_record_batches("l", [[pa.RecordBatch.from_pylist(case.l_rows, schema=L)]])
+        memory_table("l", pa.RecordBatch.from_pylist(case.l_rows, schema=L))
     r_batches = split(case.r_rows, R, case.r_cuts)
     if case.r_live and "r" in case.query.tables:
-        sink_r = ctx.register_streaming_table("r", R, case.capacity)
+        sink_r = live_table("r", R, case.capacity, False)
         sinks.append(sink_r)
-        # interleaved with l's batches: one thread feeds both tables, in turn
         mixed: list[tuple[Any, pa.RecordBatch]] = []
         r_writes = [(sink_r, b) for b in r_batches]
         while writes or r_writes:
@@ -443,15 +453,30 @@ def live(case: Case) -> pa.Table:
                 mixed.append(r_writes.pop(0))
         writes = mixed
     else:
-        ctx.register_record_batches("r", [[pa.RecordBatch.from_pylist(case.r_rows, schema=R)]])
+        memory_table("r", pa.RecordBatch.from_pylist(case.r_rows, schema=R))
     if case.query.m_live:
-        sink_m = ctx.register_streaming_table("m", R, case.capacity)
+        sink_m = live_table("m", R, case.capacity, False)
         sinks.append(sink_m)
-        m_batches = split(case.m_rows, R, [])
-        writes = [(sink_m, b) for b in m_batches] + writes
+        writes = [(sink_m, b) for b in split(case.m_rows, R, [])] + writes
     else:
-        ctx.register_record_batches("m", [[pa.RecordBatch.from_pylist(case.m_rows, schema=R)]])
-    return _run(ctx, case.query.sql, writes, sinks)
+        memory_table("m", pa.RecordBatch.from_pylist(case.m_rows, schema=R))
+    return writes, sinks
+
+
+def live(case: Case) -> pa.Table:
+    """The query by pushtable: ``l`` (and ``r`` when ``r_live``) written while it runs, by one
+    producer thread writing both tables' batches in turn, then closing them."""
+    if case.query.subscriptions:
+        return _subscriptions(case)
+    ctx = SessionContext()
+    writes, sinks = feed(
+        case,
+        lambda name, schema, capacity, unbounded: ctx.register_streaming_table(
+            name, schema, capacity, unbounded=unbounded
+        ),
+        lambda name, batch: ctx.register_record_batches(name, [[batch]]),
+    )
+    return _run(ctx.sql(case.query.sql).to_arrow_table, writes, sinks)
 
 
 def _subscriptions(case: Case) -> pa.Table:
@@ -466,15 +491,65 @@ def _subscriptions(case: Case) -> pa.Table:
     ctx = SessionContext()
     topic.subscribe(ctx, "l", case.capacity, start="earliest")
     topic.subscribe(ctx, "l2", case.capacity)
-    return _run(ctx, case.query.sql, [(topic, b) for b in batches[case.before :]], [topic])
+    return _run(
+        ctx.sql(case.query.sql).to_arrow_table,
+        [(topic, b) for b in batches[case.before :]],
+        [topic],
+    )
+
+
+def remote(case: Case, way: str) -> pa.Table:
+    """The query through ``pushtable serve`` (a server in this process): its live tables fed
+    by remote sinks over the network (the ingest path, validated in full), the answer read by
+    pushtable's Flight client (``way="flight"``) or ADBC's Flight SQL driver (``"adbc"``)."""
+    from pushtable.flight import Server, connect
+
+    server = Server()
+    client = connect(server.location, timeout=WAIT)
+    try:
+        if case.query.subscriptions:
+            batches = split(case.l_rows, L, case.l_cuts)
+            server.create_table("t", L, topic=True, retain=len(batches) + 1)
+            sink = client.sink("t")
+            for b in batches[: case.before]:
+                sink.write(b, timeout=WAIT)
+            sink.flush(timeout=WAIT)
+            client.subscribe("t", "l", case.capacity, start="earliest")
+            client.subscribe("t", "l2", case.capacity)
+            writes, sinks = [(sink, b) for b in batches[case.before :]], [sink]
+        else:
+
+            def live_table(name: str, schema: pa.Schema, capacity: int, unbounded: bool) -> Any:
+                server.create_table(name, schema, capacity=capacity, unbounded=unbounded)
+                return client.sink(name)
+
+            writes, sinks = feed(
+                case,
+                live_table,
+                lambda name, batch: server.ctx.register_record_batches(name, [[batch]]),
+            )
+        if way == "flight":
+            return _run(client.sql(case.query.sql).read_all, writes, sinks)
+        import adbc_driver_flightsql.dbapi as flightsql
+
+        with flightsql.connect(server.location, autocommit=True) as conn, conn.cursor() as cur:
+
+            def answer() -> pa.Table:
+                cur.execute(case.query.sql)
+                return cur.fetch_arrow_table()
+
+            return _run(answer, writes, sinks)
+    finally:
+        client.close()
+        server.stop()
 
 
 def _run(
-    ctx: SessionContext, sql: str, writes: list[tuple[Any, pa.RecordBatch]], sinks: list[Any]
+    answer: Callable[[], pa.Table], writes: list[tuple[Any, pa.RecordBatch]], sinks: list[Any]
 ) -> pa.Table:
-    """``sql`` while one producer thread makes ``writes`` in turn, then closes ``sinks``."""
-    frame = ctx.sql(sql)  # refused shapes raise here, before any row is read
-    result = Background(frame.to_arrow_table)
+    """``answer()`` (a query's read, started) while one producer thread makes ``writes`` in
+    turn, then closes ``sinks``."""
+    result = Background(answer)
     producer_error: list[BaseException] = []
 
     def produce() -> None:

@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 
 from pushtable.flight import Server, connect
 from tests.conftest import WAIT, Background
-from tests.differential import SHAPES, Case, L, R, plain, rows, same, split
-from tests.test_differential import cases
+from tests.differential import SHAPES, Case, L, R, oracle, plain, remote, rows, same, split
+from tests.test_differential import HEALTH, cases
 
 K = pa.array([1, 2, None, 3], pa.int64())
 T = pa.table(
@@ -179,3 +179,50 @@ def test_the_grammar_answers_the_same_through_flight_and_adbc(server: Server, sh
 
         diff()
     assert any(answered), f"{shape}: no case had a row to compare ({len(answered)} cases)"
+
+
+def _remote_sweep(
+    shape: str, examples: int, derandomize: bool, *, skip_empty: bool = False
+) -> list[bool]:
+    """Whether each case's answer had rows; with ``skip_empty`` only those are run remotely
+    (an empty answer is compared in process by ``tests/test_differential.py``)."""
+    answered: list[bool] = []
+
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=derandomize,
+        database=None,
+        suppress_health_check=HEALTH,
+    )
+    @given(cases(shape))
+    def diff(case: Case) -> None:
+        want = oracle(case)
+        answered.append(want.num_rows > 0)
+        if skip_empty and not want.num_rows:
+            return
+        for way in ("flight", "adbc"):
+            same(case, remote(case, way), want)
+
+    diff()
+    return answered
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_live_tables_fed_by_remote_sinks_answer_as_datafusion_through_flight_and_adbc(
+    shape: str,
+) -> None:
+    """Each shape of ``tests/differential.py`` over *live* tables on a server, fed by remote
+    sinks (the network's ingest path) while the query runs, read through pushtable's Flight
+    client and through ADBC: the rows and types plain DataFusion gives over the same rows.
+    (8 cases a shape, those with rows run: the slow sweep runs 40 a shape, every one.)"""
+    answered = _remote_sweep(shape, 8, derandomize=True, skip_empty=True)
+    assert any(answered), f"{shape}: no case had a row to compare ({len(answered)} cases)"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES)
+def test_live_tables_fed_by_remote_sinks_sweep(shape: str) -> None:
+    """The same, 40 cases a shape drawn anew each run, rows in a fifth of them."""
+    answered = _remote_sweep(shape, 40, derandomize=False)
+    assert sum(answered) >= 0.2 * len(answered), f"{shape}: {sum(answered)}/{len(answered)}"
