@@ -6,6 +6,8 @@ Argument errors print a message naming the argument and exit with status 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 from collections.abc import Sequence
 from datetime import datetime
@@ -47,6 +49,27 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
     return value
+
+
+#: ``prctl`` option that turns transparent huge pages off for the calling process
+_PR_SET_THP_DISABLE = 41
+
+
+def _without_huge_pages() -> None:
+    """Turn transparent huge pages off for a server process (Linux).
+
+    ``PUSHTABLE_SERVE_THP=1`` keeps them. The allocators in a server's process (pyarrow's,
+    DataFusion's, the native core's mimalloc) back each thread's heap with 2 MiB pages where
+    the kernel allows it, and a server runs two threads a query, so its memory followed its
+    thread count more than what its queries hold (docs/network.md, Resource limits;
+    ``benchmarks/slow_queries_memory.py``).
+    """
+    if os.environ.get("PUSHTABLE_SERVE_THP") == "1" or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):  # an old kernel: nothing to turn off
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_THP_DISABLE, 1, 0, 0, 0)
 
 
 def describe_startup(exc: BaseException) -> str:
@@ -184,11 +207,12 @@ def parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--data-dir",
-        type=Path,
         default=None,
-        help="directory of durable topics (one Lance dataset each, <name>.lance): their "
-        "acknowledgements mean committed, and a server started on it again reopens them "
-        "(docs/network.md, 'Durability')",
+        help="where durable topics live (one Lance dataset each, <name>.lance): a directory, "
+        "or an object store prefix (s3://bucket/prefix, gs://, az://; credentials from the "
+        "config file's storage_options or Lance's environment, never printed). Their "
+        "acknowledgements mean committed, and a server started on it again, anywhere, "
+        "reopens them (docs/network.md, 'Durability')",
     )
     serve.add_argument(
         "--no-fsync",
@@ -219,8 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 130
         return 0 if result.matched else 1
     if args.command == "serve":
-        import os
-
+        _without_huge_pages()
         import pyarrow as pa
 
         from pushtable.flight import serve
