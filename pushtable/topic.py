@@ -101,7 +101,12 @@ class Topic(_Producer):
     and a read below it raises
     :class:`~pushtable.OffsetOutOfRangeError`. ``fsync`` (default on) syncs each commit's
     files before it counts as stored, so an acknowledged batch survives a power loss; off,
-    it survives a killed process but an OS crash may lose the last seconds.
+    it survives a killed process but an OS crash may lose the last seconds. ``persist`` may
+    be an object store's URI (``s3://bucket/prefix/x.lance``, ``gs://``, ``az://``):
+    ``storage_options`` are what Lance takes to reach it (``aws_endpoint``,
+    ``aws_access_key_id``, …; without them, Lance's environment variables, ``AWS_*`` and the
+    like), never stored with the topic. An acknowledgement then means the commit's puts
+    returned.
 
     Example:
         >>> import pyarrow as pa
@@ -138,6 +143,7 @@ class Topic(_Producer):
         retention_bytes: int | None = None,
         fsync: bool = True,
         keep_versions: timedelta = timedelta(minutes=10),
+        storage_options: dict[str, str] | None = None,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string, got {name!r}")
@@ -151,14 +157,16 @@ class Topic(_Producer):
         order = order_columns(order_by, late)
         delay = delay_units(schema, order, max_delay)
         durable = persist is not None
-        if not durable and (retention, retention_bytes, fsync, keep_versions) != (
+        if not durable and (retention, retention_bytes, fsync, keep_versions, storage_options) != (
             None,
             None,
             True,
             timedelta(minutes=10),
+            None,
         ):
             raise ValueError(
-                "retention, retention_bytes, fsync and keep_versions are options of a durable "
+                "retention, retention_bytes, fsync, keep_versions and storage_options are "
+                "options of a durable "
                 "topic's stored history (Topic(..., persist=...)); retain/retain_bytes bound "
                 "one in memory"
             )
@@ -206,6 +214,7 @@ class Topic(_Producer):
                 retention_bytes=retention_bytes,
                 fsync=fsync,
                 keep_versions=keep_versions,
+                storage_options=storage_options,
             )
         metrics.track(self)
 
@@ -226,7 +235,7 @@ class Topic(_Producer):
             {'earliest': 0, 'committed': 1, 'next': 1}
             >>> again.close()
         """
-        schema, config = describe(persist)
+        schema, config = describe(persist, options.get("storage_options"))
         if "max_delay_us" in config:
             config["max_delay"] = timedelta(microseconds=config.pop("max_delay_us"))
         if "retention_us" in config:

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -177,3 +178,50 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: Any)
         terminalreporter.write_line(
             f"random order seed: {seed} (rerun this order: -p randomly --randomly-seed={seed})"
         )
+
+
+@dataclass(frozen=True)
+class ObjectStore:
+    """An S3-compatible store on loopback (moto's server, in this process) and one bucket."""
+
+    server: Any  # moto's ThreadedMotoServer: stop() and start() it for an outage
+    endpoint: str
+    bucket: str
+
+    @property
+    def options(self) -> dict[str, str]:
+        """Lance's storage options to reach it (test credentials moto accepts)."""
+        return {
+            "aws_endpoint": self.endpoint,
+            "aws_access_key_id": "test-key",
+            "aws_secret_access_key": "test-secret-never-printed",
+            "aws_region": "us-east-1",
+            "allow_http": "true",
+        }
+
+
+@pytest.fixture(scope="module")
+def object_store() -> Iterator[ObjectStore]:
+    """moto's S3 server on a free loopback port, with bucket ``lake``; stopped after the module."""
+    import socket
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            aws_access_key_id="test-key",
+            aws_secret_access_key="test-secret-never-printed",
+            region_name="us-east-1",
+        ).create_bucket(Bucket="lake")
+        yield ObjectStore(server, endpoint, "lake")
+    finally:
+        server.stop()

@@ -299,7 +299,8 @@ def test_close_stops_and_joins_the_threads_of_the_topic_even_when_its_commit_fai
 
 def data_dir(server: Server) -> Path:
     assert server.data_dir is not None
-    return server.data_dir
+    assert server.data_dir.local is not None
+    return server.data_dir.local
 
 
 @pytest.fixture

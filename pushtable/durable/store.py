@@ -558,8 +558,15 @@ class LogStore:
             )
 
     def disk_bytes(self) -> int:
-        """Bytes the dataset's files take on disk now (local datasets)."""
-        return directory_bytes(Path(self.uri))
+        """Bytes the dataset's files take now.
+
+        On a local disk, every file; on an object store, the newest version's data files
+        (see :func:`dataset_bytes`).
+        """
+        if lance_commits.is_local(self.uri):
+            return directory_bytes(Path(self.uri.removeprefix("file://")))
+        ds = self._open()
+        return 0 if ds is None else dataset_bytes(ds)
 
 
 #: Rows per batch a read of stored history yields (Lance's default is 8,192): fewer, larger
@@ -714,13 +721,24 @@ def _small_bytes(ds: lance.LanceDataset) -> int:
     )
 
 
-def describe(ds_or_uri: lance.LanceDataset | str | Path) -> tuple[pa.Schema, dict[str, Any]]:
+def describe(
+    ds_or_uri: lance.LanceDataset | str | Path, storage_options: dict[str, str] | None = None
+) -> tuple[pa.Schema, dict[str, Any]]:
     """A topic dataset's schema (its own columns) and the options it was created with."""
-    ds = ds_or_uri if isinstance(ds_or_uri, lance.LanceDataset) else lance.dataset(str(ds_or_uri))
+    ds = (
+        ds_or_uri
+        if isinstance(ds_or_uri, lance.LanceDataset)
+        else lance.dataset(str(ds_or_uri), storage_options=storage_options)
+    )
     schema = ds.schema
     config = json.loads((schema.metadata or {}).get(CONFIG_KEY.encode(), b"{}"))
     names = [n for n in schema.names if n not in (OFFSET, TIMESTAMP)]
     return pa.schema([schema.field(n) for n in names]), config
+
+
+def dataset_bytes(ds: lance.LanceDataset) -> int:
+    """Bytes of the data files ``ds``'s version references (no listing of the store)."""
+    return sum(f.file_size_bytes or 0 for frag in ds.get_fragments() for f in frag.metadata.files)
 
 
 def directory_bytes(path: Path) -> int:

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from pushtable.durable.store import directory_bytes
 from pushtable.errors import InvalidBatchError, ResourceLimitError
 
 __all__ = ["Limits"]
@@ -372,24 +370,24 @@ class DataBudget:
 
     def __init__(
         self,
-        path: Path,
+        measure: Callable[[], int],
         limit: int,
         usage: Usage,
-        option: str = "max_data_bytes",
-        what: str | None = None,
+        option: str,
+        what: str,
     ) -> None:
-        self.path = path
+        self._measure = measure  # the bytes stored now
         self.limit = limit
         self._usage = usage
         self._option = option
-        self._what = what or f"bytes in the data dir {path}"
+        self._what = what
         self._lock = threading.Lock()
-        self.used = directory_bytes(path)
+        self.used = measure()
 
     def reserve(self, nbytes: int) -> None:
         with self._lock:
             if self.used + nbytes > self.limit:
-                self.used = directory_bytes(self.path)
+                self.used = self._measure()
             if self.used + nbytes > self.limit:
                 raise self._usage._refuse(
                     _refused(self._what, self.used + nbytes, self.limit, self._option),
@@ -404,7 +402,7 @@ class DataBudget:
         old.
         """
         with self._lock:
-            self.used = directory_bytes(self.path)
+            self.used = self._measure()
             return max(0, self.limit - self.used)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import threading
 import time
@@ -38,6 +39,7 @@ from pushtable.flight.server.calls import (
     table_named,
     wire_errors,
 )
+from pushtable.flight.server.data_dir import DataDir
 from pushtable.flight.server.ingest import Ingest
 from pushtable.flight.server.limits import Limits, Usage
 from pushtable.flight.server.query import Queries
@@ -100,13 +102,15 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
         limits: Limits | None = None,
         data_dir: str | Path | None = None,
         fsync: bool = True,
+        storage_options: dict[str, str] | None = None,
     ) -> None:
         self.limits = limits if limits is not None else Limits()
         #: whether durable topics sync each commit to disk before acknowledging it
         self.fsync = fsync
         self.usage = Usage(self.limits)
-        #: where durable topics are stored (``DIR/<name>.lance``); None: no durable topics
-        self.data_dir = None if data_dir is None else Path(data_dir)
+        #: where durable topics are stored (``<root>/<name>.lance``: a local directory or an
+        #: object store prefix, reached with ``storage_options``); None: no durable topics
+        self.data_dir = None if data_dir is None else DataDir(data_dir, storage_options)
         #: The operator's session (full power from Python); remote SQL runs queries only, in
         #: its memory pool when the server made it.
         self.ctx = ctx if ctx is not None else _remote_session(self.limits)
@@ -200,6 +204,8 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
         config = _read_config(path)
         tokens = Tokens.from_config(config.get("tokens", []))
         limits = Limits.from_config(config.get("limits", {}))
+        if "storage_options" not in kw:
+            kw["storage_options"] = storage_options_of(config, path)
         server = cls(location, tokens=tokens, limits=limits, **kw)
         server._tables.declare(config)
         return server
@@ -339,10 +345,37 @@ def _read_config(path: str | Path) -> dict[str, Any]:
         raise ValueError(f"{path} is not valid JSON: {exc}") from None
     if not isinstance(config, dict):
         raise ValueError(f"{path}: a config file is a JSON object")
-    unknown = sorted(set(config) - {"tokens", "limits", "tables", "topics"})
+    known = ("tokens", "limits", "tables", "topics", "storage_options", "storage_options_env")
+    unknown = sorted(set(config) - set(known))
     if unknown:
-        raise ValueError(f"{path}: unknown keys {unknown}; known: tokens, limits, tables, topics")
+        raise ValueError(f"{path}: unknown keys {unknown}; known: {', '.join(known)}")
     return config
+
+
+def storage_options_of(config: dict[str, Any], path: str | Path) -> dict[str, str] | None:
+    """The data dir's storage options of a config file.
+
+    ``storage_options`` holds values as Lance takes them, ``storage_options_env`` the
+    variables options are read from (a secret stays out of the file). Never printed: a
+    refusal names keys only.
+    """
+    options: dict[str, str] = {}
+    given = config.get("storage_options", {})
+    from_env = config.get("storage_options_env", {})
+    for key, what in (("storage_options", given), ("storage_options_env", from_env)):
+        if not isinstance(what, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in what.items()
+        ):
+            raise ValueError(f"{path}: {key} is an object of strings")
+    options.update(given)
+    for option, variable in from_env.items():
+        value = os.environ.get(variable)
+        if value is None:
+            raise ValueError(
+                f"{path}: storage option {option!r} reads ${variable}, which is not set"
+            )
+        options[option] = value
+    return options or None
 
 
 def _tokens(token: str | None, tokens: Mapping[str, Grant] | Tokens | None) -> Tokens:

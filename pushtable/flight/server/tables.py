@@ -18,7 +18,6 @@ import threading
 from collections.abc import Iterable
 from dataclasses import asdict
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -29,6 +28,7 @@ from pushtable.errors import PermissionDeniedError, ResourceLimitError, UnknownT
 from pushtable.flight import protocol
 from pushtable.flight.server import actions
 from pushtable.flight.server.auth import Grant
+from pushtable.flight.server.data_dir import DataDir
 from pushtable.flight.server.limits import DataBudget, Usage
 from pushtable.sink import TableSink
 from pushtable.topic import Topic
@@ -44,7 +44,7 @@ class Tables:
         self,
         ctx: SessionContext,
         usage: Usage,
-        data_dir: Path | None,
+        data_dir: DataDir | None,
         fsync: bool,
     ) -> None:
         self._ctx, self._usage = ctx, usage
@@ -55,10 +55,22 @@ class Tables:
         #: subscriptions registered in the session: name -> (topic, capacity)
         self._subscriptions: dict[str, tuple[str, int]] = {}
         if data_dir is not None:  # every durable topic is back before calls arrive
-            data_dir.mkdir(parents=True, exist_ok=True)
-            self._budget = DataBudget(data_dir, usage.limits.max_data_bytes, usage)
-            for path in sorted(data_dir.glob("*.lance")):
-                self._tables[path.stem] = self._budgeted(Topic.reopen(path, fsync=fsync))
+            self._budget = DataBudget(
+                data_dir.bytes,
+                usage.limits.max_data_bytes,
+                usage,
+                "max_data_bytes",
+                f"bytes in the data dir {data_dir}",
+            )
+            for name in data_dir.names():
+                self._tables[name] = self._budgeted(
+                    Topic.reopen(
+                        data_dir.topic_uri(name),
+                        name,
+                        fsync=fsync,
+                        storage_options=data_dir.storage_options,
+                    )
+                )
 
     # -- lookups ------------------------------------------------------------------------
 
@@ -151,8 +163,17 @@ class Tables:
             )
         if (us := options.pop("retention_us", None)) is not None:
             options["retention"] = timedelta(microseconds=int(us))
-        path = self._data_dir / f"{name}.lance"
-        return self._budgeted(Topic(name, schema, persist=path, fsync=self._fsync, **options))
+        uri = self._data_dir.topic_uri(name)
+        return self._budgeted(
+            Topic(
+                name,
+                schema,
+                persist=uri,
+                fsync=self._fsync,
+                storage_options=self._data_dir.storage_options,
+                **options,
+            )
+        )
 
     def _budgeted(self, topic: Topic) -> Topic:
         """``topic``'s writes and upkeep held to the data dir's ``max_data_bytes``."""
@@ -160,7 +181,7 @@ class Tables:
         assert self._budget is not None
         whole = self._budget
         own = DataBudget(
-            Path(topic.durable.store.uri),
+            topic.durable.store.disk_bytes,
             self._usage.limits.max_topic_bytes,
             self._usage,
             "max_topic_bytes",
