@@ -270,21 +270,25 @@ def sync_fragments(uri: str, fragments: Iterable[Any]) -> None:
         _fsync(data, directory=True)
 
 
-def remove_data_file(uri: str, name: str) -> None:
-    """Remove the data file ``name`` of the local dataset at ``uri``: one no commit references.
+def remove_data_files(ds: lance.LanceDataset, names: Iterable[str]) -> None:
+    """Remove the data files ``names`` of dataset ``ds``: ones no commit references.
 
-    Best effort: a failure is logged, and Lance's sweep of unreferenced files (cleanup of
-    files older than its 7-day window) removes the file later; on an object store that sweep
-    is the only removal for now.
+    Through Lance's file session, so on a local disk and on an object store alike (with the
+    dataset's storage options). Best effort: a failure is logged, and Lance's sweep of
+    unreferenced files (cleanup of files older than its 7-day window) removes the file later.
     """
-    if not is_local(uri):
-        return
-    try:
-        os.remove(_path(uri) / "data" / name)
-    except FileNotFoundError:
-        pass
-    except OSError as exc:
-        log.info("could not remove the uncommitted data file %s of %s: %s", name, uri, exc)
+    session = None
+    for name in names:
+        try:
+            if is_local(ds.uri):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(_path(ds.uri) / "data" / name)
+                continue
+            if session is None:
+                session = ds.new_file_session()  # type: ignore[no-untyped-call]
+            session.delete_file(f"data/{name}")
+        except Exception as exc:  # noqa: BLE001 - best effort: the sweep removes it later
+            log.info("could not remove the uncommitted data file %s of %s: %s", name, ds.uri, exc)
 
 
 def sync_commit(ds: lance.LanceDataset, since_ns: int = 0, prefix: str | None = None) -> None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import lance
 import pyarrow as pa
 import pytest
 
@@ -225,3 +226,44 @@ def object_store() -> Iterator[ObjectStore]:
         yield ObjectStore(server, endpoint, "lake")
     finally:
         server.stop()
+
+
+class Place:
+    """Where a test's topic lives: a local directory, or a prefix on moto's S3 server."""
+
+    def __init__(self, root: str, store: ObjectStore | None) -> None:
+        self.root, self.store = root, store
+        self.options = None if store is None else store.options
+
+    def uri(self, name: str) -> str:
+        return f"{self.root}/{name}"
+
+    def dataset(self, uri: str) -> lance.LanceDataset:
+        return lance.dataset(uri, storage_options=self.options)
+
+    def data_files(self, uri: str) -> set[str]:
+        """The names of the files in the dataset's ``data/``, as the disk or the store lists."""
+        if self.store is None:
+            return {p.name for p in (Path(uri) / "data").iterdir()}
+        import boto3
+
+        bucket, _, key = uri.removeprefix("s3://").partition("/")
+        s3 = boto3.client(
+            "s3",
+            endpoint_url=self.store.endpoint,
+            aws_access_key_id=self.store.options["aws_access_key_id"],
+            aws_secret_access_key=self.store.options["aws_secret_access_key"],
+            region_name="us-east-1",
+        )
+        listed = s3.list_objects_v2(Bucket=bucket, Prefix=f"{key}/data/").get("Contents", [])
+        return {Path(o["Key"]).name for o in listed}
+
+
+@pytest.fixture(params=["local", "s3"])
+def place(request: Any, tmp_path: Path) -> Place:
+    """A durable topic's place: a local directory, and a prefix on moto's S3 server (the
+    durable log's paths, run on both)."""
+    if request.param == "local":
+        return Place(str(tmp_path), None)
+    store: ObjectStore = request.getfixturevalue("object_store")
+    return Place(f"s3://{store.bucket}/{request.node.name.replace('[', '-').rstrip(']')}", store)

@@ -5,7 +5,7 @@ store produces it: writing the data files fails; the commit fails before its man
 the commit lands and then raises (an object store's reply lost); the commit lands and the
 sync after it raises (a late EIO/ENOSPC from fsync). Whatever the step, every offset is stored
 exactly once, an acknowledgement comes only once its commit is in, and no data file is left
-that no commit holds.
+that no commit holds — on a local disk and on an S3-compatible store (moto's server).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pushtable import SessionContext, Topic, lance_commits
 from pushtable.durable import store as store_module
 from pushtable.durable.log import DurableLog, epoch_of, epoch_sequence
 from pushtable.errors import CommitFailedError, WriteTimeoutError
-from tests.conftest import WAIT, Background, wait_until
+from tests.conftest import WAIT, Background, Place, wait_until
 
 SCHEMA = pa.schema(
     [
@@ -96,11 +96,18 @@ def fault(request: Any, monkeypatch: pytest.MonkeyPatch) -> tuple[str, Once, boo
 
 
 def test_a_fault_at_any_step_stores_every_offset_once(
-    tmp_path: Path, fault: tuple[str, Once, bool]
+    place: Place, fault: tuple[str, Once, bool]
 ) -> None:
     step, once, lands = fault
-    path = tmp_path / "t.lance"
-    topic = Topic("t", SCHEMA, persist=path, commit_interval=0.02, upkeep_interval=None)
+    path = place.uri("t.lance")
+    topic = Topic(
+        "t",
+        SCHEMA,
+        persist=path,
+        commit_interval=0.02,
+        upkeep_interval=None,
+        storage_options=place.options,
+    )
     topic.write(batch(0))
     topic.flush(timeout=WAIT)
     once.fired = False  # the next call of the step fails
@@ -120,10 +127,10 @@ def test_a_fault_at_any_step_stores_every_offset_once(
     topic.write(batch(2))
     topic.close()
 
-    table = lance.dataset(str(path)).to_table()
+    table = place.dataset(path).to_table()
     per_offset = collections.Counter(table.column("_offset").to_pylist())
     assert per_offset == {0: 1000, 1: 1000, 2: 1000}, step
-    again = Topic.reopen(path)
+    again = Topic.reopen(path, storage_options=place.options)
     read = again.read(0, 3).read_all()
     assert read.num_rows == 3000
     assert sorted(read.column("k").to_pylist()) == list(range(3000))
@@ -134,17 +141,23 @@ def test_a_fault_at_any_step_stores_every_offset_once(
     )
     again.close()
     # No data file that no commit holds (a failed group's fragments are deleted).
-    ds = lance.dataset(str(path))
+    ds = place.dataset(path)
     held = {f.path for fragment in ds.get_fragments() for f in fragment.data_files()}
-    on_disk = {p.name for p in (path / "data").iterdir()}
-    assert on_disk == {Path(h).name for h in held}, step
+    assert place.data_files(path) == {Path(h).name for h in held}, step
 
 
 def test_a_commit_that_keeps_failing_leaves_no_fragments_behind(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    place: Place, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path = tmp_path / "t.lance"
-    topic = Topic("t", SCHEMA, persist=path, commit_interval=0.01, upkeep_interval=None)
+    path = place.uri("t.lance")
+    topic = Topic(
+        "t",
+        SCHEMA,
+        persist=path,
+        commit_interval=0.01,
+        upkeep_interval=None,
+        storage_options=place.options,
+    )
     topic.write(batch(0))
     topic.flush(timeout=WAIT)
     real = lance.LanceDataset.commit
@@ -167,18 +180,24 @@ def test_a_commit_that_keeps_failing_leaves_no_fragments_behind(
     assert failures["left"] == 0
     assert topic.stats.commit_failures == 20
     topic.close()
-    ds = lance.dataset(str(path))
+    ds = place.dataset(path)
     held = {Path(f.path).name for fr in ds.get_fragments() for f in fr.data_files()}
-    assert {p.name for p in (path / "data").iterdir()} == held
+    assert place.data_files(path) == held
     assert ds.count_rows() == 2000
 
 
 def with_a_reader_taking_one_batch_at_a_time(
-    tmp_path: Path, schema: pa.Schema
+    place: Place, schema: pa.Schema
 ) -> tuple[Topic, DurableLog, Any]:
     """A durable topic committing every millisecond, with a live subscriber of capacity 1
     whose query's stream the test reads batch by batch: (topic, its log, the stream)."""
-    topic = Topic("events", schema, persist=tmp_path / "events.lance", commit_interval=0.001)
+    topic = Topic(
+        "events",
+        schema,
+        persist=place.uri("events.lance"),
+        commit_interval=0.001,
+        storage_options=place.options,
+    )
     log = topic.durable
     assert log is not None
     ctx = SessionContext(SessionConfig().with_target_partitions(1))
@@ -186,7 +205,7 @@ def with_a_reader_taking_one_batch_at_a_time(
     return topic, log, ctx.sql("SELECT k FROM live").execute_stream()
 
 
-def test_a_spark_epoch_is_stored_by_one_commit_or_none(tmp_path: Path) -> None:
+def test_a_spark_epoch_is_stored_by_one_commit_or_none(place: Place) -> None:
     """A Spark epoch's batches go in as one unit (``append_unit``): no commit takes a part of
     it, so a replay after a crash finds all of it stored or none, however Spark splits the
     re-run batch. Here the epoch's live write is held after its second batch (a subscriber
@@ -194,7 +213,7 @@ def test_a_spark_epoch_is_stored_by_one_commit_or_none(tmp_path: Path) -> None:
     batches were appended one by one, and a commit could take the first ones: a replay split
     differently then skipped rows by sequence number or stored some twice)."""
     schema = pa.schema([pa.field("k", pa.int64())])
-    topic, log, stream = with_a_reader_taking_one_batch_at_a_time(tmp_path, schema)
+    topic, log, stream = with_a_reader_taking_one_batch_at_a_time(place, schema)
     batches = [pa.record_batch({"k": [i, i]}, schema=schema) for i in range(6)]
     sequences = [epoch_sequence(3, i, last=i == 5) for i in range(6)]
     publish = Background(
@@ -211,9 +230,12 @@ def test_a_spark_epoch_is_stored_by_one_commit_or_none(tmp_path: Path) -> None:
         assert ticket == 5
         assert log.wait_committed(ticket, timeout=WAIT)
         assert sum(b.num_rows for b in seen) == 12
-        versions = lance.dataset(str(tmp_path / "events.lance")).versions()
-        uri = str(tmp_path / "events.lance")
-        rows = [lance.dataset(uri, version=v["version"]).count_rows() for v in versions]
+        uri = place.uri("events.lance")
+        versions = place.dataset(uri).versions()
+        rows = [
+            lance.dataset(uri, version=v["version"], storage_options=place.options).count_rows()
+            for v in versions
+        ]
         assert set(rows) <= {0, 12}, rows  # every version holds none of the epoch or all of it
         assert epoch_of(log.last_stored_sequence("spark:q")) == 3
     finally:
@@ -221,13 +243,13 @@ def test_a_spark_epoch_is_stored_by_one_commit_or_none(tmp_path: Path) -> None:
 
 
 def test_an_epoch_given_up_midway_is_taken_back_and_its_retry_stores_it_once(
-    tmp_path: Path,
+    place: Place,
 ) -> None:
     """A publish that gives up while the epoch's live write waits (the server stops) takes
     back what it appended: nothing of it is stored, the offsets are given again, and the
     retry stores the epoch once."""
     schema = pa.schema([pa.field("k", pa.int64())])
-    topic, log, stream = with_a_reader_taking_one_batch_at_a_time(tmp_path, schema)
+    topic, log, stream = with_a_reader_taking_one_batch_at_a_time(place, schema)
     batches = [pa.record_batch({"k": [i]}, schema=schema) for i in range(4)]
     sequences = [epoch_sequence(0, i, last=i == 3) for i in range(4)]
     stop = threading.Event()

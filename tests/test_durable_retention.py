@@ -30,7 +30,7 @@ from pushtable import OffsetOutOfRangeError, SessionContext, SlowSubscriberError
 from pushtable.durable import store
 from pushtable.durable.store import OFFSET, LogStore, Stamp, StoredBatch, directory_bytes
 from pushtable.flight import Client, Limits, Server, connect
-from tests.conftest import WAIT
+from tests.conftest import WAIT, Place
 from tests.test_durable_crash import Serve, free_port
 
 SCHEMA = pa.schema(
@@ -254,13 +254,21 @@ def test_a_detached_subscription_lets_go_of_the_history_it_had_not_read(
         topic.close()
 
 
-def test_an_executor_read_outlives_upkeep_removing_the_version_it_opened(tmp_path: Path) -> None:
+def test_an_executor_read_outlives_upkeep_removing_the_version_it_opened(place: Place) -> None:
     """A Spark executor's read of ``dataset=`` (``read_offsets``) is another process: it
     holds no pin. Compaction and cleanup removing the files of the version it opened before
     it read them used to fail its scan (``Not found: .../data/....lance``); it now reads on
-    from the newest version, which holds the same rows for a retained range."""
-    path = tmp_path / "events.lance"
-    topic = Topic("events", SCHEMA, persist=path, retention_bytes=400_000, upkeep_interval=None)
+    from the newest version, which holds the same rows for a retained range. On a local disk
+    and on an S3-compatible store."""
+    path = place.uri("events.lance")
+    topic = Topic(
+        "events",
+        SCHEMA,
+        persist=path,
+        retention_bytes=400_000,
+        upkeep_interval=None,
+        storage_options=place.options,
+    )
     log = topic.durable
     assert log is not None
     try:
@@ -268,13 +276,14 @@ def test_an_executor_read_outlives_upkeep_removing_the_version_it_opened(tmp_pat
             topic.write(batch(i))
             topic.flush()  # a fragment each: upkeep compacts them
         expected = topic.read(5, 15).read_all()
-        reader = store.read_offsets(path, 5, 15)  # the version is opened, no file read yet
-        opened = data_files(path)
+        # the version is opened, no file read yet
+        reader = store.read_offsets(path, 5, 15, storage_options=place.options)
+        opened = place.data_files(path)
         log.store.upkeep(timedelta(0))  # compacts (the opened version stays: it is tagged)
         topic.write(batch(20))
         topic.flush()  # a newer stamped version, which the tag moves to ...
         log.store.upkeep(timedelta(0))  # ... so every older version goes
-        assert opened - data_files(path), "upkeep removed none of the opened version's files"
+        assert opened - place.data_files(path), "upkeep removed none of the opened version's files"
         assert reader.read_all().equals(expected)
     finally:
         topic.close()

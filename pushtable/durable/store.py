@@ -311,9 +311,8 @@ class LogStore:
         would stay until Lance's sweep of unreferenced files, counted against the data dir's
         bound. Best effort.
         """
-        for fragment in written.fragments:
-            for file in fragment.files:
-                lance_commits.remove_data_file(self.uri, file.path)
+        names = [file.path for fragment in written.fragments for file in fragment.files]
+        lance_commits.remove_data_files(self._ds, names)
 
     def _commit(self, transaction: Any) -> lance.LanceDataset:
         with self._committing:
