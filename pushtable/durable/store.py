@@ -426,22 +426,32 @@ class LogStore:
 
         Only the topic's columns are returned. ``pin`` (from :meth:`pin`, taken where the
         version was chosen) is released once the reader is exhausted, closed or collected:
-        until then :meth:`release` keeps the version's files.
+        until then :meth:`release` keeps the version's files. Upkeep may still remove the
+        version between its choice and the pin (its cleanup's floor read just before): the
+        read then goes on from the newest version, which holds the same rows of a retained
+        range, as an executor's read does (:func:`read_offsets`).
         """
         try:
-            reader = _scan(self._at(version), self.schema, start, end)
+            try:
+                ds = self._at(version)
+            except (OSError, ValueError) as exc:
+                if not lance_commits.not_found(exc):
+                    raise
+                ds = _holding(self.uri, start, end, self.storage_options)
+            stored = _resuming(ds, self.schema, self.uri, start, end, self.storage_options)
         except BaseException:
             if pin is not None:
                 pin.release()  # a failed read holds nothing: the cleanup floor moves on
             raise
         if pin is None:
-            return reader
+            return pa.RecordBatchReader.from_batches(self.schema, stored)
 
         def batches() -> Iterator[pa.RecordBatch]:
             try:
-                yield from reader
+                yield from stored
             except (OSError, ValueError) as exc:
-                if self._overheld(pin) and lance_commits.not_found(exc):
+                gone = isinstance(exc, OffsetOutOfRangeError) or lance_commits.not_found(exc)
+                if self._overheld(pin) and gone:  # its files went once it held them too long
                     raise self._overheld_error(start, end, pin) from exc
                 raise
             finally:
