@@ -56,11 +56,19 @@ def ensure_worker_python(spark: SparkSession) -> None:
     first task. Here the workers' interpreter is asked once whether it imports pushtable; if
     not, and the user did not choose it, the session's workers use this interpreter
     (``sys.executable``); if the user chose it, :class:`WorkerPythonError` says what to set.
-    A Spark Connect session's workers run on its server: see :func:`check_connect_workers`.
+    On a cluster (a master that is not ``local``), the executors run elsewhere: they are
+    asked with one small job instead, and a problem is raised, never patched over with this
+    machine's interpreter. A Spark Connect session's workers run on its server: see
+    :func:`check_connect_workers`.
     """
     context = getattr(spark, "_sc", None)  # a classic session's SparkContext
     exe = getattr(context, "pythonExec", None)
-    if context is None or exe is None or exe == sys.executable:
+    if context is None or exe is None:
+        return
+    if not str(context.master).startswith("local"):
+        _check_cluster_workers(spark, context, exe)
+        return
+    if exe == sys.executable:
         return
     problem = _import_problem(exe)
     if problem is None:
@@ -76,11 +84,47 @@ def ensure_worker_python(spark: SparkSession) -> None:
     )
 
 
+#: SparkContexts (by application id) whose executors' Python was found to import pushtable
+_clusters_checked: set[str] = set()
+
+
+def _check_cluster_workers(spark: SparkSession, context: object, exe: str) -> None:
+    """On a cluster, ask the executors (one small job), not this machine.
+
+    Executors run on other hosts with Python of their own: running ``exe`` here says nothing
+    of them, and this interpreter's path may not exist there. So nothing is changed; a
+    problem is raised, saying what to set.
+    """
+    app = str(getattr(context, "applicationId", id(context)))
+    if app in _clusters_checked:
+        return
+    problem = _probe_workers(spark)
+    if problem is not None:
+        raise WorkerPythonError(
+            f"the Python workers of Spark's executors ({exe}) cannot import pushtable: "
+            f"{problem}. Install pushtable on every worker host and set spark.pyspark.python "
+            "(or PYSPARK_PYTHON) to that interpreter, or ship a packed environment with "
+            "spark.archives (docs/spark.md, 'On a cluster')"
+        )
+    _clusters_checked.add(app)
+
+
 def check_connect_workers(spark: SparkSession) -> None:
     """Check, with one small job, that a Spark Connect server's Python workers import pushtable.
 
     If they do not, raise :class:`WorkerPythonError` saying what to set.
     """
+    problem = _probe_workers(spark)
+    if problem is not None:
+        raise WorkerPythonError(
+            f"the Spark Connect server's Python workers cannot import pushtable: {problem}. "
+            "Start the server with PYSPARK_PYTHON (or spark.pyspark.python) naming an "
+            "interpreter that has pushtable installed"
+        )
+
+
+def _probe_workers(spark: SparkSession) -> str | None:
+    """One small job: why the workers' Python cannot import pushtable, or None if it can."""
     import pyarrow as pa
 
     def probe(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -96,15 +140,8 @@ def check_connect_workers(spark: SparkSession) -> None:
     try:
         rows = spark.range(1, numPartitions=1).mapInArrow(probe, "problem string").collect()
     except Exception as exc:  # noqa: BLE001 -- a worker that cannot start at all
-        problem: str | None = str(exc).strip().splitlines()[0]
-    else:
-        problem = next((r["problem"] for r in rows if r["problem"]), None)
-    if problem is not None:
-        raise WorkerPythonError(
-            f"the Spark Connect server's Python workers cannot import pushtable: {problem}. "
-            "Start the server with PYSPARK_PYTHON (or spark.pyspark.python) naming an "
-            "interpreter that has pushtable installed"
-        )
+        return str(exc).strip().splitlines()[0]
+    return next((r["problem"] for r in rows if r["problem"]), None)
 
 
 def _import_problem(exe: str) -> str | None:

@@ -19,8 +19,10 @@ Options: ``uri``, ``topic`` (required); ``token``, ``tls_root_certs``; ``startin
 starts from its checkpoint); ``maxBatchesPerTrigger`` (offsets per micro-batch); ``partitions``
 (read tasks per micro-batch, default 2); ``consumer`` (the name the server reports the
 query's position under, default ``spark``); ``dataset`` (the topic's Lance dataset as the
-executors can open it, e.g. ``<data-dir>/<topic>.lance``: they read their ranges there, the
-driver still asks the server for offsets).
+executors can open it, e.g. ``<data-dir>/<topic>.lance`` or ``s3://bucket/prefix/<topic>.lance``:
+they read their ranges there, the driver still asks the server for offsets) with
+``storage_options`` (a JSON object of Lance's storage options, as the sink takes them; without
+it, Lance's environment variables on each executor).
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def topic_schema(options: Options) -> pa.Schema:
         schema = client.schema(topic)
     dataset = options.text("dataset")
     if dataset:
-        _check_dataset(dataset, schema, topic)
+        _check_dataset(dataset, schema, topic, options.mapping("storage_options"))
     return schema
 
 
@@ -80,12 +82,14 @@ def _check_durable(client: Client, topic: str) -> None:
         )
 
 
-def _check_dataset(uri: str, schema: pa.Schema, topic: str) -> None:
+def _check_dataset(
+    uri: str, schema: pa.Schema, topic: str, storage_options: dict[str, str] | None
+) -> None:
     """Refuse a ``dataset`` option that is not this topic's dataset (as far as the driver sees)."""
     from pushtable.durable.store import describe  # Lance: only when the option is given
 
     try:
-        have = describe(uri)[0]
+        have = describe(uri, storage_options)[0]
     except Exception as exc:  # any failure to open it: say which and why
         raise ValueError(
             f'format("pushtable") source: option "dataset" {uri!r} cannot be opened as a '
@@ -127,11 +131,14 @@ class PushTableStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         self.consumer = options.text("consumer") or "spark"
         #: the topic's Lance dataset, when the executors can open it: read there directly
         self.dataset = options.text("dataset") or None
+        #: what Lance takes to reach ``dataset`` on an object store (None: its environment)
+        self.storage_options = options.mapping("storage_options")
         self._client: Client | None = None
         self._until: int | None = None  # Trigger.AvailableNow: the end fixed at the start
         _check_durable(self.client(), self.topic)
         if self.dataset is not None:
-            _check_dataset(self.dataset, self.client().schema(self.topic), self.topic)
+            schema = self.client().schema(self.topic)
+            _check_dataset(self.dataset, schema, self.topic, self.storage_options)
 
     def client(self) -> Client:
         """This process's connection to the server, opened on first use."""
@@ -217,7 +224,9 @@ class PushTableStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         if self.dataset is not None:
             from pushtable.durable.store import read_offsets  # Lance: only where it is read
 
-            yield from read_offsets(self.dataset, partition.start, partition.end)
+            yield from read_offsets(
+                self.dataset, partition.start, partition.end, self.storage_options
+            )
             return
         with connect(**self.settings) as client:
             yield from client.read(self.topic, partition.start, partition.end)
