@@ -135,6 +135,7 @@ class PushTableStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         self.storage_options = options.mapping("storage_options")
         self._client: Client | None = None
         self._until: int | None = None  # Trigger.AvailableNow: the end fixed at the start
+        self._reported: int | None = None  # the position the server was last told
         _check_durable(self.client(), self.topic)
         if self.dataset is not None:
             schema = self.client().schema(self.topic)
@@ -177,9 +178,16 @@ class PushTableStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
         self._until = self._offsets()["committed"]
 
     def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
-        """The next micro-batch's end: the committed offset (or the fixed end), within ``limit``."""
-        end = self._offsets()["committed"] if self._until is None else self._until
+        """The next micro-batch's end: the committed offset (or the fixed end), within ``limit``.
+
+        Spark asks once the micro-batch before has finished, from that batch's end: the
+        query has consumed everything below ``start``, which the server is told now. (Spark's
+        ``commit`` of a batch comes only when the next one starts: after the last batch of a
+        ``Trigger.AvailableNow`` run it never came, and the position stayed a batch behind.)
+        """
         first = int(start["offset"])
+        self._consumed(first)
+        end = self._offsets()["committed"] if self._until is None else self._until
         if isinstance(limit, ReadMaxRows):
             end = min(end, first + int(limit.max_rows))
         return {"offset": max(first, end)}
@@ -204,7 +212,12 @@ class PushTableStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow)
 
     def commit(self, end: dict[str, Any]) -> None:
         """Tell the server the consumer has read every offset below ``end``."""
-        self.client().consumed(self.topic, self.consumer, int(end["offset"]))
+        self._consumed(int(end["offset"]))
+
+    def _consumed(self, offset: int) -> None:
+        if self._reported is None or offset > self._reported:
+            self.client().consumed(self.topic, self.consumer, offset)
+            self._reported = offset
 
     def stop(self) -> None:
         """Close this process's connection to the server, if open."""
