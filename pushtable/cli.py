@@ -246,6 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _without_huge_pages()
         import pyarrow as pa
 
+        from pushtable.errors import DataDirInUseError
         from pushtable.flight import serve
         from pushtable.flight.server.server import run_until_stopped
 
@@ -267,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 block=False,
                 say=_say,
             )
-        except (ValueError, OSError, KeyError, pa.ArrowException) as exc:
+        except (ValueError, OSError, KeyError, DataDirInUseError, pa.ArrowException) as exc:
             print(f"pushtable serve: {describe_startup(exc)}", file=sys.stderr)
             return 2
         run_until_stopped(server, _say)

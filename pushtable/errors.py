@@ -14,6 +14,7 @@ from collections import OrderedDict
 __all__ = [
     "ClientClosedError",
     "CommitFailedError",
+    "DataDirInUseError",
     "EpochCommitError",
     "IncompatibleSinkError",
     "InvalidBatchError",
@@ -268,6 +269,15 @@ class UnsupportedSparkTypeError(PushTableError, TypeError):
         Traceback (most recent call last):
         ...
         pushtable.errors.UnsupportedSparkTypeError: column 'age' has Spark type interval ...
+    """
+
+
+class DataDirInUseError(PushTableError, RuntimeError):
+    """Another ``pushtable serve`` holds the lease of this data dir.
+
+    A data dir is a directory or an object store prefix: two servers would interleave the
+    offsets of the same durable topics. The message names the owner and when its lease
+    lapses if it is not renewed (a server that died holds it no longer than that).
     """
 
 

@@ -240,17 +240,19 @@ async def test_aclose_frees_a_stream_whose_batch_waits_for_room(tmp_path: Path) 
             await client.create_topic("other", SCHEMA)
             stuck = await client.sink("full", window=2)
             await stuck.write(rows(1))  # queued in the table: full
-            await stuck.send(rows(2))  # in flight: the server waits for room for it
+            pending = await stuck.send(rows(2))  # in flight: the server waits for room for it
             await asyncio.wait_for(stuck.aclose(timeout=2.0), WAIT)
+            with pytest.raises(SinkClosedError):  # never acknowledged: left with its sink
+                await asyncio.wait_for(pending, WAIT)
             sinks = [await client.sink("other") for _ in range(2)]
             for i, sink in enumerate(sinks):
                 await sink.write(rows(10 + i), timeout=WAIT)  # both slots free
+            for sink in sinks:
+                await sink.aclose()  # a query's DoGet takes a slot too
             reading = asyncio.create_task(keys_of(client.sql("SELECT k FROM full")))
             closer = await client.sink("full")
-            await sinks[0].aclose()
             await closer.close(timeout=WAIT)
             assert await asyncio.wait_for(reading, WAIT) == [1]
-            await sinks[1].aclose()
     await no_aio_threads()
 
 

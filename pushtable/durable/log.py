@@ -35,6 +35,7 @@ from pushtable.durable.store import LogStore, Stamp, StoredBatch, Written, micro
 from pushtable.errors import (
     CommitFailedError,
     OffsetOutOfRangeError,
+    PushTableError,
     ResourceLimitError,
     SequenceError,
     SinkClosedError,
@@ -234,6 +235,8 @@ class DurableLog:
         self._tail: deque[_Entry] = deque()  # committed batches kept in memory
         self._tail_bytes = 0
         self._failure: CommitFailedError | None = None
+        #: why the log was abandoned, when its writes are refused for a reason (see abandon)
+        self._gone: PushTableError | None = None
         self._attempts = 0  # commit attempts finished, failed or not
         #: a commit raised and it is not known whether it landed: read before the next one
         self._unsure = False
@@ -357,7 +360,7 @@ class DurableLog:
         fingerprint = _fingerprint(batch) if producer is not None and not gaps else None
         with self._cond:
             if self._closing:
-                raise SinkClosedError(f"durable topic '{self.name}' is closed")
+                raise self._refused()
             if producer is not None:
                 assert sequence is not None
                 if producer not in self._accepted:
@@ -509,6 +512,8 @@ class DurableLog:
             while offset >= self._committed:
                 if self._failure is not None and self._attempts > seen:
                     raise self._failure
+                if self._gone is not None:
+                    raise self._refused()
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
@@ -1048,13 +1053,26 @@ class DurableLog:
             if thread is not None and thread is not threading.current_thread():
                 thread.join(timeout)
 
-    def abandon(self) -> None:
-        """Stop without waiting for pending batches (a failed topic, a stopping server)."""
+    def abandon(self, reason: PushTableError | None = None) -> None:
+        """Stop without waiting for pending batches (a failed topic, a stopping server).
+
+        With ``reason`` (another server took the data dir), writes and waits for a commit
+        raise it: what is pending is never committed, so never acknowledged.
+        """
         with self._cond:
             self._closing = True
             self._closed = True
+            if reason is not None:
+                self._gone = reason
             self._cond.notify_all()
         self._upkeep_stop.set()
+
+    def _refused(self) -> PushTableError:
+        """Why a write or a wait is refused once the log closed (the caller holds ``_cond``)."""
+        gone = self._gone
+        if gone is None:
+            return SinkClosedError(f"durable topic '{self.name}' is closed")
+        return type(gone)(f"durable topic '{self.name}': {gone}")
 
     @property
     def stats(self) -> dict[str, Any]:

@@ -57,7 +57,8 @@ class DataDir:
     def names(self) -> list[str]:
         """The durable topics stored here, by name, sorted."""
         if self.local is not None:
-            return sorted(p.name.removesuffix(".lance") for p in self.local.glob("*.lance"))
+            local = [p.name.removesuffix(".lance") for p in self.local.glob("*.lance")]
+            return sorted(n for n in local if not n.startswith("."))  # the lease, not a topic
         from lance.namespace import (  # type: ignore[attr-defined]
             DirectoryNamespace,
             ListTablesRequest,
@@ -74,7 +75,7 @@ class DataDir:
             found += page.tables
             token = page.page_token
             if not token:
-                return sorted(found)
+                return sorted(n for n in found if not n.startswith("."))  # the lease
 
     def bytes(self) -> int:
         """Bytes the durable topics take.

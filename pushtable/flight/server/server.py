@@ -17,6 +17,7 @@ import os
 import socket
 import threading
 import time
+import uuid
 import weakref
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -27,7 +28,7 @@ import pyarrow.flight as flight
 
 from pushtable import metrics
 from pushtable.context import SessionContext
-from pushtable.errors import ServerStoppedError, UnsupportedCallError
+from pushtable.errors import DataDirInUseError, ServerStoppedError, UnsupportedCallError
 from pushtable.flight.server import actions, sql
 from pushtable.flight.server.auth import BearerAuth, Grant, Tokens, caller
 from pushtable.flight.server.calls import (
@@ -41,6 +42,7 @@ from pushtable.flight.server.calls import (
 )
 from pushtable.flight.server.data_dir import DataDir
 from pushtable.flight.server.ingest import Ingest
+from pushtable.flight.server.lease import Lease
 from pushtable.flight.server.limits import Limits, Usage
 from pushtable.flight.server.query import Queries
 from pushtable.flight.server.staging import Staging
@@ -114,6 +116,31 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
         #: The operator's session (full power from Python); remote SQL runs queries only, in
         #: its memory pool when the server made it.
         self.ctx = ctx if ctx is not None else _remote_session(self.limits)
+        #: one server at a time serves a data dir (see :mod:`.lease`)
+        self._lease: Lease | None = None
+        if self.data_dir is not None:
+            # unique per server (two in one process are two owners), readable by a person
+            owner = (
+                f"pushtable serve (pid {os.getpid()} on {socket.gethostname()}, "
+                f"{uuid.uuid4().hex[:8]})"
+            )
+            self._lease = Lease(self.data_dir, owner, on_lost=self._lost_data_dir)
+            self._lease.acquire()  # DataDirInUseError: another server serves it
+        try:
+            self._start(location, tls, token, tokens, fsync)
+        except BaseException:
+            if self._lease is not None:
+                self._lease.release()
+            raise
+
+    def _start(
+        self,
+        location: str,
+        tls: tuple[str | Path, str | Path] | None,
+        token: str | None,
+        tokens: Mapping[str, Grant] | Tokens | None,
+        fsync: bool,
+    ) -> None:
         self._tables = Tables(self.ctx, self.usage, self.data_dir, fsync)
         if tls is not None and location.startswith("grpc://"):
             location = "grpc+tls://" + location.removeprefix("grpc://")
@@ -289,6 +316,17 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
         """What the Prometheus metrics read of this server when scraped."""
         return metrics.ServerReport(str(self.location), *self.usage.snapshot())
 
+    def _lost_data_dir(self, why: str) -> None:
+        """Another server took the data dir's lease: fail this one's durable topics.
+
+        They acknowledge nothing more; their producers and readers hear why.
+        """
+        lost = DataDirInUseError(why)
+        for _, producer in self._tables.all():
+            if isinstance(producer, Topic) and producer.durable is not None:
+                producer.durable.abandon(lost)  # nothing pending is committed any more
+                producer.fail(lost)
+
     def stop(self, timeout: float = 10.0) -> int:
         """Fail every table, let calls deliver their errors, then shut down. Idempotent.
 
@@ -311,6 +349,8 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
         stopper.start()
         stopper.join(max(0.0, deadline - time.monotonic()))
         self._ingest.join(max(0.0, deadline - time.monotonic()))
+        if self._lease is not None:  # its topics are failed: another server may serve them
+            self._lease.release()
         if stopper.is_alive():
             open_calls = self._calls.count
             log.warning("pushtable server stopped with %d call(s) still open", open_calls)

@@ -1,0 +1,213 @@
+"""One server at a time serves a data dir: a lease renewed by compare-and-swap on the store.
+
+Two ``pushtable serve`` processes on the same data dir (a directory, or an object store prefix a
+restarted server reaches from another machine) would both append to the same durable topics
+and interleave their offsets. The lease is a one-row Lance dataset beside the topics,
+``<root>/.pushtable-owner.lance`` (``owner``, ``expires`` in wall-clock seconds): a server takes
+it only when it is absent, lapsed or its own, and keeps it by committing a new version every
+third of its term with the version it last wrote as its read version — Lance refuses a commit
+whose read version another commit overtook (``CommitConflictError``), so of two servers racing
+for it, one wins. A server whose renewal is overtaken has lost it: its durable topics are
+failed at once (it acknowledges nothing more). A server that dies holds it one term at most
+(``PUSHTABLE_LEASE_S``, 30 s by default); one started again on the same host takes it at once
+when the holder's process is gone (the row names its host and pid).
+
+Fencing is by lease, not per commit: a server paused longer than a term (SIGSTOP, a frozen VM)
+may land the group commit it had in flight after another took over, before its next renewal
+tells it.
+
+Example:
+    >>> import tempfile
+    >>> from pushtable.flight.server.data_dir import DataDir
+    >>> root = DataDir(tempfile.mkdtemp())
+    >>> first = Lease(root, "server-a")
+    >>> first.acquire()
+    >>> try:
+    ...     Lease(root, "server-b").acquire()
+    ... except DataDirInUseError as exc:
+    ...     print(str(exc).split(" until")[0])
+    data dir ... is served by server-a (its lease is renewed every 10s)
+    >>> first.release()
+    >>> Lease(root, "server-b").acquire()
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
+
+import lance
+import pyarrow as pa
+
+from pushtable.errors import DataDirInUseError
+from pushtable.flight.server.data_dir import DataDir
+from pushtable.lance_commits import open_dataset
+
+__all__ = ["LEASE_NAME", "Lease", "lease_term"]
+
+log = logging.getLogger(__name__)
+
+#: the lease's dataset under the data dir (a name no durable topic can have)
+LEASE_NAME = ".pushtable-owner.lance"
+_SCHEMA = pa.schema(
+    [("owner", pa.string()), ("host", pa.string()), ("pid", pa.int64()), ("expires", pa.float64())]
+)
+
+
+def lease_term() -> float:
+    """Seconds a lease lasts unless renewed: ``PUSHTABLE_LEASE_S``, 30 by default."""
+    return float(os.environ.get("PUSHTABLE_LEASE_S", "30"))
+
+
+def _dead_here(host: str, pid: int) -> bool:
+    """Whether the holder ran on this host and its process is gone.
+
+    Then its lease need not lapse: a server killed and started again on the same machine
+    takes over at once.
+    """
+    if host != socket.gethostname():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # someone else's live process
+        return False
+    return False
+
+
+class Lease:
+    """The lease of ``data_dir`` for ``owner`` (a name saying which server, on which host)."""
+
+    def __init__(
+        self,
+        data_dir: DataDir,
+        owner: str,
+        term: float | None = None,
+        on_lost: Callable[[str], None] | None = None,
+    ) -> None:
+        self.uri = f"{data_dir.root}/{LEASE_NAME}"
+        self.where = str(data_dir)
+        self.options = data_dir.storage_options
+        self.owner = owner
+        self.term = lease_term() if term is None else term
+        self._on_lost = on_lost  # told (once) when another server overtook the lease
+        self._version: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._renewals = 0
+
+    def _row(self, expires: float) -> pa.Table:
+        return pa.table(
+            {
+                "owner": [self.owner],
+                "host": [socket.gethostname()],
+                "pid": [os.getpid()],
+                "expires": [expires],
+            },
+            schema=_SCHEMA,
+        )
+
+    def _refused(self, holder: str, expires: float) -> DataDirInUseError:
+        until = datetime.fromtimestamp(expires, timezone.utc).isoformat(timespec="seconds")
+        return DataDirInUseError(
+            f"data dir {self.where} is served by {holder} (its lease is renewed every "
+            f"{self.term / 3:g}s) until {until} at least: two servers would interleave the "
+            "offsets of its durable topics. Stop that server, or wait for its lease to lapse "
+            "if it died"
+        )
+
+    def acquire(self) -> None:
+        """Take the lease, or raise :class:`DataDirInUseError` naming who holds it."""
+        ds = open_dataset(self.uri, self.options)
+        row = self._row(time.time() + self.term)
+        if ds is None:
+            try:
+                ds = lance.write_dataset(
+                    row,
+                    self.uri,
+                    mode="create",
+                    storage_options=self.options,
+                    enable_v2_manifest_paths=True,  # as every commit below names its manifest
+                )
+            except (OSError, ValueError) as exc:  # another server created it meanwhile
+                raise DataDirInUseError(
+                    f"data dir {self.where}: another server took its lease meanwhile ({exc})"
+                ) from exc
+        else:
+            held = ds.to_table().to_pylist() if ds.schema.equals(_SCHEMA) else []
+            for holder in held[:1]:
+                mine = holder["owner"] == self.owner
+                lapsed = holder["expires"] <= time.time()
+                if not (mine or lapsed or _dead_here(holder["host"], holder["pid"])):
+                    raise self._refused(holder["owner"], holder["expires"])
+            ds = self._swap(ds.version, row)
+            if ds is None:
+                now = open_dataset(self.uri, self.options)
+                taken = now.to_table().to_pylist()[0] if now is not None else {}
+                raise self._refused(taken.get("owner", "another server"), taken.get("expires", 0))
+        self._version = ds.version
+        self._thread = threading.Thread(target=self._keep, name="pushtable-lease", daemon=True)
+        self._thread.start()
+
+    def _swap(self, read_version: int, row: pa.Table) -> lance.LanceDataset | None:
+        """Commit ``row`` over ``read_version``; None when another commit overtook it."""
+        fragments = lance.fragment.write_fragments(
+            row, self.uri, schema=_SCHEMA, storage_options=self.options
+        )
+        try:
+            return lance.LanceDataset.commit(
+                self.uri,
+                lance.LanceOperation.Overwrite(_SCHEMA, fragments),
+                read_version=read_version,
+                storage_options=self.options,
+                # one naming of manifests for every version: mixed, an object store's listing
+                # found the newest version as the first one written
+                enable_v2_manifest_paths=True,
+            )
+        except Exception as exc:
+            if type(exc).__name__ == "CommitConflictError":
+                return None
+            raise
+
+    def renew(self) -> bool:
+        """Extend the lease by a term; False when another server overtook it (it is lost)."""
+        assert self._version is not None
+        ds = self._swap(self._version, self._row(time.time() + self.term))
+        if ds is None:
+            return False
+        self._version = ds.version
+        self._renewals += 1
+        if self._renewals % 30 == 0:  # its own history: a version every third of a term
+            ds.cleanup_old_versions(older_than=timedelta(seconds=self.term))
+        return True
+
+    def _keep(self) -> None:
+        while not self._stop.wait(self.term / 3):
+            try:
+                kept = self.renew()
+            except Exception as exc:  # noqa: BLE001 - the store is away: try again, in term
+                log.warning("could not renew the lease of data dir %s: %s", self.where, exc)
+                continue
+            if not kept:
+                log.error("data dir %s: another server took its lease", self.where)
+                if self._on_lost is not None:
+                    self._on_lost(f"another server took the lease of data dir {self.where}")
+                return
+
+    def release(self) -> None:
+        """Stop renewing and let the lease lapse now (best effort: else it lapses in a term)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.term)
+        if self._version is not None:
+            try:
+                self._swap(self._version, self._row(0.0))
+            except Exception as exc:  # noqa: BLE001 - it lapses by itself
+                log.info("could not release the lease of data dir %s: %s", self.where, exc)
+            self._version = None
