@@ -40,6 +40,7 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
 
 import lance
 import pyarrow as pa
@@ -78,7 +79,10 @@ def _dead_here(host: str, pid: int) -> bool:
         return True
     except PermissionError:  # someone else's live process
         return False
-    return False
+    try:  # a killed process its parent has not reaped yet (Linux: state Z) is gone too
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
 
 
 class Lease:
