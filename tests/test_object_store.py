@@ -193,3 +193,42 @@ def test_an_in_process_server_takes_storage_options_and_lists_what_it_stores(
         assert sorted(n for n, _ in server._tables.all()) == ["a_topic", "b_topic"]
     finally:
         server.stop()
+
+
+def test_a_servers_producer_rides_out_the_store_going_away(object_store: ObjectStore) -> None:
+    """Through a server whose data dir is on the store: the store stopped while an idempotent
+    producer writes, until a commit failed; the producer's flush is told its batches are kept
+    (``CommitFailedError``, ``kept``) and, once the store is back, stores every batch once."""
+    from pushtable.errors import CommitFailedError
+
+    server = Server(
+        data_dir=f"s3://{object_store.bucket}/outage-served", storage_options=object_store.options
+    )
+    try:
+        with connect(server.location, timeout=WAIT) as client:
+            client.create_topic("ticks", SCHEMA, durable=True, commit_interval=0.05)
+            sink = client.sink("ticks", producer_id="feed")
+            for i in range(3):
+                sink.write(rows(3 * i), timeout=WAIT)
+            sink.flush(timeout=WAIT)
+            durable = server.table("ticks").durable  # type: ignore[union-attr]
+            assert durable is not None
+            object_store.server.stop()
+            told: list[CommitFailedError] = []
+            try:
+                for i in range(3, 6):
+                    sink.write(rows(3 * i), timeout=WAIT)
+                wait_until(lambda: durable.commit_failures > 0, "a commit to fail on the store")
+                try:
+                    sink.flush(timeout=5.0)
+                except CommitFailedError as exc:
+                    told.append(exc)
+            finally:
+                object_store.server.start()
+            sink.flush(timeout=WAIT)
+            got = client.read("ticks", 0, client.offsets("ticks")["next"]).read_all()
+    finally:
+        server.stop()
+    assert got["k"].to_pylist() == list(range(18))  # every batch once, in order
+    assert len(told) == 1  # the flush while the store was away was told, not acknowledged
+    assert getattr(told[0], "kept", False), told[0]  # ... that its batches are kept
