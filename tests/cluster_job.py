@@ -18,14 +18,10 @@ from typing import Any
 DDL = "id long, level string, ts timestamp, amount decimal(18,4)"
 
 
-def main(settings: dict[str, Any]) -> dict[str, Any]:
-    from pyspark.sql import DataFrame
+def session(settings: dict[str, Any]) -> Any:
+    from pushtable.spark import local_spark
 
-    from pushtable.errors import WorkerPythonError
-    from pushtable.spark import local_spark, register
-    from pushtable.spark.session import ensure_worker_python
-
-    spark = local_spark(
+    return local_spark(
         "pushtable-cluster-test",
         **{
             "spark.master": settings["master"],
@@ -36,6 +32,45 @@ def main(settings: dict[str, Any]) -> dict[str, Any]:
             "spark.sql.session.timeZone": "UTC",  # collected timestamps: naive, in UTC
         },
     )
+
+
+def sink(spark: Any, settings: dict[str, Any], src: str, checkpoint: str) -> str | None:
+    """``format("pushtable")`` over the JSON files of ``src`` into topic ``ticks``; its error."""
+    query = (
+        spark.readStream.schema(DDL)
+        .option("maxFilesPerTrigger", 1)
+        .json(src)
+        .writeStream.format("pushtable")
+        .option("uri", settings["server"])
+        .option("table", "ticks")
+        .option("checkpointLocation", checkpoint)
+        .trigger(availableNow=True)
+        .start()
+    )
+    query.awaitTermination(600)
+    return None if query.exception() is None else str(query.exception())
+
+
+def sink_only(settings: dict[str, Any]) -> dict[str, Any]:
+    """Only the sink, over ``settings["src"]`` (a test kills an executor or this driver)."""
+    from pushtable.spark import register
+
+    spark = session(settings)
+    register(spark)
+    print("STARTED", flush=True)
+    error = sink(spark, settings, settings["src"], settings["checkpoint"])
+    spark.stop()
+    return {"sink_error": error}
+
+
+def main(settings: dict[str, Any]) -> dict[str, Any]:
+    from pyspark.sql import DataFrame
+
+    from pushtable.errors import WorkerPythonError
+    from pushtable.spark import register
+    from pushtable.spark.session import ensure_worker_python
+
+    spark = session(settings)
     out: dict[str, Any] = {"driver_pid": os.getpid()}
     # Where the Python work runs: a process per executor, not this one.
     pids = spark.range(4, numPartitions=4).rdd.map(lambda _: os.getpid()).distinct().collect()
@@ -56,19 +91,9 @@ def main(settings: dict[str, Any]) -> dict[str, Any]:
     ensure_worker_python(spark)  # the good one passes
     register(spark)
     options = json.dumps(settings["storage_options"])
-    sink = (
-        spark.readStream.schema(DDL)
-        .option("maxFilesPerTrigger", 1)
-        .json(settings["src"])
-        .writeStream.format("pushtable")
-        .option("uri", settings["server"])
-        .option("table", "ticks")
-        .option("checkpointLocation", str(Path(settings["checkpoints"]) / "sink"))
-        .trigger(availableNow=True)
-        .start()
+    out["sink_error"] = sink(
+        spark, settings, settings["src"], str(Path(settings["checkpoints"]) / "sink")
     )
-    sink.awaitTermination(300)
-    out["sink_error"] = None if sink.exception() is None else str(sink.exception())
     seen: list[Any] = []
 
     def each(df: DataFrame, batch_id: int) -> None:
@@ -98,5 +123,6 @@ def main(settings: dict[str, Any]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    result = main(json.loads(Path(sys.argv[1]).read_text()))
+    given = json.loads(Path(sys.argv[1]).read_text())
+    result = sink_only(given) if given.get("mode") == "sink" else main(given)
     print("RESULT " + json.dumps(result), flush=True)

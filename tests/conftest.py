@@ -96,9 +96,9 @@ def write_many(sink: TableSink, b: pa.RecordBatch, times: int) -> None:
         sink.write(b, timeout=WAIT)
 
 
-def wait_until(condition: Callable[[], bool], what: str) -> None:
-    """Poll ``condition()`` until true; fail the test after WAIT seconds."""
-    deadline = time.monotonic() + WAIT
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = WAIT) -> None:
+    """Poll ``condition()`` until true; fail the test after ``timeout`` (WAIT) seconds."""
+    deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
             pytest.fail(f"timed out waiting for {what}")

@@ -6,6 +6,7 @@ Started in new sessions, stopped by process group (workers first), logs kept asi
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -14,6 +15,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyspark
@@ -40,9 +42,29 @@ def _wait_for(log: Path, text: str, proc: subprocess.Popen[bytes], what: str) ->
     raise RuntimeError(f"{what} did not start ({text!r} not in its log):\n{tail}")
 
 
+@dataclass(frozen=True)
+class Cluster:
+    """A running cluster: the master's URL and each worker's process id."""
+
+    url: str
+    workers: list[int]
+
+    def executors(self) -> list[int]:
+        """The process ids of the executor JVMs the workers launched (children of a worker)."""
+        import psutil
+
+        found = []
+        for pid in self.workers:
+            for child in psutil.Process(pid).children():
+                with contextlib.suppress(psutil.Error):
+                    if "CoarseGrainedExecutorBackend" in " ".join(child.cmdline()):
+                        found.append(child.pid)
+        return found
+
+
 @contextmanager
-def standalone_cluster(folder: Path, workers: int = 2) -> Iterator[str]:
-    """A master and ``workers`` workers (1 core, 1 GiB each); yields the master's URL."""
+def standalone_cluster(folder: Path, workers: int = 2) -> Iterator[Cluster]:
+    """A master and ``workers`` workers (1 core, 1 GiB each), running."""
     home = Path(pyspark.__file__).parent
     env = {
         **os.environ,
@@ -89,7 +111,7 @@ def standalone_cluster(folder: Path, workers: int = 2) -> Iterator[str]:
             )
             procs.append(worker)
             _wait_for(wlog, "Successfully registered with master", worker, f"worker {i}")
-        yield url
+        yield Cluster(url, [p.pid for p in procs[1:]])
     finally:
         for proc in reversed(procs):  # workers first, then the master
             if proc.poll() is None:

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
@@ -127,8 +128,11 @@ def test_a_client_that_stopped_reading_does_not_keep_a_stopped_server_alive(
     with serve_process({}, tmp_path) as (proc, location), connect(location) as client:
         client.create_table("big", SCHEMA, capacity=64)
         with client.sink("big") as sink:
-            for i in range(40):  # 20 MB of results: more than the flow-control window holds
-                sink.write(pa.record_batch({"v": range(i * 65_536, (i + 1) * 65_536)}))
+            for i in range(40):  # 80 MB of results: more than the flow-control window (which
+                # gRPC grows on a fast link) and the query's hand-off hold; 20 MB was drained whole
+                # in a full run (0 queued)
+                rows = 262_144
+                sink.write(pa.record_batch({"v": np.arange(i * rows, (i + 1) * rows)}))
         quiet = flight.FlightClient(location)
         try:
             reader = quiet.do_get(flight.Ticket(json.dumps({"sql": "SELECT v FROM big"}).encode()))

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from datetime import datetime, timezone
 from decimal import Decimal
 from pathlib import Path
@@ -23,7 +25,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from tests.conftest import ObjectStore
+from tests.conftest import ObjectStore, wait_until
 from tests.spark_cluster import standalone_cluster
 
 pytestmark = [pytest.mark.slow, pytest.mark.spark, pytest.mark.timeout(900)]
@@ -31,11 +33,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.spark, pytest.mark.timeout(900)]
 EPOCHS, ROWS = 4, 50
 
 
-def write_epochs(src: Path) -> list[list[object]]:
+def write_epochs(src: Path, epochs: int = EPOCHS) -> list[list[object]]:
     """One JSON file a micro-batch; the rows as ``[id, level, ts ISO (UTC), amount]``."""
     src.mkdir()
     expected: list[list[object]] = []
-    for e in range(EPOCHS):
+    for e in range(epochs):
         path = src / f"part-{e:04d}.json"
         with path.open("w") as f:
             for r in range(ROWS):
@@ -64,7 +66,7 @@ def test_the_sink_and_the_source_on_a_standalone_cluster_with_topics_on_s3(
     workdir.mkdir()
     with (
         serve(object_store, "cluster", workdir) as (_proc, location, _line),
-        standalone_cluster(tmp_path / "cluster") as master,
+        standalone_cluster(tmp_path / "cluster") as cluster,
     ):
         from pushtable.flight import connect
 
@@ -79,7 +81,7 @@ def test_the_sink_and_the_source_on_a_standalone_cluster_with_topics_on_s3(
         with connect(location) as client:
             client.create_topic("ticks", schema, durable=True)
         settings = {
-            "master": master,
+            "master": cluster.url,
             "server": location,
             "dataset": f"s3://{object_store.bucket}/cluster/ticks.lance",
             "storage_options": object_store.options,
@@ -110,3 +112,108 @@ def test_the_sink_and_the_source_on_a_standalone_cluster_with_topics_on_s3(
     assert result["source_error"] is None, result["source_error"]
     assert sorted(stored["id"].to_pylist()) == list(range(EPOCHS * ROWS))  # each row once
     assert result["read_back"] == expected
+
+
+def launch(settings: dict[str, object], folder: Path) -> subprocess.Popen[str]:
+    """The sink-only driver of ``tests/cluster_job.py`` in a session of its own (killable with
+    its JVM); returns once its session is up (it printed ``STARTED``)."""
+    path = folder / "job.json"
+    path.write_text(json.dumps({**settings, "mode": "sink"}))
+    proc = subprocess.Popen(
+        [sys.executable, str(Path(__file__).parent / "cluster_job.py"), str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=folder,
+        start_new_session=True,
+    )
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("STARTED"):
+            return proc
+    raise AssertionError(f"the driver did not start ({proc.wait()})")
+
+
+def finished(proc: subprocess.Popen[str]) -> dict[str, object]:
+    assert proc.stdout is not None
+    out = proc.stdout.read()
+    proc.wait(600)
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+    assert lines, f"the driver failed ({proc.returncode}):\n{out[-4000:]}"
+    return dict(json.loads(lines[0].removeprefix("RESULT ")))
+
+
+def test_an_executor_and_the_driver_killed_mid_stream_store_every_row_once(
+    object_store: ObjectStore, tmp_path: Path
+) -> None:
+    """On the cluster, with the server's data dir on S3: an executor JVM SIGKILLed while the
+    sink runs (Spark retries its tasks elsewhere), then the driver SIGKILLed (its session
+    and JVM with it) and started again on its checkpoint: every row in the topic once."""
+    from pushtable.flight import connect
+    from tests.test_object_store import serve
+
+    many = 12  # micro-batches a run: a kill lands while the stream goes on
+    first = write_epochs(tmp_path / "src", many)  # ids 0..599
+    second_src = tmp_path / "src2"
+    second_src.mkdir()
+    for e in range(many):  # ids 600..1199, in a second input
+        lines = []
+        for r in range(ROWS):
+            i = (many + e) * ROWS + r
+            ts = datetime(2026, 11, 27, 13, 0, i % 60, tzinfo=timezone.utc).isoformat()
+            lines.append(json.dumps({"id": i, "level": "ab"[i % 2], "ts": ts, "amount": "1.5"}))
+        path = second_src / f"part-{e:04d}.json"
+        path.write_text("\n".join(lines) + "\n")
+        os.utime(path, (1_700_000_000 + e * 10, 1_700_000_000 + e * 10))
+    workdir = tmp_path / "server"
+    workdir.mkdir()
+    schema = pa.schema(
+        [
+            ("id", pa.int64()),
+            ("level", pa.string()),
+            ("ts", pa.timestamp("us", tz="UTC")),
+            ("amount", pa.decimal128(18, 4)),
+        ]
+    )
+    with (
+        serve(object_store, "kills", workdir) as (_proc, location, _line),
+        standalone_cluster(tmp_path / "cluster") as cluster,
+        connect(location) as client,
+    ):
+        client.create_topic("ticks", schema, durable=True)
+        settings: dict[str, object] = {
+            "master": cluster.url,
+            "server": location,
+            "storage_options": object_store.options,
+        }
+
+        def stored() -> int:
+            time.sleep(0.05)  # polled by wait_until: a call every 50 ms is plenty
+            return int(client.offsets("ticks")["committed"])
+
+        def rows() -> int:
+            return int(client.read("ticks", 0, stored()).read_all().num_rows)
+
+        # An executor killed once the sink has stored something.
+        job = launch(
+            {**settings, "src": str(tmp_path / "src"), "checkpoint": str(tmp_path / "c1")}, tmp_path
+        )
+        wait_until(lambda: stored() > 0, "the sink's first stored batch", timeout=300)
+        executors = cluster.executors()
+        assert executors, "no executor JVM found"
+        assert rows() < many * ROWS, "the stream had ended"
+        os.kill(executors[0], signal.SIGKILL)
+        assert finished(job)["sink_error"] is None
+        # The driver killed (its process group: the Python driver and its JVM), then again.
+        checkpoint = str(tmp_path / "c2")
+        job = launch({**settings, "src": str(second_src), "checkpoint": checkpoint}, tmp_path)
+        before = stored()
+        wait_until(lambda: stored() > before, "the second sink's first stored batch", timeout=300)
+        assert rows() < 2 * many * ROWS, "the stream had ended"
+        os.killpg(job.pid, signal.SIGKILL)
+        job.wait(60)
+        job = launch({**settings, "src": str(second_src), "checkpoint": checkpoint}, tmp_path)
+        assert finished(job)["sink_error"] is None
+        ids = client.read("ticks", 0, client.offsets("ticks")["next"]).read_all()["id"].to_pylist()
+    assert sorted(ids) == list(range(2 * many * ROWS))  # every row once, across both kills
+    assert len(first) == many * ROWS

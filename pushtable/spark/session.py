@@ -65,7 +65,7 @@ def ensure_worker_python(spark: SparkSession) -> None:
     exe = getattr(context, "pythonExec", None)
     if context is None or exe is None:
         return
-    if not str(context.master).startswith("local"):
+    if not str(getattr(context, "master", "local")).startswith("local"):
         _check_cluster_workers(spark, context, exe)
         return
     if exe == sys.executable:
