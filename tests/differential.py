@@ -318,9 +318,9 @@ def queries(draw: Any, shape: str | None = None) -> Query:
         form = draw(
             st.sampled_from(
                 [
-                    "SELECT k, s FROM l WHERE k > ANY (SELECT x.k FROM l x WHERE x.s = 'a')",
+                    "SELECT k, s FROM l WHERE k >= ANY (SELECT x.k FROM l x WHERE x.s = 'a')",
                     "SELECT k, s FROM l WHERE k > ANY (SELECT k FROM l WHERE s = 'a')",
-                    "SELECT k, s FROM l WHERE k < ALL (SELECT x.k FROM l x WHERE x.s <> 'a')",
+                    "SELECT k, s FROM l WHERE k <= ALL (SELECT x.k FROM l x WHERE x.k IS NOT NULL)",
                     "SELECT k, s FROM l WHERE k = ANY (SELECT k FROM r)",
                     "SELECT k, s FROM l WHERE k <> ALL (SELECT k FROM r WHERE k IS NOT NULL)",
                 ]

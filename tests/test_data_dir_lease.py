@@ -145,3 +145,33 @@ def test_a_server_whose_lease_was_taken_fails_its_durable_topics(
         wait_until(refused, "the server to give up its durable topics")
     finally:
         server.stop()
+
+
+def test_a_lease_commit_that_lands_then_raises_is_kept(
+    place: Place, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lease's own commit landed and then raised (an object store's lost reply): the
+    server sees its own row as the newest and keeps the lease, at start and at a renewal (it
+    used to fail to start, and a renewal would have read the next conflict as a loss)."""
+    import lance
+
+    root = place.uri("lost-reply")
+    Server(data_dir=root, storage_options=place.options).stop()  # the lease dataset exists
+    real = lance.LanceDataset.commit
+    calls = {"n": 0}
+
+    def landing_then_raising(*args: object, **kwargs: object) -> object:
+        real(*args, **kwargs)  # type: ignore[arg-type]
+        calls["n"] += 1
+        raise OSError(5, "Input/output error (injected after the commit landed)")
+
+    monkeypatch.setattr(lance.LanceDataset, "commit", staticmethod(landing_then_raising))
+    lease = Lease(DataDir(root, place.options), "a server whose replies are lost", term=60.0)
+    lease.acquire()  # the row landed: it is this lease's
+    assert calls["n"] == 1
+    assert lease.renew()  # landed again, raised again: still its own
+    assert calls["n"] == 2
+    monkeypatch.setattr(lance.LanceDataset, "commit", staticmethod(real))
+    with pytest.raises(DataDirInUseError, match="a server whose replies are lost"):
+        Server(data_dir=root, storage_options=place.options)
+    lease.release()

@@ -150,7 +150,7 @@ class Lease:
                 lapsed = holder["expires"] <= time.time()
                 if not (mine or lapsed or _dead_here(holder["host"], holder["pid"])):
                     raise self._refused(holder["owner"], holder["expires"])
-            ds = self._swap(ds.version, row)
+            ds = self._taken(ds.version, row)
             if ds is None:
                 now = open_dataset(self.uri, self.options)
                 taken = now.to_table().to_pylist()[0] if now is not None else {}
@@ -179,10 +179,34 @@ class Lease:
                 return None
             raise
 
+    def _taken(self, read_version: int, row: pa.Table) -> lance.LanceDataset | None:
+        """``row`` committed over ``read_version``, also when the commit raised after it landed.
+
+        (An object store's lost reply: the newest version then holds this owner's row.) None
+        when another server's commit overtook it; any other failure is raised.
+        """
+        try:
+            ds = self._swap(read_version, row)
+        except Exception:
+            ds = None
+            mine = self._mine()
+            if mine is None:
+                raise
+            return mine
+        return ds if ds is not None else self._mine()
+
+    def _mine(self) -> lance.LanceDataset | None:
+        """The newest version, if this owner wrote it (a commit of ours that landed)."""
+        ds = open_dataset(self.uri, self.options)
+        if ds is None or not ds.schema.equals(_SCHEMA):
+            return None
+        rows = ds.to_table().to_pylist()
+        return ds if rows and rows[0]["owner"] == self.owner else None
+
     def renew(self) -> bool:
         """Extend the lease by a term; False when another server overtook it (it is lost)."""
         assert self._version is not None
-        ds = self._swap(self._version, self._row(time.time() + self.term))
+        ds = self._taken(self._version, self._row(time.time() + self.term))
         if ds is None:
             return False
         self._version = ds.version
