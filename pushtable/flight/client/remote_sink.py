@@ -157,6 +157,17 @@ class RemoteSink(ProducerScope):
                 put.finish(timeout=timeout)
             self._sent += put.sent
             self._acked += put.acked
+            # A stream left before its end was seen: what it had in flight hears so now (its
+            # end, if it comes later, finds them settled).
+            with put.changed:
+                unsettled = [item for item in put.inflight if not item.settled]
+            for item in unsettled:
+                item.settle(
+                    SinkClosedError(
+                        f"the producer of '{self.name}' left its stream before the server "
+                        "acknowledged this batch: it may not be stored"
+                    )
+                )
 
     def write(self, data: Any, timeout: float | None = None) -> None:
         """Send a batch (or every batch of a table / stream), at most ``window`` unacknowledged.
