@@ -44,7 +44,7 @@ def main() -> None:
     assert got == expected, got
     from importlib import resources
 
-    page = resources.files("pushtable.flight").joinpath("static").joinpath("index.html")
+    page = resources.files("pushtable.flight.server").joinpath("static").joinpath("index.html")
     assert page.is_file(), "the browser view's page is not in the wheel"
     print(f"wheel smoke test passed: pushtable {pushtable.__version__} from {where.parent}")
 
