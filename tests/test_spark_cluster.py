@@ -7,7 +7,9 @@ the worker check asks the executors (a worker Python that cannot import pushtabl
 not patched over with the driver's), ``format("pushtable")`` writes micro-batches with zoned
 timestamps and decimals into a durable topic on the store, and the source reads them back on
 the executors straight from the topic's dataset on the store (``dataset`` and
-``storage_options``). Every row lands once, in the topic and as read back.
+``storage_options``) and through the server. Both ``foreachBatch`` bridges run on the same
+micro-batches with ``executor_writes``/``push="executors"``: Lance on the store, the server's
+durable topic and an in-process live table each hold every row once.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from datetime import datetime, timezone
 from decimal import Decimal
 from pathlib import Path
 
+import lance
 import pyarrow as pa
 import pytest
 
@@ -80,11 +83,13 @@ def test_the_sink_and_the_source_on_a_standalone_cluster_with_topics_on_s3(
         )
         with connect(location) as client:
             client.create_topic("ticks", schema, durable=True)
+            client.create_topic("bridged", schema, durable=True)
         settings = {
             "master": cluster.url,
             "server": location,
             "dataset": f"s3://{object_store.bucket}/cluster/ticks.lance",
             "storage_options": object_store.options,
+            "lance": f"s3://{object_store.bucket}/cluster/lance",
             "src": str(tmp_path / "src"),
             "checkpoints": str(tmp_path / "checkpoints"),
         }
@@ -103,15 +108,35 @@ def test_the_sink_and_the_source_on_a_standalone_cluster_with_topics_on_s3(
         result = json.loads(lines[0].removeprefix("RESULT "))
         with connect(location) as client:
             stored = client.read("ticks", 0, client.offsets("ticks")["next"]).read_all()
+            bridged = client.read("bridged", 0, client.offsets("bridged")["next"]).read_all()
+            published = client.published("bridged", "cluster-remote")
     assert result["executors"] == 2
     assert result["driver_pid"] not in result["worker_pids"]  # Python ran on the executors
     assert result["bad_worker_python"] is not None
     assert "cannot import pushtable" in result["bad_worker_python"]
     assert "/usr/bin/python3" in result["bad_worker_python"]
     assert result["sink_error"] is None, result["sink_error"]
-    assert result["source_error"] is None, result["source_error"]
     assert sorted(stored["id"].to_pylist()) == list(range(EPOCHS * ROWS))  # each row once
-    assert result["read_back"] == expected
+    for via in ("dataset", "server"):
+        assert result[f"source_{via}_error"] is None, result[f"source_{via}_error"]
+        assert result[f"read_back_{via}"] == expected, via
+    # Both bridges: every row once in Lance on the store, in the server's topic, live.
+    assert result["remote_bridge_error"] is None, result["remote_bridge_error"]
+    assert result["local_bridge_error"] is None, result["local_bridge_error"]
+    assert rows(bridged) == expected
+    assert published == EPOCHS - 1
+    for name in ("remote", "local"):
+        uri = f"{settings['lance']}/{name}.lance"
+        assert rows(lance.dataset(uri, storage_options=object_store.options).to_table()) == expected
+    assert result["live"] == expected
+
+
+def rows(table: pa.Table) -> list[list[object]]:
+    """``[id, level, ts ISO (UTC), amount]`` sorted, as :func:`write_epochs` gives them."""
+    return sorted(
+        [r["id"], r["level"], r["ts"].astimezone(timezone.utc).isoformat(), str(r["amount"])]
+        for r in table.select(["id", "level", "ts", "amount"]).to_pylist()
+    )
 
 
 def launch(settings: dict[str, object], folder: Path) -> subprocess.Popen[str]:
