@@ -30,6 +30,7 @@ __all__ = [
     "SubscriptionStats",
     "TopicStats",
     "arrow_batches",
+    "batch_bytes",
     "check_timeout",
 ]
 
@@ -52,6 +53,21 @@ def check_timeout(timeout: float | None) -> float | None:
     if math.isnan(timeout) or timeout < 0:
         raise ValueError(f"timeout must be a number >= 0 or None, got {timeout}")
     return None if math.isinf(timeout) else float(timeout)
+
+
+def batch_bytes(batch: pa.RecordBatch) -> int:
+    """The bytes ``batch`` references: what it costs to hold, send or store it.
+
+    A slice counts its own rows, not its parent's buffers: the batches of
+    ``table.to_batches(max_chunksize=...)`` share the table's buffers, and counting those
+    whole (``get_total_buffer_size``) weighs each slice as the entire table, so a window or
+    a bound in bytes holds one batch at a time. Arrow's own count of referenced ranges
+    (``nbytes``: per column, not per row); a dictionary counts whole, as Arrow counts it.
+    """
+    try:
+        return int(batch.nbytes)
+    except (pa.ArrowException, NotImplementedError):  # a type Arrow cannot measure so
+        return int(batch.get_total_buffer_size())
 
 
 def arrow_batches(data: Any) -> Iterator[pa.RecordBatch]:

@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from datetime import datetime, timezone
+from decimal import Decimal
 from pathlib import Path
 
 import datafusion
@@ -31,6 +32,7 @@ from pushtable.errors import (
 from pushtable.flight import Client, Limits, RemoteSink, Server, connect, protocol
 from pushtable.flight.client.idempotent import DURABLE_WINDOW, IdempotentSink
 from pushtable.flight.server.auth import Grant
+from pushtable.producer import batch_bytes
 from tests.conftest import WAIT, Background, wait_until
 
 SCHEMA = pa.schema([("k", pa.int64()), ("s", pa.string())])
@@ -346,6 +348,81 @@ def test_a_durable_producer_keeps_at_most_window_bytes_in_flight(durable_server:
     assert client.offsets("t")["committed"] == 6
 
 
+def sliced(batches: int, rows_each: int) -> list[pa.RecordBatch]:
+    """``table.to_batches(max_chunksize=...)`` of one large table: slices sharing its buffers,
+    with a zoned timestamp, a decimal and a nullable string beside the key."""
+    n = batches * rows_each
+    table = pa.table(
+        {
+            "k": pa.array(range(n), pa.int64()),
+            "s": pa.array([None if i % 7 == 0 else f"r{i}" for i in range(n)]),
+            "ts": pa.array(range(n), pa.timestamp("us", tz="Europe/Paris")),
+            "amount": pa.array([Decimal(i) / 8 for i in range(n)], pa.decimal128(18, 4)),
+        }
+    )
+    out: list[pa.RecordBatch] = table.to_batches(max_chunksize=rows_each)
+    assert out[0].get_total_buffer_size() >= table.nbytes  # each slice holds the whole table
+    return out
+
+
+def test_slices_of_one_table_count_their_own_bytes_in_a_producers_window(
+    durable_server: Server,
+) -> None:
+    """A producer writing ``table.to_batches()`` of one large table: each slice is sent as its
+    own rows, so it counts those against ``window_bytes`` -- not the table's buffers, which
+    held the window to one batch at a time (one commit and one round trip a batch: 16x slower
+    than a hand-rolled Flight + Lance server on an object store)."""
+    batches = sliced(10, 20_000)
+    client = connect(durable_server.location)
+    schema = batches[0].schema
+    client.create_topic("t", schema, durable=True, commit_interval=60.0)  # no commit unasked
+    sink = client.sink("t", producer_id="p", window_bytes=4 * batches[0].nbytes)
+    assert isinstance(sink, IdempotentSink)
+    assert batches[0].get_total_buffer_size() > sink.window_bytes
+    for b in batches[:3]:  # three slices fit: none waits for a commit (timeout: it would)
+        sink.write(b, timeout=2.0)
+    assert sink.unacknowledged == 3
+    assert client.stats("t")["commits"] == 0
+    for b in batches[3:]:
+        sink.write(b, timeout=WAIT)
+    sink.flush(timeout=WAIT)
+    got = client.read("t", 0, 10).read_all()
+    assert got.equals(pa.Table.from_batches(batches))
+
+
+def test_slices_of_one_table_count_their_own_bytes_against_a_durable_logs_pending_bound(
+    tmp_path: Path,
+) -> None:
+    """In process, a durable topic's ``max_pending_bytes`` counts what each slice references:
+    counted as the whole table, every write of a slice forced a commit of its own."""
+    from pushtable.durable.log import DurableLog
+
+    batches = sliced(20, 10_000)[:10]  # half a table: ten slices, each holding all twenty
+    bound = 12 * batches[0].nbytes
+    assert batches[0].get_total_buffer_size() > bound
+    log = DurableLog(
+        "t",
+        batches[0].schema,
+        tmp_path / "t.lance",
+        lambda b, t: None,
+        commit_interval=60.0,
+        max_pending_bytes=bound,
+        upkeep_interval=None,
+    )
+    try:
+        for b in batches:
+            log.append(b, timeout=WAIT)
+        assert log.stats["commits"] == 0  # all ten wait for one commit, within the bound
+        log.flush(timeout=WAIT)
+        assert log.stats["commits"] == 1
+        stored = lance.dataset(str(tmp_path / "t.lance")).to_table(
+            columns=["k", "s", "ts", "amount"]
+        )
+        assert stored.sort_by("k").equals(pa.Table.from_batches(batches))
+    finally:
+        log.close()
+
+
 def test_a_resend_after_a_lost_acknowledgement_is_not_stored_twice(
     durable_server: Server,
 ) -> None:
@@ -578,7 +655,7 @@ def test_retain_bytes_bounds_the_committed_batches_kept_in_memory(tmp_path: Path
     (history beyond them is read from Lance): the stats show the bound held, and a
     subscription from an offset below the kept batches reads every row once, in order."""
     batches = [rows(100 * i, 100) for i in range(10)]
-    sizes = [b.get_total_buffer_size() for b in batches]
+    sizes = [batch_bytes(b) for b in batches]  # what the topic counts
     bound = sum(sizes[-3:])  # the newest three fit, four do not
     topic = Topic("t", SCHEMA, persist=tmp_path / "t.lance", retain_bytes=bound)
     for b in batches:

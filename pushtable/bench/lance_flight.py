@@ -10,13 +10,15 @@ panics on them) are copied with the same copy-only-what-is-off helper a durable 
 validates nothing beyond what pyarrow's reader does, stamps nothing, sequences no producers and
 serves no readers.
 
-Run as ``python -m pushtable.bench.lance_flight --dir D [--storage-version 2.1]``: it prints
-its location and serves until killed.
+Run as ``python -m pushtable.bench.lance_flight --dir D [--storage-version 2.1]
+[--storage-options JSON]``: it prints its location and serves until killed. ``D`` may be a
+local folder or an object store's URI (``s3://bucket/prefix``, with the store's options).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import queue
 import threading
 import time
@@ -34,13 +36,18 @@ from pushtable.lance_epochs import aligned
 QUEUED = 1024
 
 
-def append_synced(ds: lance.LanceDataset, uri: str, data: Any) -> lance.LanceDataset:
+def append_synced(
+    ds: lance.LanceDataset, uri: str, data: Any, storage_options: dict[str, str] | None = None
+) -> lance.LanceDataset:
     """Lance's own append of ``data`` (a table or a reader); the new version's dataset.
 
     ``write_fragments`` and one commit, each fsync'd as a durable topic's commit is (data
-    files and directory, then the manifest, transaction and directories).
+    files and directory, then the manifest, transaction and directories; on an object store,
+    the puts of the commit are its durability).
     """
-    fragments = lance.fragment.write_fragments(data, uri, schema=ds.schema)
+    fragments = lance.fragment.write_fragments(
+        data, uri, schema=ds.schema, storage_options=storage_options
+    )
     sync_fragments(uri, fragments)
     before = time.time_ns()
     op = lance.LanceOperation.Append(fragments)
@@ -52,20 +59,28 @@ def append_synced(ds: lance.LanceDataset, uri: str, data: Any) -> lance.LanceDat
 class LanceFlightServer(flight.FlightServerBase):  # type: ignore[misc]
     """DoPut: group-commit the stream into a Lance dataset, acknowledging each commit."""
 
-    def __init__(self, location: str, root: Path, storage_version: str | None = None) -> None:
+    def __init__(
+        self,
+        location: str,
+        root: str,
+        storage_version: str | None = None,
+        storage_options: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(location)
-        self.root = root
+        self.root = root.rstrip("/")
         #: the Lance file version of the datasets it creates (None: Lance's default)
         self.storage_version = storage_version
+        self.storage_options = storage_options
 
     def do_put(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
         """Append the stream to ``<root>/<path>.lance``; acknowledge after each commit."""
-        uri = str(self.root / f"{descriptor.path[0].decode()}.lance")
+        uri = f"{self.root}/{descriptor.path[0].decode()}.lance"
         ds = lance.write_dataset(
             reader.schema.empty_table(),
             uri,
             mode="create",
             data_storage_version=self.storage_version,  # type: ignore[arg-type]
+            storage_options=self.storage_options,
         )
         pending: queue.Queue[pa.RecordBatch | None] = queue.Queue(QUEUED)
         failed: list[BaseException] = []
@@ -86,7 +101,8 @@ class LanceFlightServer(flight.FlightServerBase):  # type: ignore[misc]
                 if not batches:
                     continue
                 try:
-                    ds = append_synced(ds, uri, aligned(pa.Table.from_batches(batches)))
+                    table = aligned(pa.Table.from_batches(batches))
+                    ds = append_synced(ds, uri, table, self.storage_options)
                 except BaseException as exc:  # noqa: BLE001 (reported to the client below)
                     failed.append(exc)
                     return
@@ -110,11 +126,14 @@ class LanceFlightServer(flight.FlightServerBase):  # type: ignore[misc]
 def main() -> None:
     """Serve on a free loopback port until stopped; print the address."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", required=True, type=Path)
+    parser.add_argument("--dir", required=True, help="a folder or an object store's URI")
     parser.add_argument("--storage-version", help="Lance file version (default: Lance's)")
+    parser.add_argument("--storage-options", help="the store's options, as a JSON object")
     args = parser.parse_args()
-    args.dir.mkdir(parents=True, exist_ok=True)
-    server = LanceFlightServer("grpc://127.0.0.1:0", args.dir, args.storage_version)
+    if "://" not in args.dir:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
+    options = None if args.storage_options is None else json.loads(args.storage_options)
+    server = LanceFlightServer("grpc://127.0.0.1:0", args.dir, args.storage_version, options)
     print(f"lance flight: listening on grpc://127.0.0.1:{server.port}", flush=True)
     server.serve()
 

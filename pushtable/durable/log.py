@@ -41,6 +41,7 @@ from pushtable.errors import (
     SinkClosedError,
     WriteTimeoutError,
 )
+from pushtable.producer import batch_bytes
 
 __all__ = ["DurableLog", "Start", "epoch_of", "epoch_sequence"]
 
@@ -275,6 +276,7 @@ class DurableLog:
         producer: str | None = None,
         sequence: int | None = None,
         gaps: bool = False,
+        nbytes: int | None = None,
     ) -> int:
         """Give ``batch`` the next offset and send it live.
 
@@ -282,13 +284,15 @@ class DurableLog:
         sequence)`` seen before is not appended again: its acknowledgement is that of
         everything appended so far. A producer's sequences follow each other, unless ``gaps``:
         then any higher one is taken (a Spark query's batches are numbered by epoch, see
-        :func:`epoch_sequence`).
+        :func:`epoch_sequence`). ``nbytes`` is what the batch counts against
+        ``max_pending_bytes``: by default the bytes it references (a slice its own rows,
+        :func:`~pushtable.producer.batch_bytes`); a server passes the bytes it received.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         if not self._order.acquire(timeout=-1 if timeout is None else timeout):
             raise WriteTimeoutError(f"write to durable topic '{self.name}' timed out")
         try:
-            return self._append(batch, deadline, producer, sequence, gaps, closes=True)
+            return self._append(batch, deadline, producer, sequence, gaps, True, nbytes)
         finally:
             self._order.release()
 
@@ -354,6 +358,7 @@ class DurableLog:
         sequence: int | None,
         gaps: bool,
         closes: bool,
+        nbytes: int | None = None,
     ) -> int:
         """:meth:`append`'s work; the caller holds ``_order``."""
         # An idempotent producer's batches are told apart from a reuse of their numbers.
@@ -378,7 +383,7 @@ class DurableLog:
                     )
             if self._failure is not None:  # a resend above waits for the next attempt
                 raise self._failure
-            nbytes = batch.get_total_buffer_size()
+            nbytes = batch_bytes(batch) if nbytes is None else nbytes
             # Room for it, unless all that waits is this unit's own (a unit's batches are the
             # tail of what waits, and it commits whole: waiting for room would wait forever).
             while self._ready() and self._pending_bytes + nbytes > self.max_pending_bytes:

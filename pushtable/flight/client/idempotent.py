@@ -28,7 +28,7 @@ from pushtable.flight import protocol
 from pushtable.flight.client.put_stream import Item, PutStream
 from pushtable.flight.client.remote_sink import RemoteSink
 from pushtable.flight.client.transport import Transport
-from pushtable.producer import arrow_batches, check_timeout
+from pushtable.producer import arrow_batches, batch_bytes, check_timeout
 
 __all__ = ["DURABLE_WINDOW", "DURABLE_WINDOW_BYTES", "IdempotentSink"]
 
@@ -36,7 +36,7 @@ __all__ = ["DURABLE_WINDOW", "DURABLE_WINDOW_BYTES", "IdempotentSink"]
 #: commits fill while one is written: with 32, a topic of 8,192-row batches over Flight
 #: committed in groups of 32 and its encoder waited for them; docs/benchmarks.md)
 DURABLE_WINDOW = 256
-#: ...and their bytes (Arrow buffer sizes), whichever bound is reached first.
+#: ...and their bytes (what each references: a slice its own rows), whichever bound comes first.
 DURABLE_WINDOW_BYTES = 64 * 1024 * 1024
 
 
@@ -241,7 +241,7 @@ class IdempotentSink(RemoteSink):
 
         One batch alone always goes. False: timed out.
         """
-        size = batch.get_total_buffer_size()
+        size = batch_bytes(batch)
         while put.sent > put.acked:
             self._trim()
             in_flight = self._unacked_bytes - sum(b for _, _, b in self._unsent())
@@ -272,7 +272,7 @@ class IdempotentSink(RemoteSink):
             self._refuse_closed()
             for written, data_batch in enumerate(arrow_batches(data)):
                 batch = protocol.to_wire(self.name, self.schema, self._wire_schema, data_batch)
-                size = batch.get_total_buffer_size()
+                size = batch_bytes(batch)
                 self._unacked.append((self._next_sequence, batch, size))
                 self._unacked_bytes += size
                 self._next_sequence += 1
@@ -320,7 +320,7 @@ class IdempotentSink(RemoteSink):
             self._refuse_closed()
             if item.sequence is None:
                 item.sequence = self._next_sequence
-                size = item.batch.get_total_buffer_size()
+                size = batch_bytes(item.batch)
                 self._unacked.append((item.sequence, item.batch, size))
                 self._unacked_bytes += size
                 self._next_sequence += 1

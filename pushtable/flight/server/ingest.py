@@ -269,10 +269,17 @@ class Ingest:
         producer_id: str | None,
         sequence: int | None,
     ) -> int:
-        """Append, waiting for room without end, unless the client left or the server stops."""
+        """Append, waiting for room without end, unless the client left or the server stops.
+
+        The batch counts what it holds as received (every buffer, referenced or not), not
+        only what it references: a network batch's unreferenced bytes take memory too.
+        """
+        nbytes = batch.get_total_buffer_size()
         while True:
             try:
-                return log.append(batch, POLL_S, producer=producer_id, sequence=sequence)
+                return log.append(
+                    batch, POLL_S, producer=producer_id, sequence=sequence, nbytes=nbytes
+                )
             except WriteTimeoutError:
                 if self._calls.give_up(context):
                     raise
