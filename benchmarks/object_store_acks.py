@@ -5,23 +5,20 @@ waits for it to be committed (``flush``); printed: the p50 / p99 / max of write 
 for each place and ``commit_interval``. The store is moto's S3 server on loopback (the tests'
 store; a real one's puts take longer), so this shows what pushtable's commit path adds.
 
-Run: ``python benchmarks/object_store_acks.py [--samples 200]`` (not in CI; needs
+Run: ``python -m benchmarks.object_store_acks [--samples 200]`` (not in CI; needs
 ``moto[server]``, a dev dependency).
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
-import socket
 import statistics
 import tempfile
 import time
 
-import boto3
 import pyarrow as pa
-from moto.server import ThreadedMotoServer
 
+from benchmarks.moto_store import store
 from pushtable import Topic
 
 SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.float64())])
@@ -53,37 +50,14 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=200)
     parser.add_argument("--every", type=float, default=0.01)
     args = parser.parse_args()
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's request log
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    store = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    store.start()
-    options = {
-        "aws_endpoint": f"http://127.0.0.1:{port}",
-        "aws_access_key_id": "bench",
-        "aws_secret_access_key": "bench",
-        "aws_region": "us-east-1",
-        "allow_http": "true",
-    }
-    boto3.client(
-        "s3",
-        endpoint_url=options["aws_endpoint"],
-        aws_access_key_id="bench",
-        aws_secret_access_key="bench",
-        region_name="us-east-1",
-    ).create_bucket(Bucket="bench")
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            for interval in (0.1, 1.0):
-                for place, persist, opts in (
-                    ("local disk, fsync", f"{tmp}/i{interval}.lance", None),
-                    ("S3 (moto)", f"s3://bench/i{interval}.lance", options),
-                ):
-                    figures = acks(persist, opts, interval, args)
-                    print(f"{place}, commit_interval {interval}: {figures}")
-    finally:
-        store.stop()
+    with store() as options, tempfile.TemporaryDirectory() as tmp:
+        for interval in (0.1, 1.0):
+            for place, persist, opts in (
+                ("local disk, fsync", f"{tmp}/i{interval}.lance", None),
+                ("S3 (moto)", f"s3://bench/i{interval}.lance", options),
+            ):
+                figures = acks(persist, opts, interval, args)
+                print(f"{place}, commit_interval {interval}: {figures}")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import numpy as np
 import pyarrow as pa
 
 from pushtable import SessionContext, Topic
-from pushtable.bench.lance_flight import append_synced
+from pushtable.bench.lance_flight import append_synced, put_timed
 from pushtable.durable.store import STORAGE_VERSION
 
 SCHEMA = pa.schema([("k", pa.int64()), ("v", pa.float64()), ("s", pa.string())])
@@ -105,29 +105,12 @@ def _peer(
     One DoPut of the same batches through pyarrow's own client, timed to the last
     acknowledgement.
     """
-    import pyarrow.flight as flight
-
     from pushtable.bench.flight import server_process
 
     root = str(where / f"p{time.monotonic_ns()}")
     version = () if storage_version is None else ("--storage-version", storage_version)
     with server_process("pushtable.bench.lance_flight", "--dir", root, *version) as uri:
-        client = flight.FlightClient(uri)
-        started = time.perf_counter()
-        writer, acks = client.do_put(flight.FlightDescriptor.for_path("t"), SCHEMA)
-        for i in range(count):
-            writer.write_batch(data[i % len(data)])
-        writer.done_writing()
-        stored = 0
-        while stored < count:
-            buf = acks.read()
-            if buf is None:
-                raise RuntimeError(f"the peer acknowledged {stored} of {count} batches")
-            stored = int(buf.to_pybytes())
-        elapsed = time.perf_counter() - started
-        writer.close()
-        client.close()
-        return elapsed
+        return put_timed(uri, SCHEMA, [data[i % len(data)] for i in range(count)])
 
 
 def _lance(data: list[pa.RecordBatch], count: int, where: Path, stored: bool = False) -> float:

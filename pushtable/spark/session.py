@@ -104,7 +104,7 @@ def _check_cluster_workers(spark: SparkSession, context: object, exe: str) -> No
             f"the Python workers of Spark's executors ({exe}) cannot import pushtable: "
             f"{problem}. Install pushtable on every worker host and set spark.pyspark.python "
             "(or PYSPARK_PYTHON) to that interpreter, or ship a packed environment with "
-            "spark.archives (docs/spark.md, 'On a cluster')"
+            "spark.archives (docs/deployment.md, 'Shipping pushtable to the executors')"
         )
     _clusters_checked.add(app)
 
