@@ -162,6 +162,14 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="small inputs: the whole run in about three minutes on 2 cores",
     )
+    bench.add_argument(
+        "--busy",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N processes spinning on the CPU for the whole run: figures on a busy machine "
+        "(every engine of a ratio under the same load)",
+    )
     bench.add_argument("--json", type=Path, default=None, help="write the results as JSON here")
     bench.add_argument(
         "--plots", type=Path, default=None, help="write PNG plots into this directory"
@@ -275,7 +283,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     from pushtable import bench
 
-    bench.run(args.suites or bench.SUITES, args.quick, args.json, args.plots, peers=args.peers)
+    bench.run(
+        args.suites or bench.SUITES,
+        args.quick,
+        args.json,
+        args.plots,
+        peers=args.peers,
+        busy=args.busy,
+    )
     return 0
 
 

@@ -42,18 +42,37 @@ def run(
     plot_dir: Path | None = None,
     say: Callable[[str], None] = print,
     peers: bool = True,
+    busy: int = 0,
 ) -> dict[str, Any]:
     """Run ``suites``, print their tables, write JSON and plots; return the results.
 
     The suites run from the lightest footprint to the heaviest (memory, spark, core), so a
     suite's figures are not skewed by what an earlier one left in the process's heap.
     ``peers=False`` leaves LaminarDB and Pathway out of ``windows`` (they run from a venv of
-    their own, made from the package index on first use).
+    their own, made from the package index on first use). ``busy`` processes spin on the CPU
+    for the whole run (a busy machine: both sides of each ratio under the same load).
     """
+    from pushtable.bench import machine
+
+    with machine.busy(busy):
+        return _run(suites, quick, json_path, plot_dir, say, peers, busy)
+
+
+def _run(
+    suites: Sequence[str],
+    quick: bool,
+    json_path: Path | None,
+    plot_dir: Path | None,
+    say: Callable[[str], None],
+    peers: bool,
+    busy: int,
+) -> dict[str, Any]:
     from pushtable.bench import machine, memory, spark
 
-    out: dict[str, Any] = {"machine": machine.describe(), "quick": quick}
+    out: dict[str, Any] = {"machine": machine.describe(), "quick": quick, "busy_loops": busy}
     say(f"machine: {out['machine']['cores']} cores, {out['machine']['memory_gb']} GB")
+    if busy:
+        say(f"busy: {busy} processes spinning on the CPU throughout")
     # Always: absolute figures from machines whose memory copies at different rates are
     # not comparable without it (the ``bandwidth`` suite is this line alone).
     out["bandwidth"] = machine.bandwidth(64 if quick else 256)

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -38,3 +42,23 @@ def describe() -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
     }
+
+
+@contextlib.contextmanager
+def busy(loops: int) -> Iterator[None]:
+    """``loops`` processes spinning on the CPU while the block runs: a busy machine.
+
+    Each is a Python loop of its own (``while True: pass``), as another job on the machine
+    would be; every engine a suite alternates between sees the same load. Stopped (killed)
+    when the block ends.
+    """
+    if loops < 0:
+        raise ValueError(f"busy: the number of spinning processes must be >= 0, got {loops}")
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(loops)]
+    try:
+        yield
+    finally:
+        for p in spinners:
+            p.kill()
+        for p in spinners:
+            p.wait(30)

@@ -116,13 +116,16 @@ def close_latency(batch_rows: int, samples: int, interval: float = 0.02) -> dict
 
 
 def _shape(table: Any, shape: str) -> Any:
-    """Pathway's form of a Spark window shape.
+    """Pathway's form of a window shape.
 
-    ``sliding(hop=1 s, duration=10 s)`` emitted once per window, ``session(max_gap=300 ms)``
-    (its final rows are the sessions).
+    ``sliding(hop=1 s, duration=10 s)`` and ``dense``'s ``tumbling(duration=1 s)`` emitted
+    once per window, ``session(max_gap=300 ms)`` (its final rows are the sessions).
     """
     if shape == "sliding":
         window = pw.temporal.sliding(hop=1000, duration=10_000)
+        behavior = pw.temporal.exactly_once_behavior()
+    elif shape == "dense":
+        window = pw.temporal.tumbling(duration=1000)
         behavior = pw.temporal.exactly_once_behavior()
     else:
         window, behavior = pw.temporal.session(max_gap=300), None

@@ -19,6 +19,9 @@ SCHEMA = pa.schema([("ts", pa.int64()), ("k", pa.int64()), ("v", pa.int64())])
 DELAY_MS = 100
 #: rows per second of event time in the throughput run
 PER_WINDOW = 100_000
+#: rows per second of event time in the ``dense`` shape: ``ts`` is the row's number in
+#: milliseconds, so a 1-second window closes every 1,000 rows (about 8 per 8,192-row batch)
+DENSE_PER_WINDOW = 1_000
 
 
 def batch(first_ms: int, rows: int, span_ms: int, schema: pa.Schema = SCHEMA) -> pa.RecordBatch:
@@ -41,14 +44,22 @@ def keyed_batch(i: int, rows: int, keys: int, schema: pa.Schema = SCHEMA) -> pa.
 
 
 def throughput_batches(
-    rows: int, batch_rows: int, schema: pa.Schema = SCHEMA
+    rows: int, batch_rows: int, schema: pa.Schema = SCHEMA, per_window: int = PER_WINDOW
 ) -> list[pa.RecordBatch]:
-    """``rows`` rows at ``PER_WINDOW`` rows per event-time second, in ``batch_rows`` batches."""
+    """``rows`` rows at ``per_window`` rows per event-time second, in ``batch_rows`` batches."""
     out = []
     for first in range(0, rows, batch_rows):
         n = min(batch_rows, rows - first)
-        out.append(batch((first * 1000) // PER_WINDOW, n, (n * 1000) // PER_WINDOW, schema))
+        out.append(batch((first * 1000) // per_window, n, (n * 1000) // per_window, schema))
     return out
+
+
+def dense_batches(rows: int, batch_rows: int, schema: pa.Schema = SCHEMA) -> list[pa.RecordBatch]:
+    """The ``dense`` shape: a 1-second tumbling window closes every ``DENSE_PER_WINDOW`` rows.
+
+    The cost of a window aggregate is then the windows it emits, not the rows it folds.
+    """
+    return throughput_batches(rows, batch_rows, schema, DENSE_PER_WINDOW)
 
 
 def burst_batches(rows: int, batch_rows: int, schema: pa.Schema = SCHEMA) -> list[pa.RecordBatch]:
@@ -59,10 +70,15 @@ def burst_batches(rows: int, batch_rows: int, schema: pa.Schema = SCHEMA) -> lis
     return [batch(i * 1000, batch_rows, 500, schema) for i in range(rows // batch_rows)]
 
 
-#: The Spark window shapes side by side: (the batches, how many windows hold each row), with
+#: The window shapes side by side: (the batches, how many windows hold each row), with
 #: Spark's ``window(ts, '10 seconds', '1 second')`` and ``session_window(ts, '300
-#: milliseconds')`` in pushtable, and each peer's own form of them.
-SHAPES = {"sliding": (throughput_batches, 10), "session": (burst_batches, 1)}
+#: milliseconds')`` in pushtable, and each peer's own form of them; ``dense`` is the 1-second
+#: tumbling window closing every 1,000 rows.
+SHAPES = {
+    "sliding": (throughput_batches, 10),
+    "session": (burst_batches, 1),
+    "dense": (dense_batches, 1),
+}
 #: Past every window and session of a shape's batches: one row written last moves every
 #: engine's watermark beyond them (its own window is not counted).
 FAR_MS = 10**9

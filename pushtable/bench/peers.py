@@ -24,7 +24,7 @@ from typing import Any
 import pyarrow as pa
 
 from pushtable.bench import peer_workload as workload
-from pushtable.bench.windows import SESSIONS, SLIDING, Workload, close_latency, throughput
+from pushtable.bench.windows import DENSE, SESSIONS, SLIDING, Workload, close_latency, throughput
 
 PEERS = {"laminardb": "laminardb==0.17.*", "pathway": "pathway==0.33.*"}
 PATHWAY_MAX_ROWS = 500_000
@@ -109,9 +109,9 @@ def run(quick: bool) -> dict[str, Any]:
 
 
 #: pushtable's form of each shape: Spark's own functions over the same rows as timestamps
-PUSHTABLE_SHAPES = {"sliding": SLIDING, "session": SESSIONS}
+PUSHTABLE_SHAPES = {"sliding": SLIDING, "session": SESSIONS, "dense": DENSE}
 #: rows for a shape's run (Pathway's: fewer, it takes one row per call)
-SHAPE_ROWS = {"sliding": 2_000_000, "session": 2_000_000}
+SHAPE_ROWS = {"sliding": 2_000_000, "session": 2_000_000, "dense": 2_000_000}
 PATHWAY_SHAPE_ROWS = 49_152
 
 
@@ -198,4 +198,6 @@ SHAPE_TEXT = {
     "1000), Pathway sliding(hop=1000, duration=10000)",
     "session": "pushtable session_window(ts, '300 milliseconds'), LaminarDB SESSION(ts, 300), "
     "Pathway session(max_gap=300)",
+    "dense": "1-second tumbling windows closing every 1,000 rows: pushtable date_bin, LaminarDB "
+    "TUMBLE(ts, INTERVAL '1' SECOND), Pathway tumbling(duration=1000)",
 }

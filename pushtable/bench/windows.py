@@ -83,6 +83,16 @@ def _ms(values: pa.Array) -> list[int]:
     return [v // 1000 for v in values.cast(pa.int64()).to_pylist()]  # timestamp[ms] -> seconds
 
 
+#: The tumbling window closing every 1,000 rows (``ts`` = the row's number in ms): about 8
+#: windows close in each 8,192-row batch, so what it measures is the cost of a window emitted.
+DENSE = Workload(
+    schema=SCHEMA,
+    sql=SQL,
+    batches=lambda rows, batch_rows: _throughput_batches(rows, batch_rows, per_window=1_000),
+    latency_batch=TIMESTAMPS.latency_batch,
+    window_of=TIMESTAMPS.window_of,
+)
+
 #: Spark's sliding window, 10 seconds every second: each row is in 10 windows; the window
 #: ending at second e closes with batch e (its number: e - 1, as a tumbling window's).
 SLIDING = Workload(
@@ -108,8 +118,12 @@ SESSIONS = Workload(
     window_of=lambda w: _ms(pc.struct_field(w, "start")),
 )
 
-#: The Spark window shapes measured beside the tumbling one.
-SHAPES = {"sliding 10 s every 1 s": SLIDING, "session, 300 ms gap": SESSIONS}
+#: The shapes measured beside the tumbling one.
+SHAPES = {
+    "sliding 10 s every 1 s": SLIDING,
+    "session, 300 ms gap": SESSIONS,
+    "tumbling 1 s, a window every 1,000 rows": DENSE,
+}
 
 
 def throughput(

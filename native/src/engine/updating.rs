@@ -63,6 +63,9 @@ use super::tally::{Share, UPDATING};
 use super::window::group_accumulator;
 use crate::plan::{aggregate_display, one_partition};
 
+/// Input batches (of the session's batch size) folded into one emission when input is queued.
+const COALESCE_BATCHES: usize = 8;
+
 /// The state an updating aggregate may hold when the session sets no memory limit.
 pub const DEFAULT_STATE_LIMIT: usize = 1 << 30;
 
@@ -193,41 +196,57 @@ impl ExecutionPlan for UpdatingAggregateExec {
     }
 }
 
-/// The groups changed since the last emission: a bit per group, and their indices.
+/// The groups changed since the last emission: a flag per group.
+///
+/// Marking is a store per row, with no branch on whether the group was marked before (a
+/// batch marks every group it touches: 8,192 rows a batch at 1,000 keys); the changed
+/// groups are found by one pass over the flags when they are taken, which is no more than
+/// the pass over every group's state an emission makes anyway ([`copy_groups`]).
 #[derive(Default)]
 struct Changed {
-    bits: Vec<u64>,
-    list: Vec<u32>,
+    flags: Vec<bool>,
+    any: bool,
 }
 
 impl Changed {
     fn mark(&mut self, group: usize) {
-        let (word, bit) = (group / 64, 1u64 << (group % 64));
-        if word >= self.bits.len() {
-            self.bits.resize(word + 1, 0);
+        self.mark_all(&[group]);
+    }
+
+    /// Mark every group of `groups` (indices below the number of groups).
+    fn mark_all(&mut self, groups: &[usize]) {
+        let Some(&most) = groups.iter().max() else {
+            return;
+        };
+        if most >= self.flags.len() {
+            self.flags.resize(most + 1, false);
         }
-        if self.bits[word] & bit == 0 {
-            self.bits[word] |= bit;
-            self.list.push(group as u32);
+        let flags = &mut self.flags[..];
+        for &g in groups {
+            flags[g] = true;
         }
+        self.any = true;
     }
 
     /// The changed groups in the order they were created, and a clean slate.
     fn take(&mut self) -> Vec<u32> {
-        for &g in &self.list {
-            self.bits[g as usize / 64] = 0;
-        }
-        let mut list = std::mem::take(&mut self.list);
-        list.sort_unstable();
+        let list = self
+            .flags
+            .iter()
+            .enumerate()
+            .filter_map(|(g, &changed)| changed.then_some(g as u32))
+            .collect();
+        self.flags.fill(false);
+        self.any = false;
         list
     }
 
     fn is_empty(&self) -> bool {
-        self.list.is_empty()
+        !self.any
     }
 
     fn size(&self) -> usize {
-        self.bits.capacity() * 8 + self.list.capacity() * 4
+        self.flags.capacity()
     }
 }
 
@@ -383,9 +402,7 @@ impl Changes {
                     // DISTINCT: a group changes only when it appears.
                     (before..total).for_each(|g| self.changed.mark(g));
                 } else {
-                    for &g in &self.group_indices {
-                        self.changed.mark(g);
-                    }
+                    self.changed.mark_all(&self.group_indices);
                 }
             }
         }
@@ -459,8 +476,12 @@ impl Changes {
     }
 
     /// Whether enough rows were folded since the last emission to pay for the next one.
+    ///
+    /// An emission costs a pass over the groups, and the reader a crossing into Python of
+    /// its own (about 0.1 ms on this machine's 2 cores, whatever its rows): with input
+    /// queued, up to `COALESCE_BATCHES` batches' rows are folded into one emission.
     fn due(&self) -> bool {
-        self.rows_since_emit >= self.groups.max(self.batch_size)
+        self.rows_since_emit >= self.groups.max(COALESCE_BATCHES * self.batch_size)
     }
 }
 

@@ -139,6 +139,7 @@ class Ingest:
                 "one (create_topic(..., durable=True))"
             )
         count = acked = 0
+        check: Any = None  # the limits' check for this stream's schema, made at its first batch
         for batch, metadata in protocol.chunks(reader.read_chunk):
             if batch is None:  # a metadata-only message: the client asks where we are
                 if metadata != protocol.SYNC:
@@ -153,7 +154,8 @@ class Ingest:
                     producer.advance(watermark)
                 else:
                     batch = protocol.checked(path[0], count, batch)
-                    self._calls.usage.limits.check_batch(path[0], count, batch)
+                    check = check or self._calls.usage.limits.batch_check(batch.schema)
+                    check(path[0], count, batch)
                     self._write(context, producer, batch)
                     record.rows += batch.num_rows
             except protocol.BATCH_REFUSALS as exc:
@@ -198,6 +200,7 @@ class Ingest:
         )
         log.listen(acks.on_commit)
         rows = count = 0
+        check: Any = None  # as in _do_put
         producer_id, sequence = identity if identity is not None else (None, None)
         try:
             for batch, metadata in protocol.chunks(reader.read_chunk):
@@ -215,7 +218,8 @@ class Ingest:
                         ticket = log.offsets()["next"] - 1
                     else:
                         batch = protocol.checked(topic.name, count, batch)
-                        self._calls.usage.limits.check_batch(topic.name, count, batch)
+                        check = check or self._calls.usage.limits.batch_check(batch.schema)
+                        check(topic.name, count, batch)
                         ticket = self._append(context, log, batch, producer_id, sequence)
                         rows += batch.num_rows
                         if sequence is not None:

@@ -136,22 +136,57 @@ class Limits:
 
         Over ``max_batch_bytes``, or with a string or binary value over ``max_value_bytes``:
         :class:`~pushtable.InvalidBatchError`, naming which. O(buffers), plus one length
-        pass over each variable-width column (without the GIL).
+        pass over each variable-width column (without the GIL). A stream's batches share
+        one schema: :meth:`batch_check` finds its variable-width columns once.
         """
-        size = batch.get_total_buffer_size()
-        if size > self.max_batch_bytes:
-            raise InvalidBatchError(
-                f"batch {number} for table {table!r} is {size:,} bytes, over the server's "
-                f"limit of {self.max_batch_bytes:,} (max_batch_bytes); it was refused"
-            )
-        for name, column in zip(batch.schema.names, batch.columns, strict=True):
-            longest = _longest_value(column)
-            if longest > self.max_value_bytes:
+        self.batch_check(batch.schema)(table, number, batch)
+
+    def batch_check(self, schema: pa.Schema) -> Callable[[str, int, pa.RecordBatch], None]:
+        """:meth:`check_batch` for the batches of one stream of ``schema``.
+
+        The columns that can hold a string or binary value (nested ones included) are found
+        once; a batch of a schema with none costs one buffer-size sum.
+        """
+        sized = [(i, field.name) for i, field in enumerate(schema) if _holds_values(field.type)]
+        max_batch, max_value = self.max_batch_bytes, self.max_value_bytes
+
+        def check(table: str, number: int, batch: pa.RecordBatch) -> None:
+            size = batch.get_total_buffer_size()
+            if size > max_batch:
                 raise InvalidBatchError(
-                    f"batch {number} for table {table!r} holds a value of {longest:,} bytes in "
-                    f"column {name!r}, over the server's limit of {self.max_value_bytes:,} "
-                    "(max_value_bytes); it was refused"
+                    f"batch {number} for table {table!r} is {size:,} bytes, over the server's "
+                    f"limit of {max_batch:,} (max_batch_bytes); it was refused"
                 )
+            for i, name in sized:
+                longest = _longest_value(batch.column(i))
+                if longest > max_value:
+                    raise InvalidBatchError(
+                        f"batch {number} for table {table!r} holds a value of {longest:,} bytes "
+                        f"in column {name!r}, over the server's limit of {max_value:,} "
+                        "(max_value_bytes); it was refused"
+                    )
+
+        return check
+
+
+def _holds_values(kind: pa.DataType) -> bool:
+    """Whether a column of type ``kind`` can hold a string or binary value, at any depth."""
+    if pa.types.is_dictionary(kind):
+        return _holds_values(kind.value_type)
+    if _is_binary_like(kind):
+        return True
+    return any(_holds_values(kind.field(i).type) for i in range(kind.num_fields))
+
+
+def _is_binary_like(kind: pa.DataType) -> bool:
+    return bool(
+        pa.types.is_string(kind)
+        or pa.types.is_large_string(kind)
+        or pa.types.is_binary(kind)
+        or pa.types.is_large_binary(kind)
+        or pa.types.is_string_view(kind)
+        or pa.types.is_binary_view(kind)
+    )
 
 
 def _longest_value(array: pa.Array) -> int:
@@ -171,14 +206,7 @@ def _longest_value(array: pa.Array) -> int:
         or pa.types.is_large_list_view(kind)
     ):
         return _longest_value(array.flatten())
-    if (
-        pa.types.is_string(kind)
-        or pa.types.is_large_string(kind)
-        or pa.types.is_binary(kind)
-        or pa.types.is_large_binary(kind)
-        or pa.types.is_string_view(kind)
-        or pa.types.is_binary_view(kind)
-    ):
+    if _is_binary_like(kind):
         longest = pc.max(pc.binary_length(array)).as_py()
         return int(longest or 0)
     return 0

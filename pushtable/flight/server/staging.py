@@ -76,12 +76,13 @@ class Staging:
             ) from None
         producer = self._tables.get(table)
         share = _Share((table, query), self._usage)
+        check = self._usage.limits.batch_check(producer.schema)
         try:
             for batch in protocol.batches(reader.read_chunk):
                 protocol.check_batch_schema(table, producer.schema, batch.schema)
                 number = len(share.batches) + 1
                 batch = protocol.checked(table, number, batch)  # valid before it is measured
-                self._usage.limits.check_batch(table, number, batch)
+                check(table, number, batch)
                 share.add(batch)
                 ack(len(share.batches))
         except BaseException:
