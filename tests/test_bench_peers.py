@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pushtable.bench import peer_workload, peers, plots
-from pushtable.bench.windows import close_latency, throughput
+from pushtable.bench.windows import DENSE, close_latency, throughput
 
 
 def test_the_shared_workload_closes_every_window_in_pushtable() -> None:
@@ -50,12 +50,40 @@ def test_a_peer_that_cannot_run_is_reported_not_raised(monkeypatch: pytest.Monke
     assert suite["pushtable"]["throughput"][0]["verified"]
     for name in ("laminardb", "pathway"):
         assert "ModuleNotFoundError" in suite[name]["skipped"], suite[name]
-    for shape, side in suite["shapes"].items():  # the sliding and session side by side
+    assert set(suite["shapes"]) == {"sliding", "session", "dense"}
+    for shape, side in suite["shapes"].items():  # each shape side by side
         assert all(run["verified"] for run in side["pushtable"]["throughput"]), shape
         assert "ModuleNotFoundError" in side["pathway"]["skipped"], side
     text = peers.table(suite)
     assert "laminardb          skipped: laminardb run failed" in text
     assert "sliding windows side by side" in text
+    assert "dense windows side by side" in text
+
+
+def test_the_dense_shape_closes_a_window_every_1000_rows() -> None:
+    """``ts`` is the row's number in ms: 20,000 rows are 20 one-second windows, in pushtable
+    (timestamps) as in the peers' int64 form."""
+    batches = peer_workload.dense_batches(20_000, 8192)
+    ts = [t for b in batches for t in b.column("ts").to_pylist()]
+    assert ts == list(range(20_000))
+    result = throughput(20_000, 8192, DENSE)
+    assert result["verified"]
+    assert result["windows"] == 20
+
+
+def test_busy_spins_processes_for_the_block_and_refuses_a_negative_count() -> None:
+    import psutil
+
+    from pushtable.bench import machine
+
+    before = {p.pid for p in psutil.Process().children()}
+    with machine.busy(2):
+        spinning = [p for p in psutil.Process().children() if p.pid not in before]
+        assert len(spinning) == 2
+        assert all(p.is_running() for p in spinning)
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in spinning)
+    with pytest.raises(ValueError, match=">= 0"), machine.busy(-1):
+        pass
 
 
 def test_the_windows_plot_draws_the_engines_that_ran(tmp_path: Path) -> None:
