@@ -1,18 +1,46 @@
 //! Pieces the live engine's aggregates share: the keys of their groups, kept as compact
 //! copies, and the current values of some groups read without draining the accumulators.
 
+use std::sync::Arc;
+
 use arrow::array::{Array, ArrayRef, AsArray, RecordBatch, UInt32Array};
 use arrow::compute::{concat, interleave, take};
-use datafusion::common::Result;
-use datafusion::logical_expr::{EmitTo, GroupsAccumulator};
+use datafusion::common::{Result, ScalarValue};
+use datafusion::logical_expr::{ColumnarValue, EmitTo, GroupsAccumulator};
 use datafusion::physical_expr::aggregate::AggregateFunctionExpr;
 use datafusion::physical_expr::PhysicalExpr;
 
 use super::window::group_accumulator;
 
+/// Literal arguments as arrays, made once and sliced to each batch's length.
+///
+/// `count(*)` is `count(1)`: DataFusion's `into_array` would allocate and fill an array of
+/// ones for every batch (8,192 rows: 64 KiB, fresh pages each time). One array per literal,
+/// as long as the longest batch seen, is kept instead (bounded by the aggregate's literals
+/// times the batch size).
+#[derive(Default)]
+pub struct Literals(Vec<(ScalarValue, ArrayRef)>);
+
+impl Literals {
+    fn array(&mut self, value: ColumnarValue, n: usize) -> Result<ArrayRef> {
+        let scalar = match value {
+            ColumnarValue::Array(array) => return Ok(array),
+            ColumnarValue::Scalar(scalar) => scalar,
+        };
+        if let Some((_, array)) = self.0.iter().find(|(v, a)| v == &scalar && a.len() >= n) {
+            return Ok(array.slice(0, n));
+        }
+        self.0.retain(|(v, _)| v != &scalar);
+        let array = scalar.to_array_of_size(n)?;
+        self.0.push((scalar, Arc::clone(&array)));
+        Ok(array)
+    }
+}
+
 /// Fold `batch` into `accumulators` (one per aggregate, with its arguments and `FILTER`),
 /// row `r` into group `groups[r]` of `total`.
 pub fn update_all(
+    literals: &mut Literals,
     accumulators: &mut [Box<dyn GroupsAccumulator>],
     arguments: &[Vec<std::sync::Arc<dyn PhysicalExpr>>],
     filters: &[Option<std::sync::Arc<dyn PhysicalExpr>>],
@@ -23,12 +51,12 @@ pub fn update_all(
     let n = batch.num_rows();
     for ((acc, args), filter) in accumulators.iter_mut().zip(arguments).zip(filters) {
         let filter = match filter {
-            Some(f) => Some(f.evaluate(batch)?.into_array(n)?),
+            Some(f) => Some(literals.array(f.evaluate(batch)?, n)?),
             None => None,
         };
         let values = args
             .iter()
-            .map(|e| e.evaluate(batch)?.into_array(n))
+            .map(|e| literals.array(e.evaluate(batch)?, n))
             .collect::<Result<Vec<_>>>()?;
         acc.update_batch(
             &values,

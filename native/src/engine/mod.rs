@@ -21,6 +21,7 @@ mod abort;
 mod export;
 mod frames;
 mod groups;
+mod int_groups;
 mod join;
 mod readahead;
 mod rule;

@@ -27,8 +27,7 @@ use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::logical_expr::{EmitTo, GroupsAccumulator};
 use datafusion::physical_expr::aggregate::AggregateFunctionExpr;
 use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
-use datafusion::physical_plan::aggregates::group_values::{new_group_values, GroupValues};
-use datafusion::physical_plan::aggregates::order::GroupOrdering;
+use datafusion::physical_plan::aggregates::group_values::GroupValues;
 use datafusion::physical_plan::aggregates::{aggregate_expressions, AggregateMode};
 
 use datafusion::physical_plan::stream::RecordBatchStreamAdapter;
@@ -37,7 +36,8 @@ use datafusion::physical_plan::{
 };
 use futures::{Stream, StreamExt};
 
-use super::groups::{copy_groups, update_all, Keys};
+use super::groups::{copy_groups, update_all, Keys, Literals};
+use super::int_groups::unordered_group_values;
 use super::spark_windows::envelope_of;
 use super::tally::{Share, SESSIONS};
 use super::window::group_accumulator;
@@ -145,16 +145,14 @@ impl ExecutionPlan for SessionWindowExec {
         let key_values = if others.is_empty() {
             None
         } else {
-            Some(new_group_values(
-                Arc::new(Schema::new(key_fields)),
-                &GroupOrdering::None,
-            )?)
+            Some(unordered_group_values(Arc::new(Schema::new(key_fields)))?)
         };
         let stream = SessionStream {
             input,
             others,
             key_values,
             keys: Keys::default(),
+            literals: Literals::default(),
             key_count: 0,
             open: Vec::new(),
             sessions: Vec::new(),
@@ -204,6 +202,8 @@ struct SessionStream {
     others: Vec<Arc<dyn PhysicalExpr>>,
     key_values: Option<Box<dyn GroupValues>>,
     keys: Keys,
+    /// `count(*)`'s ones and other literal arguments, made once.
+    literals: Literals,
     key_count: usize,
     /// Per key: its open session (an index into `sessions`), if any.
     open: Vec<Option<u32>>,
@@ -303,6 +303,7 @@ impl SessionStream {
         }
         let total = self.sessions.len();
         update_all(
+            &mut self.literals,
             &mut self.accumulators,
             &self.arguments,
             &self.filters,

@@ -40,8 +40,7 @@ use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::logical_expr::{EmitTo, GroupsAccumulator};
 use datafusion::physical_expr::aggregate::AggregateFunctionExpr;
 use datafusion::physical_expr::{EquivalenceProperties, PhysicalExpr};
-use datafusion::physical_plan::aggregates::group_values::{new_group_values, GroupValues};
-use datafusion::physical_plan::aggregates::order::GroupOrdering;
+use datafusion::physical_plan::aggregates::group_values::GroupValues;
 use datafusion::physical_plan::aggregates::{
     aggregate_expressions, evaluate_group_by, AggregateMode, PhysicalGroupBy,
 };
@@ -58,7 +57,8 @@ use futures::future::{select, Either};
 use futures::StreamExt;
 use tokio::sync::{mpsc, oneshot};
 
-use super::groups::{copy_groups, update_all, Keys};
+use super::groups::{copy_groups, update_all, Keys, Literals};
+use super::int_groups::unordered_group_values;
 use super::tally::{Share, UPDATING};
 use super::window::group_accumulator;
 use crate::plan::{aggregate_display, one_partition};
@@ -165,9 +165,10 @@ impl ExecutionPlan for UpdatingAggregateExec {
             group_values: if keyless {
                 None
             } else {
-                Some(new_group_values(group_schema, &GroupOrdering::None)?)
+                Some(unordered_group_values(group_schema)?)
             },
             keys: Keys::default(),
+            literals: Literals::default(),
             groups: 0,
             group_indices: Vec::new(),
             changed: Changed::default(),
@@ -260,6 +261,8 @@ struct Changes {
     /// None for an aggregate with no `GROUP BY`: one group, always.
     group_values: Option<Box<dyn GroupValues>>,
     keys: Keys,
+    /// `count(*)`'s ones and other literal arguments, made once.
+    literals: Literals,
     groups: usize,
     group_indices: Vec<usize>,
     changed: Changed,
@@ -407,6 +410,7 @@ impl Changes {
             }
         }
         update_all(
+            &mut self.literals,
             &mut self.accumulators,
             &self.arguments,
             &self.filters,
