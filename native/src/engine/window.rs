@@ -30,6 +30,7 @@ use datafusion::execution::{SendableRecordBatchStream, TaskContext};
 use datafusion::logical_expr::{EmitTo, GroupsAccumulator};
 use datafusion::physical_expr::aggregate::AggregateFunctionExpr;
 use datafusion::physical_expr::expressions::{Column, Literal};
+use datafusion::physical_expr::utils::{collect_columns, reassign_expr_columns};
 use datafusion::physical_expr::{
     EquivalenceProperties, GroupsAccumulatorAdapter, PhysicalExpr, PhysicalSortExpr,
 };
@@ -192,8 +193,10 @@ impl ExecutionPlan for WindowAggregateExec {
                 (filter.is_none() && folds_whole_batches(expr)).then(|| Arc::clone(expr))
             })
             .collect();
+        let key_read = KeyRead::new(&self.group_by.expr()[0].0, &read_schema)?;
         let stream = WindowStream {
             input,
+            key_read,
             group_by: self.group_by.clone(),
             arguments: aggregate_expressions(&self.aggr_expr, &AggregateMode::Single, 0)?,
             filters: self.filter_expr.clone(),
@@ -329,8 +332,43 @@ impl Probe {
     }
 }
 
+/// A key expression and the columns it reads: the key of a few rows is found by taking
+/// those rows of its columns alone, not of every column of the batch.
+struct KeyRead {
+    /// The columns to take (None: all of them, when the key reads none or a name is
+    /// ambiguous), and the expression over them.
+    columns: Option<Vec<usize>>,
+    expr: Arc<dyn PhysicalExpr>,
+}
+
+impl KeyRead {
+    fn new(key: &Arc<dyn PhysicalExpr>, schema: &Schema) -> Result<Self> {
+        let mut columns: Vec<usize> = collect_columns(key).iter().map(|c| c.index()).collect();
+        columns.sort_unstable();
+        columns.dedup();
+        let names_unique = schema
+            .fields()
+            .iter()
+            .enumerate()
+            .all(|(i, f)| schema.index_of(f.name()).is_ok_and(|j| j == i));
+        if columns.is_empty() || !names_unique {
+            return Ok(Self {
+                columns: None,
+                expr: Arc::clone(key),
+            });
+        }
+        let projected = schema.project(&columns)?;
+        Ok(Self {
+            expr: reassign_expr_columns(Arc::clone(key), &projected)?,
+            columns: Some(columns),
+        })
+    }
+}
+
 struct WindowStream {
     input: SendableRecordBatchStream,
+    /// The first key read from its own columns (see [`WindowStream::keys_at`]).
+    key_read: KeyRead,
     group_by: PhysicalGroupBy,
     arguments: Vec<Vec<Arc<dyn PhysicalExpr>>>,
     filters: Vec<Option<Arc<dyn PhysicalExpr>>>,
@@ -536,14 +574,15 @@ impl WindowStream {
         Ok(parts)
     }
 
-    /// The window key of the given rows of `batch`.
+    /// The window key of the given rows of `batch`: only the key's columns are taken.
     fn keys_at(&self, batch: &RecordBatch, rows: &[usize]) -> Result<ArrayRef> {
         let rows = UInt32Array::from_iter_values(rows.iter().map(|&r| r as u32));
-        let taken = take_record_batch(batch, &rows)?;
-        self.group_by.expr()[0]
-            .0
-            .evaluate(&taken)?
-            .into_array(rows.len())
+        let KeyRead { columns, expr } = &self.key_read;
+        let taken = match columns {
+            Some(columns) => take_record_batch(&batch.project(columns)?, &rows)?,
+            None => take_record_batch(batch, &rows)?,
+        };
+        expr.evaluate(&taken)?.into_array(rows.len())
     }
 
     /// The window key a new watermark from below opens, if there is a new one.
