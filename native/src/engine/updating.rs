@@ -211,16 +211,16 @@ struct Changed {
 
 impl Changed {
     fn mark(&mut self, group: usize) {
-        self.mark_all(&[group]);
+        self.mark_all(&[group], group + 1);
     }
 
-    /// Mark every group of `groups` (indices below the number of groups).
-    fn mark_all(&mut self, groups: &[usize]) {
-        let Some(&most) = groups.iter().max() else {
+    /// Mark every group of `groups`, each below `total` (the number of groups).
+    fn mark_all(&mut self, groups: &[usize], total: usize) {
+        if groups.is_empty() {
             return;
-        };
-        if most >= self.flags.len() {
-            self.flags.resize(most + 1, false);
+        }
+        if total > self.flags.len() {
+            self.flags.resize(total, false);
         }
         let flags = &mut self.flags[..];
         for &g in groups {
@@ -405,7 +405,7 @@ impl Changes {
                     // DISTINCT: a group changes only when it appears.
                     (before..total).for_each(|g| self.changed.mark(g));
                 } else {
-                    self.changed.mark_all(&self.group_indices);
+                    self.changed.mark_all(&self.group_indices, total);
                 }
             }
         }
