@@ -13,8 +13,12 @@ accepted by every write path."""
 from __future__ import annotations
 
 import datetime as dt
+import subprocess
+import sys
+import threading
 from decimal import Decimal
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -23,7 +27,7 @@ import pytest
 
 from pushtable import SessionContext, Topic
 from pushtable.flight import Client, connect, protocol
-from tests.conftest import serve_process
+from tests.conftest import WAIT, serve_process
 
 SCHEMA = pa.schema(
     [
@@ -148,3 +152,68 @@ def test_misaligned_buffers_are_accepted_as_a_topic_history() -> None:
         "n": [4],
         "s": [22],
     }
+
+
+class _StreamIntoSink(flight.FlightServerBase):  # type: ignore[misc]
+    """A DoPut that hands pyarrow's reader of the call, as a C stream, to a sink's write."""
+
+    def __init__(self, sink: Any) -> None:
+        super().__init__("grpc://127.0.0.1:0")
+        self._sink = sink
+
+    def do_put(self, context: Any, descriptor: Any, reader: Any, writer: Any) -> None:
+        self._sink.write(reader.to_reader())
+        self._sink.close()
+
+
+def stream_from_the_network_scenario() -> None:
+    """The client sends its second batch only once a query in this process read the first.
+
+    Run in a child process by the test below: a sink that held the GIL while it waited for
+    the next batch of the stream stalled every other thread of the process for good (the
+    client could not send, the query could not read, nor could a timeout fire).
+    """
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table("t", SCHEMA, capacity=4)
+    seen: list[pa.RecordBatch] = []
+    arrived = threading.Event()
+
+    def read() -> None:
+        for b in ctx.sql("SELECT * FROM t").execute_stream():
+            seen.append(b.to_pyarrow())
+            arrived.set()
+
+    server = _StreamIntoSink(sink)
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    raw = flight.FlightClient(f"grpc://127.0.0.1:{server.port}")
+    try:
+        writer, _ = raw.do_put(flight.FlightDescriptor.for_path("t"), SCHEMA)
+        first, second = _batch(1_000), _batch(500)
+        writer.write_batch(first)
+        assert arrived.wait(WAIT), "the query never read the first batch"
+        writer.write_batch(second)
+        writer.done_writing()
+        writer.close()
+        reader.join(WAIT)
+        assert not reader.is_alive()
+        got = pa.Table.from_batches(seen).cast(SCHEMA)
+        assert got.equals(pa.Table.from_batches([first, second]))
+    finally:
+        raw.close()
+        server.shutdown()
+    print("read", got.num_rows, "rows")
+
+
+def test_a_stream_from_the_network_is_read_without_the_gil() -> None:
+    """A C stream whose next batch is still on the wire is waited for without the GIL."""
+    code = "from tests.test_flight_wire import stream_from_the_network_scenario as s; s()"
+    root = Path(__file__).resolve().parent.parent
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=WAIT
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the process stalled while the sink waited for the stream's next batch")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "read 1500 rows"

@@ -225,9 +225,14 @@ impl Sink {
             let mut written = 0;
             loop {
                 // Batches are pulled one at a time: a lazy stream is read at the pace the
-                // queue admits them (backpressure reaches the stream's own producer).
-                let next = guarded("cannot read the stream", || Ok(reader.next_imported()))
-                    .map_err(|e| (e, written))?;
+                // queue admits them (backpressure reaches the stream's own producer). Without
+                // the GIL, as pyarrow's own readers pull a stream: a stream from the network
+                // (a Flight DoPut) waits for its next message here, and an import may copy a
+                // misaligned batch; a stream that needs Python takes the GIL itself.
+                let next = guarded("cannot read the stream", || {
+                    Ok(crate::finalizing::detach(py, || reader.next_imported()))
+                })
+                .map_err(|e| (e, written))?;
                 match next {
                     None => return Ok(written),
                     Some(Err(ImportError::Other(e))) => {
