@@ -656,6 +656,31 @@ def test_a_spark_window_query_the_engine_refuses_names_why_not_an_unknown_functi
     assert explain_live(ctx, sql).mode == "rejected"
 
 
+def _live_and_plain(data: pa.Table, edges: list[int], live_sql: str) -> tuple[pa.Table, Any]:
+    """``live_sql``'s answer over ``data`` written as the batches ``edges`` cut (a table
+    ordered by ``ts``, written while the query runs), and a plain DataFusion session holding
+    the same rows as ``t`` to compare with."""
+    import datafusion
+
+    ctx = SessionContext()
+    sink = ctx.register_streaming_table("t", data.schema, capacity=4, order_by="ts")
+    frame = ctx.sql(live_sql)
+
+    def produce() -> None:
+        with sink:
+            for a, b in itertools.pairwise(edges):
+                sink.write(data.slice(a, b - a).combine_chunks().to_batches()[0], timeout=WAIT)
+
+    producer = threading.Thread(target=produce, daemon=True)
+    producer.start()
+    live = frame.to_arrow_table()
+    producer.join(WAIT)
+    assert not producer.is_alive()
+    plain = datafusion.SessionContext()
+    plain.register_record_batches("t", [data.to_batches()])
+    return live, plain
+
+
 DENSE = pa.schema(
     [
         ("ts", pa.timestamp("us", tz="Europe/Paris")),
@@ -691,7 +716,6 @@ def test_batches_spanning_many_windows_are_the_batch_answer(shape: str) -> None:
     few rows, some of one row, gaps with none): every window's row is plain DataFusion's
     answer over the same rows — a batch is cut into its windows' runs, never misassigned.
     Decimals, nulls, strings, zoned timestamps; batch edges inside windows."""
-    import datafusion
     import numpy as np
 
     live_sql, rows_sql = DENSE_QUERIES[shape]
@@ -715,23 +739,67 @@ def test_batches_spanning_many_windows_are_the_batch_answer(shape: str) -> None:
         schema=DENSE,
     )
     edges = [0, *sorted(set(rng.integers(1, n, 12).tolist())), n]
-    ctx = SessionContext()
-    sink = ctx.register_streaming_table("t", DENSE, capacity=4, order_by="ts")
-    frame = ctx.sql(live_sql)
-
-    def produce() -> None:
-        with sink:
-            for a, b in itertools.pairwise(edges):
-                sink.write(data.slice(a, b - a).combine_chunks().to_batches()[0], timeout=WAIT)
-
-    producer = threading.Thread(target=produce, daemon=True)
-    producer.start()
-    live = frame.to_arrow_table()
-    producer.join(WAIT)
-    plain = datafusion.SessionContext()
-    plain.register_record_batches("t", [data.to_batches()])
+    live, plain = _live_and_plain(data, edges, live_sql)
     want = plain.sql(f"SELECT w, {DENSE_AGGS} FROM ({rows_sql}) GROUP BY w").to_arrow_table()
     want = want.set_column(0, "w", want["w"].cast(live.schema.field("w").type))  # ns -> us
     assert max(b - a for a, b in itertools.pairwise(edges)) > 1_000  # a batch, many windows
     assert live.num_rows > 5_000  # thousands of windows, so each batch closed hundreds
+    assert sorted(live.to_pylist(), key=repr) == sorted(want.to_pylist(), key=repr)
+
+
+#: (time unit, zone, date_bin's interval, its origin or None, mean step between rows in the
+#: unit): windows of a few hundred rows, so batches of thousands span several (the engine
+#: finds them by date_bin's arithmetic on the raw times, confirmed by the key itself); the
+#: last two do not fit that arithmetic (an interval finer than the unit, a month) and take
+#: the general path
+BINNED = {
+    "ms, 1 s": ("ms", "UTC", "1 second", None, 4),
+    "us, 250 ms, origin": ("us", "Europe/Paris", "250 milliseconds", "2026-01-01T00:00:00.1", 900),
+    "ns, 7 s, before 1970": ("ns", None, "7 seconds", None, 25_000_000),
+    "s, 1 day, origin": ("s", "UTC", "1 day", "2025-12-31T06:00:00", 300),
+    "ms, 1.5 ms": ("ms", "UTC", "1500 microseconds", None, 1),
+    "s, 1 month": ("s", "UTC", "1 month", None, 10_000),
+}
+
+
+@pytest.mark.parametrize("case", BINNED)
+def test_batches_cut_by_date_bins_arithmetic_are_the_batch_answer(case: str) -> None:
+    """Windows of a few hundred rows in batches of up to thousands, every unit, zones, an
+    origin, times before 1970: each window's row is plain DataFusion's over the same rows."""
+    import numpy as np
+
+    unit, zone, interval, origin, step = BINNED[case]
+    rng = np.random.default_rng(11)
+    n = 12_000
+    first = (
+        -1_000 * step * 60
+        if case.endswith("1970")
+        else 1_767_225_600 * {"s": 1, "ms": 1_000, "us": 1_000_000, "ns": 1_000_000_000}[unit]
+    )
+    ts = first + np.cumsum(rng.integers(0, 2 * step + 1, n))  # runs of equal times too
+    schema = pa.schema(
+        [("ts", pa.timestamp(unit, tz=zone)), ("d", pa.decimal128(18, 4)), ("s", pa.string())]
+    )
+    data = pa.table(
+        {
+            "ts": pa.array(ts, schema.field("ts").type),
+            "d": pa.array(
+                [None if i % 7 == 0 else Decimal(f"{i % 1000}.{i % 10000:04d}") for i in range(n)],
+                schema.field("d").type,
+            ),
+            "s": pa.array([None if i % 5 == 0 else f"s{i % 13}" for i in range(n)]),
+        },
+        schema=schema,
+    )
+    key = f"date_bin(INTERVAL '{interval}', ts"
+    key += f", TIMESTAMP '{origin}')" if origin else ")"
+    sql = (
+        f"SELECT {key} AS w, count(*) AS n, count(d) AS nd, sum(d) AS sd, min(s) AS ms, "
+        "max(ts) AS last FROM t GROUP BY 1"
+    )
+    edges = [0, *sorted(set(rng.integers(1, n, 8).tolist())), n]
+    live, plain = _live_and_plain(data, edges, sql)
+    want = plain.sql(sql).to_arrow_table()
+    assert max(b - a for a, b in itertools.pairwise(edges)) > 2_000  # batches span windows
+    assert 10 < live.num_rows < n // 16 or case.endswith(("1.5 ms", "month"))
     assert sorted(live.to_pylist(), key=repr) == sorted(want.to_pylist(), key=repr)

@@ -18,6 +18,7 @@
 //!   by a failure its read-aheads find).
 
 mod abort;
+mod bins;
 mod export;
 mod frames;
 mod groups;

@@ -46,6 +46,7 @@ use datafusion::physical_plan::{
 };
 use futures::{Stream, StreamExt};
 
+use super::bins::Bins;
 use super::runs::RunGroupValues;
 use super::spark_windows::Windowing;
 
@@ -194,9 +195,14 @@ impl ExecutionPlan for WindowAggregateExec {
             })
             .collect();
         let key_read = KeyRead::new(&self.group_by.expr()[0].0, &read_schema)?;
+        // `date_bin` of the order column: a batch's windows are found on its raw values.
+        let bins = (window_only && self.expand.is_none())
+            .then(|| Bins::of(&self.group_by.expr()[0].0, self.order_column, &time_type))
+            .flatten();
         let stream = WindowStream {
             input,
             key_read,
+            bins,
             group_by: self.group_by.clone(),
             arguments: aggregate_expressions(&self.aggr_expr, &AggregateMode::Single, 0)?,
             filters: self.filter_expr.clone(),
@@ -369,6 +375,8 @@ struct WindowStream {
     input: SendableRecordBatchStream,
     /// The first key read from its own columns (see [`WindowStream::keys_at`]).
     key_read: KeyRead,
+    /// The window key as `date_bin` of the order column, if it is (see [`Bins`]).
+    bins: Option<Bins>,
     group_by: PhysicalGroupBy,
     arguments: Vec<Vec<Arc<dyn PhysicalExpr>>>,
     filters: Vec<Option<Arc<dyn PhysicalExpr>>>,
@@ -529,6 +537,9 @@ impl WindowStream {
         if !distinct(&ends.slice(0, 1), &ends.slice(1, 1))?.value(0) {
             return Ok(vec![(0, n, Some(ends.slice(0, 1)))]);
         }
+        if let Some(parts) = self.binned_parts(batch)? {
+            return Ok(parts);
+        }
         let mut samples: Vec<usize> = (0..n).step_by(STRIDE).collect();
         if samples.last() != Some(&(n - 1)) {
             samples.push(n - 1);
@@ -572,6 +583,46 @@ impl WindowStream {
         }
         parts.push((start, n - start, Some(key)));
         Ok(parts)
+    }
+
+    /// The parts of `batch` by `date_bin`'s arithmetic on the order column (see [`Bins`]),
+    /// confirmed by the key itself: evaluated on the first and last row of every part, each
+    /// part's two ends must share a key (the key never decreases, so the whole part does) and
+    /// each part's last row differ from the next part's first. None when the key is not
+    /// `date_bin` of the order column or the guess is not confirmed.
+    fn binned_parts(
+        &self,
+        batch: &RecordBatch,
+    ) -> Result<Option<Vec<(usize, usize, Option<ArrayRef>)>>> {
+        let Some(bins) = &self.bins else {
+            return Ok(None);
+        };
+        let Some(starts) = bins.starts(batch.column(bins.column())) else {
+            return Ok(None);
+        };
+        if starts.is_empty() {
+            return Ok(None); // its ends differ: the arithmetic is not DataFusion's here
+        }
+        let n = batch.num_rows();
+        let firsts = std::iter::once(0).chain(starts.iter().copied());
+        let lasts = starts.iter().map(|s| s - 1).chain(std::iter::once(n - 1));
+        let rows: Vec<usize> = firsts.zip(lasts).flat_map(|(a, b)| [a, b]).collect();
+        let keys = self.keys_at(batch, &rows)?;
+        // changed[j]: whether rows[j + 1]'s key differs from rows[j]'s.
+        let changed = distinct(
+            &keys.slice(1, rows.len() - 1),
+            &keys.slice(0, rows.len() - 1),
+        )?;
+        let confirmed = (0..rows.len() - 1).all(|j| changed.value(j) == (j % 2 == 1));
+        if !confirmed {
+            return Ok(None);
+        }
+        Ok(Some(
+            rows.chunks(2)
+                .enumerate()
+                .map(|(i, pair)| (pair[0], pair[1] - pair[0] + 1, Some(keys.slice(2 * i, 1))))
+                .collect(),
+        ))
     }
 
     /// The window key of the given rows of `batch`: only the key's columns are taken.
