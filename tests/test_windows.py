@@ -765,7 +765,9 @@ BINNED = {
 @pytest.mark.parametrize("case", BINNED)
 def test_batches_cut_by_date_bins_arithmetic_are_the_batch_answer(case: str) -> None:
     """Windows of a few hundred rows in batches of up to thousands, every unit, zones, an
-    origin, times before 1970: each window's row is plain DataFusion's over the same rows."""
+    origin, times before 1970: each window's row is plain DataFusion's over the same rows —
+    aggregates folded per part (count, sum, min, max, avg: a state of two fields) and row by
+    row (a FILTER, count DISTINCT) alike."""
     import numpy as np
 
     unit, zone, interval, origin, step = BINNED[case]
@@ -795,7 +797,8 @@ def test_batches_cut_by_date_bins_arithmetic_are_the_batch_answer(case: str) -> 
     key += f", TIMESTAMP '{origin}')" if origin else ")"
     sql = (
         f"SELECT {key} AS w, count(*) AS n, count(d) AS nd, sum(d) AS sd, min(s) AS ms, "
-        "max(ts) AS last FROM t GROUP BY 1"
+        "max(ts) AS last, avg(d) AS ad, count(DISTINCT s) AS ds, "
+        "sum(d) FILTER (WHERE s > 's5') AS sf FROM t GROUP BY 1"
     )
     edges = [0, *sorted(set(rng.integers(1, n, 8).tolist())), n]
     live, plain = _live_and_plain(data, edges, sql)
@@ -803,3 +806,35 @@ def test_batches_cut_by_date_bins_arithmetic_are_the_batch_answer(case: str) -> 
     assert max(b - a for a, b in itertools.pairwise(edges)) > 2_000  # batches span windows
     assert 10 < live.num_rows < n // 16 or case.endswith(("1.5 ms", "month"))
     assert sorted(live.to_pylist(), key=repr) == sorted(want.to_pylist(), key=repr)
+
+
+@pytest.mark.parametrize("edges", [[0, 40, 100], [0, 25, 50, 100], [0, 100]])
+def test_an_average_over_a_window_of_nulls_is_null(edges: list[int]) -> None:
+    """A window whose values are all null averages to NULL, as plain DataFusion says. The
+    engine folded a batch inside one window through the row accumulator, whose state for
+    all-null rows (a count of 0, a null sum) DataFusion's group accumulator took for a group
+    with rows: NaN for a float, and for a decimal a division by zero that aborted the
+    process. Batches of 16+ rows in one window, windows cut across batches, one batch."""
+    n = 100
+    # windows of 25 rows (1 s each): the second and fourth hold nulls only
+    ts = [1_767_225_600_000 + i * 40 for i in range(n)]
+    empty = [(i // 25) % 2 == 1 for i in range(n)]
+    data = pa.table(
+        {
+            "ts": pa.array(ts, pa.timestamp("ms", tz="UTC")),
+            "x": pa.array([None if e else i * 0.5 for i, e in enumerate(empty)], pa.float64()),
+            "d": pa.array(
+                [None if e else Decimal(f"{i}.25") for i, e in enumerate(empty)],
+                pa.decimal128(18, 4),
+            ),
+            "i": pa.array([None if e else i for i, e in enumerate(empty)], pa.int32()),
+        }
+    )
+    sql = (
+        "SELECT date_bin(INTERVAL '1 second', ts) AS w, avg(x) AS ax, avg(d) AS ad, "
+        "avg(i) AS ai, sum(x) AS sx, min(d) AS md, count(i) AS ci FROM t GROUP BY 1"
+    )
+    live, plain = _live_and_plain(data, edges, sql)
+    want = plain.sql(f"{sql} ORDER BY 1").to_pylist()
+    assert [r["ax"] for r in want] == [6.0, None, 31.0, None]  # the check can fail
+    assert sorted(live.to_pylist(), key=lambda r: r["w"]) == want

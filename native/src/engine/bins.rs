@@ -117,10 +117,12 @@ impl Bins {
         let n = values.len();
         let mut starts = Vec::new();
         let mut row = 0;
+        // Rows of the last bin found: the next bin is looked for that far ahead first.
+        let mut width = 1;
         while row < n {
             let since = ns(values[row]) - self.origin;
             let next = self.origin + (since.div_euclid(self.stride) + 1) * self.stride;
-            let end = row + values[row..].partition_point(|&v| ns(v) < next);
+            let end = row + first_at_or_after(&values[row..], width, |v| ns(v) >= next);
             if end >= n {
                 break;
             }
@@ -128,10 +130,60 @@ impl Bins {
             if starts.len() * 4 > n {
                 return None;
             }
+            width = end - row;
             row = end;
         }
         Some(starts)
     }
+}
+
+/// The first index of `values` where `reached` holds (`values.len()` if none; once it holds
+/// it holds for every later index), searched outwards from `guess` and then by bisection: a few probes when
+/// the guess is near, which for bins of even width it is — each probe of a column the
+/// producer just wrote is a cache miss.
+fn first_at_or_after(values: &[i64], guess: usize, reached: impl Fn(i64) -> bool) -> usize {
+    let n = values.len();
+    let guess = guess.min(n - 1);
+    // lo: an index where it does not hold (or 0); hi: one where it holds (or n).
+    let (mut lo, mut hi) = if guess < n && reached(values[guess]) {
+        let mut step = 1;
+        let mut hi = guess;
+        loop {
+            let probe = hi.saturating_sub(step);
+            if probe == 0 || !reached(values[probe]) {
+                break (probe, hi);
+            }
+            hi = probe;
+            step *= 2;
+        }
+    } else {
+        let mut step = 1;
+        let mut lo = guess;
+        loop {
+            let probe = lo + step;
+            if probe >= n {
+                break (lo, n);
+            }
+            if reached(values[probe]) {
+                break (lo, probe);
+            }
+            lo = probe;
+            step *= 2;
+        }
+    };
+    if lo == 0 && reached(values[0]) {
+        return 0;
+    }
+    // Invariant: values[lo] does not reach, values[hi] does (or hi == n).
+    while hi - lo > 1 {
+        let mid = lo + (hi - lo) / 2;
+        if reached(values[mid]) {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    hi
 }
 
 /// Nanoseconds in one tick of `unit`.
@@ -171,6 +223,20 @@ mod tests {
         assert_eq!(bins(1000, 0).starts(&ts), Some(vec![8, 16, 24, 32]));
         // Bins of 1 s starting at 0.5 s: [-1.5, -0.5), [-0.5, 0.5), [0.5, 1.5), [2.5, 3.5)
         assert_eq!(bins(1000, 500).starts(&ts), Some(vec![12, 20, 32]));
+    }
+
+    #[test]
+    fn the_search_from_a_guess_finds_what_bisection_finds() {
+        let values: Vec<i64> = (0..300).map(|i| (i * 7) / 5).collect();
+        for bound in [-5, 0, 1, 7, 100, 418, 419, 1000] {
+            let want = values.partition_point(|&v| v < bound);
+            for guess in [0, 1, 2, 3, 50, 150, 299, 300, 1000] {
+                let got = first_at_or_after(&values, guess, |v| v >= bound);
+                assert_eq!(got, want, "bound {bound}, guess {guess}");
+            }
+        }
+        assert_eq!(first_at_or_after(&[5], 1, |v| v >= 6), 1);
+        assert_eq!(first_at_or_after(&[5], 1, |v| v >= 5), 0);
     }
 
     #[test]

@@ -20,9 +20,11 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use arrow::array::RecordBatchOptions;
-use arrow::array::{new_null_array, ArrayRef, AsArray, Int64Array, RecordBatch, UInt32Array};
+use arrow::array::{
+    new_null_array, Array, ArrayRef, AsArray, Int64Array, RecordBatch, UInt32Array,
+};
 use arrow::compute::kernels::cmp::distinct;
-use arrow::compute::{concat_batches, take_record_batch};
+use arrow::compute::{concat, concat_batches, take, take_record_batch};
 use arrow::datatypes::{DataType, Field, Schema, SchemaRef};
 use datafusion::common::{Result, ScalarValue};
 use datafusion::execution::memory_pool::{MemoryConsumer, MemoryReservation};
@@ -272,10 +274,15 @@ const COALESCE_ROWS: usize = 8192;
 /// state merges exactly into the group accumulator (integer sums wrap the same way in
 /// both). Used for a batch that is one group: one `update_batch` and a one-row merge
 /// instead of a per-row scatter into the group's slot.
+///
+/// Not `avg`: over rows that are all null its row accumulator's state is a valid count of
+/// 0 beside a null sum, which DataFusion's group accumulator merges as a group seen with
+/// no rows — then NaN for floats and a division by zero (a panic) for decimals, where the
+/// answer is NULL.
 fn folds_whole_batches(expr: &AggregateFunctionExpr) -> bool {
     !expr.is_distinct()
         && expr.groups_accumulator_supported()
-        && matches!(expr.fun().name(), "count" | "sum" | "min" | "max" | "avg")
+        && matches!(expr.fun().name(), "count" | "sum" | "min" | "max")
 }
 
 /// `count` of non-null literals (`count(*)`, `count(1)`): a batch's count is its length.
@@ -292,6 +299,27 @@ fn evaluate(args: &[Arc<dyn PhysicalExpr>], batch: &RecordBatch) -> Result<Vec<A
     args.iter()
         .map(|e| e.evaluate(batch)?.into_array(batch.num_rows()))
         .collect()
+}
+
+/// The state of `expr` over each part of its evaluated arguments (`(start, len)` each), in
+/// vectorised kernels: one row per part, per state field, to merge into the parts' groups.
+fn part_states(
+    expr: &AggregateFunctionExpr,
+    values: &[ArrayRef],
+    bounds: &[(usize, usize)],
+) -> Result<Vec<ArrayRef>> {
+    let mut fields: Vec<Vec<ScalarValue>> = Vec::new();
+    for &(start, len) in bounds {
+        let mut row = expr.create_accumulator()?;
+        let part: Vec<ArrayRef> = values.iter().map(|v| v.slice(start, len)).collect();
+        row.update_batch(&part)?;
+        let state = row.state()?;
+        fields.resize_with(state.len(), || Vec::with_capacity(bounds.len()));
+        for (field, value) in fields.iter_mut().zip(state) {
+            field.push(value);
+        }
+    }
+    fields.into_iter().map(ScalarValue::iter_to_array).collect()
 }
 
 /// Turns a watermark (a value of the input's order column) into the window key it opens:
@@ -371,6 +399,40 @@ impl KeyRead {
     }
 }
 
+/// A batch cut where its window changes: each part's `(start, len)`, and the parts' window
+/// keys, one row each, in order.
+struct Parts {
+    bounds: Vec<(usize, usize)>,
+    keys: ArrayRef,
+}
+
+/// Record the windows of groups new since `groups_seen` (groups are numbered in the order
+/// of their first row): `groups[r]` is row `r`'s group and `window` its window key.
+fn record_windows(
+    windows: &mut VecDeque<(ScalarValue, usize)>,
+    groups_seen: &mut usize,
+    window: &ArrayRef,
+    groups: &[usize],
+    total: usize,
+) -> Result<()> {
+    if total <= *groups_seen {
+        return Ok(());
+    }
+    for (row, &g) in groups.iter().enumerate() {
+        if g == *groups_seen {
+            let key = ScalarValue::try_from_array(window, row)?;
+            if windows.back().is_none_or(|(k, _)| *k != key) {
+                windows.push_back((key, g));
+            }
+            *groups_seen += 1;
+            if *groups_seen == total {
+                break;
+            }
+        }
+    }
+    Ok(())
+}
+
 struct WindowStream {
     input: SendableRecordBatchStream,
     /// The first key read from its own columns (see [`WindowStream::keys_at`]).
@@ -435,9 +497,8 @@ impl WindowStream {
                 &RecordBatchOptions::new().with_row_count(Some(rows.len())),
             )?;
             if self.window_only && expanded.num_rows() >= SHORT {
-                for (start, len, key) in self.windows_of(&expanded)? {
-                    self.fold(&expanded.slice(start, len), key)?;
-                }
+                let parts = self.windows_of(&expanded)?;
+                self.fold_parts(&expanded, parts)?;
             } else {
                 self.fold(&expanded, None)?;
             }
@@ -448,11 +509,8 @@ impl WindowStream {
         if !self.window_only || n < SHORT {
             return self.fold(batch, None);
         }
-        let mut last = None;
-        for (start, len, key) in self.windows_of(batch)? {
-            last = self.fold(&batch.slice(start, len), key)?;
-        }
-        Ok(last)
+        let parts = self.windows_of(batch)?;
+        self.fold_parts(batch, parts)
     }
 
     /// Fold `batch` into the groups: `uniform` is its one window key (as one row) when every
@@ -478,22 +536,14 @@ impl WindowStream {
             .collect::<Result<Vec<_>>>()?;
         self.group_values.intern(keys, &mut self.group_indices)?;
         let total = self.group_values.len();
-        // New groups are numbered in the order of their first row: record their windows.
         let window = &keys[self.window_key];
-        if total > self.groups_seen {
-            for (row, &g) in self.group_indices.iter().enumerate() {
-                if g == self.groups_seen {
-                    let key = ScalarValue::try_from_array(window, row)?;
-                    if self.windows.back().is_none_or(|(k, _)| *k != key) {
-                        self.windows.push_back((key, g));
-                    }
-                    self.groups_seen += 1;
-                    if self.groups_seen == total {
-                        break;
-                    }
-                }
-            }
-        }
+        record_windows(
+            &mut self.windows,
+            &mut self.groups_seen,
+            window,
+            &self.group_indices,
+            total,
+        )?;
         for (i, acc) in self.accumulators.iter_mut().enumerate() {
             let filter = filters[i].as_ref().map(|f| f.as_boolean());
             let args = &self.arguments[i];
@@ -512,30 +562,82 @@ impl WindowStream {
             let state = if counts_rows(expr, args) {
                 vec![Arc::new(Int64Array::from(vec![n as i64])) as ArrayRef]
             } else {
-                let mut row = expr.create_accumulator()?;
-                row.update_batch(&evaluate(args, batch)?)?;
-                row.state()?
-                    .iter()
-                    .map(|s| s.to_array_of_size(1))
-                    .collect::<Result<Vec<_>>>()?
+                part_states(expr, &evaluate(args, batch)?, &[(0, n)])?
             };
             acc.merge_batch(&state, &[group], None, total)?;
         }
         ScalarValue::try_from_array(window, window.len() - 1).map(Some)
     }
 
-    /// The parts of `batch` that lie in one window each, with that window's key (one row),
-    /// as `(start, len, key)`. The key never decreases along the input, so a batch whose two
-    /// ends share a key is one window, found by evaluating the key on two rows (most batches
-    /// of a stream lie in one window, and the key — `date_bin` — costs several nanoseconds a
-    /// row). Otherwise the key is evaluated on every `STRIDE`-th row, and then only on the
-    /// rows between two samples whose keys differ, where the boundaries are; a batch with
-    /// boundaries between most samples has its key evaluated on every row instead.
-    fn windows_of(&self, batch: &RecordBatch) -> Result<Vec<(usize, usize, Option<ArrayRef>)>> {
+    /// Fold a batch cut into windows (see [`WindowStream::windows_of`]): the parts' keys are
+    /// interned at once, a group each, and every aggregate folds the whole batch in one call
+    /// with each row's group known from its part — a batch spanning many windows costs per
+    /// row, not per window. `count(*)` merges the parts' lengths. A batch in one window is
+    /// folded whole (see [`WindowStream::fold`]). Returns the last part's key.
+    fn fold_parts(&mut self, batch: &RecordBatch, parts: Parts) -> Result<Option<ScalarValue>> {
+        let Parts { bounds, keys } = parts;
+        if bounds.len() == 1 {
+            return self.fold(batch, Some(keys));
+        }
+        let n = batch.num_rows();
+        let mut part_groups = Vec::with_capacity(bounds.len());
+        self.group_values
+            .intern(&[Arc::clone(&keys)], &mut part_groups)?;
+        let total = self.group_values.len();
+        record_windows(
+            &mut self.windows,
+            &mut self.groups_seen,
+            &keys,
+            &part_groups,
+            total,
+        )?;
+        let mut row_groups: Option<Vec<usize>> = None;
+        for (i, acc) in self.accumulators.iter_mut().enumerate() {
+            let args = &self.arguments[i];
+            // `whole_batch` is set only for an aggregate without a FILTER.
+            if let Some(expr) = &self.whole_batch[i] {
+                let state = if counts_rows(expr, args) {
+                    let lens = bounds.iter().map(|&(_, len)| len as i64);
+                    vec![Arc::new(Int64Array::from_iter_values(lens)) as ArrayRef]
+                } else {
+                    part_states(expr, &evaluate(args, batch)?, &bounds)?
+                };
+                acc.merge_batch(&state, &part_groups, None, total)?;
+                continue;
+            }
+            let groups = row_groups.get_or_insert_with(|| {
+                let mut groups = Vec::with_capacity(n);
+                for (&(_, len), &g) in bounds.iter().zip(&part_groups) {
+                    groups.extend(std::iter::repeat_n(g, len));
+                }
+                groups
+            });
+            let filter = match &self.filters[i] {
+                Some(f) => Some(f.evaluate(batch)?.into_array(n)?),
+                None => None,
+            };
+            let filter = filter.as_ref().map(|f| f.as_boolean());
+            acc.update_batch(&evaluate(args, batch)?, groups, filter, total)?;
+        }
+        ScalarValue::try_from_array(&keys, keys.len() - 1).map(Some)
+    }
+
+    /// The parts of `batch` that lie in one window each, with the windows' keys. The key
+    /// never decreases along the input, so a batch whose two ends share a key is one window,
+    /// found by evaluating the key on two rows (most batches of a stream lie in one window,
+    /// and the key — `date_bin` — costs several nanoseconds a row). Then `date_bin`'s own
+    /// arithmetic is tried (see [`WindowStream::binned_parts`]). Otherwise the key is
+    /// evaluated on every `STRIDE`-th row, and then only on the rows between two samples
+    /// whose keys differ, where the boundaries are; a batch with boundaries between most
+    /// samples has its key evaluated on every row instead.
+    fn windows_of(&self, batch: &RecordBatch) -> Result<Parts> {
         let n = batch.num_rows();
         let ends = self.keys_at(batch, &[0, n - 1])?;
         if !distinct(&ends.slice(0, 1), &ends.slice(1, 1))?.value(0) {
-            return Ok(vec![(0, n, Some(ends.slice(0, 1)))]);
+            return Ok(Parts {
+                bounds: vec![(0, n)],
+                keys: ends.slice(0, 1),
+            });
         }
         if let Some(parts) = self.binned_parts(batch)? {
             return Ok(parts);
@@ -575,14 +677,20 @@ impl WindowStream {
                 .map(|j| (rows[j + 1], keys.slice(j + 1, 1)))
                 .collect()
         };
-        let mut parts = Vec::with_capacity(starts.len() + 1);
-        let (mut start, mut key) = (0, ends.slice(0, 1));
+        let mut bounds = Vec::with_capacity(starts.len() + 1);
+        let mut keys = vec![ends.slice(0, 1)];
+        let mut start = 0;
         for (row, next) in starts {
-            parts.push((start, row - start, Some(key)));
-            (start, key) = (row, next);
+            bounds.push((start, row - start));
+            keys.push(next);
+            start = row;
         }
-        parts.push((start, n - start, Some(key)));
-        Ok(parts)
+        bounds.push((start, n - start));
+        let keys: Vec<&dyn Array> = keys.iter().map(|k| k.as_ref()).collect();
+        Ok(Parts {
+            bounds,
+            keys: concat(&keys)?,
+        })
     }
 
     /// The parts of `batch` by `date_bin`'s arithmetic on the order column (see [`Bins`]),
@@ -590,10 +698,7 @@ impl WindowStream {
     /// part's two ends must share a key (the key never decreases, so the whole part does) and
     /// each part's last row differ from the next part's first. None when the key is not
     /// `date_bin` of the order column or the guess is not confirmed.
-    fn binned_parts(
-        &self,
-        batch: &RecordBatch,
-    ) -> Result<Option<Vec<(usize, usize, Option<ArrayRef>)>>> {
+    fn binned_parts(&self, batch: &RecordBatch) -> Result<Option<Parts>> {
         let Some(bins) = &self.bins else {
             return Ok(None);
         };
@@ -617,12 +722,11 @@ impl WindowStream {
         if !confirmed {
             return Ok(None);
         }
-        Ok(Some(
-            rows.chunks(2)
-                .enumerate()
-                .map(|(i, pair)| (pair[0], pair[1] - pair[0] + 1, Some(keys.slice(2 * i, 1))))
-                .collect(),
-        ))
+        let firsts = UInt32Array::from_iter_values((0..rows.len()).step_by(2).map(|j| j as u32));
+        Ok(Some(Parts {
+            bounds: rows.chunks(2).map(|p| (p[0], p[1] - p[0] + 1)).collect(),
+            keys: take(keys.as_ref(), &firsts, None)?,
+        }))
     }
 
     /// The window key of the given rows of `batch`: only the key's columns are taken.
