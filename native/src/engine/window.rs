@@ -478,8 +478,9 @@ struct WindowStream {
 impl WindowStream {
     /// Fold `batch` into the groups; returns the window key of its last row.
     ///
-    /// With the window as the only key, a batch is cut where its window changes, and each
-    /// part inside one window is folded whole (see [`WindowStream::windows_of`]).
+    /// With the window as the only key, a batch is cut where its window changes (see
+    /// [`WindowStream::windows_of`]) and its parts folded at once (see
+    /// [`WindowStream::fold_parts`]).
     fn aggregate(&mut self, batch: &RecordBatch) -> Result<Option<ScalarValue>> {
         let n = batch.num_rows();
         if n == 0 {
