@@ -18,6 +18,7 @@ use std::fmt;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
 use arrow::array::RecordBatchOptions;
 use arrow::array::{
@@ -265,9 +266,10 @@ const SHORT: usize = 16;
 /// Rows between the samples of the key that find the windows of a batch spanning several.
 const STRIDE: usize = 64;
 
-/// At most this many input batches, and until this many window rows are pending, are folded
-/// into the windows going out in one batch when the input has a backlog.
-const COALESCE_BATCHES: usize = 8;
+/// When the input has a backlog, the input already queued is folded into the windows going
+/// out in one batch for at most this long after they closed, and until this many window
+/// rows are pending (see [`WindowStream::fold_ready`]).
+const COALESCE_FOR: Duration = Duration::from_millis(1);
 const COALESCE_ROWS: usize = 8192;
 
 /// Aggregates whose row accumulator folds a whole batch in vectorised kernels and whose
@@ -406,6 +408,14 @@ struct Parts {
     keys: ArrayRef,
 }
 
+/// A batch read from the input, with its parts when it is cut into windows (see
+/// [`WindowStream::arrive`]): found once, they serve both the windows its first row closes
+/// and its fold.
+struct Arrived {
+    batch: RecordBatch,
+    parts: Option<Parts>,
+}
+
 /// Record the windows of groups new since `groups_seen` (groups are numbered in the order
 /// of their first row): `groups[r]` is row `r`'s group and `window` its window key.
 fn record_windows(
@@ -460,7 +470,7 @@ struct WindowStream {
     pending: VecDeque<RecordBatch>,
     done: bool,
     /// A batch whose first row closed windows: folded once they have gone out.
-    deferred: Option<RecordBatch>,
+    deferred: Option<Arrived>,
     /// An error met while folding ready input: raised once the windows before it are out.
     failed: Option<datafusion::common::DataFusionError>,
     reservation: MemoryReservation,
@@ -476,12 +486,13 @@ struct WindowStream {
 }
 
 impl WindowStream {
-    /// Fold `batch` into the groups; returns the window key of its last row.
+    /// Fold a batch into the groups; returns the window key of its last row.
     ///
-    /// With the window as the only key, a batch is cut where its window changes (see
-    /// [`WindowStream::windows_of`]) and its parts folded at once (see
-    /// [`WindowStream::fold_parts`]).
-    fn aggregate(&mut self, batch: &RecordBatch) -> Result<Option<ScalarValue>> {
+    /// A batch cut where its window changes (its `parts`, see [`WindowStream::arrive`]) has
+    /// its parts folded at once (see [`WindowStream::fold_parts`]).
+    fn aggregate(&mut self, arrived: Arrived) -> Result<Option<ScalarValue>> {
+        let Arrived { batch, parts } = arrived;
+        let batch = &batch;
         let n = batch.num_rows();
         if n == 0 {
             return Ok(None);
@@ -507,11 +518,22 @@ impl WindowStream {
             let last = Windowing::ticks(&ScalarValue::try_from_array(batch.column(time), n - 1)?)?;
             return Windowing::scalar(windowing.oldest(last), &time_type).map(Some);
         }
-        if !self.window_only || n < SHORT {
-            return self.fold(batch, None);
+        match parts {
+            Some(parts) => self.fold_parts(batch, parts),
+            None => self.fold(batch, None),
         }
-        let parts = self.windows_of(batch)?;
-        self.fold_parts(batch, parts)
+    }
+
+    /// Take a batch from the input: with the window as the only key, its parts (see
+    /// [`WindowStream::windows_of`]); a batch shorter than `SHORT` is folded row by row.
+    fn arrive(&self, batch: RecordBatch) -> Result<Arrived> {
+        let cut = self.expand.is_none() && self.window_only && batch.num_rows() >= SHORT;
+        let parts = if cut {
+            Some(self.windows_of(&batch)?)
+        } else {
+            None
+        };
+        Ok(Arrived { batch, parts })
     }
 
     /// Fold `batch` into the groups: `uniform` is its one window key (as one row) when every
@@ -623,15 +645,19 @@ impl WindowStream {
         ScalarValue::try_from_array(&keys, keys.len() - 1).map(Some)
     }
 
-    /// The parts of `batch` that lie in one window each, with the windows' keys. The key
-    /// never decreases along the input, so a batch whose two ends share a key is one window,
-    /// found by evaluating the key on two rows (most batches of a stream lie in one window,
-    /// and the key — `date_bin` — costs several nanoseconds a row). Then `date_bin`'s own
-    /// arithmetic is tried (see [`WindowStream::binned_parts`]). Otherwise the key is
-    /// evaluated on every `STRIDE`-th row, and then only on the rows between two samples
-    /// whose keys differ, where the boundaries are; a batch with boundaries between most
-    /// samples has its key evaluated on every row instead.
+    /// The parts of `batch` that lie in one window each, with the windows' keys. A key that
+    /// is `date_bin` of the order column is cut by its own arithmetic, confirmed by the key
+    /// on each part's ends (see [`WindowStream::binned_parts`]). Otherwise: the key never
+    /// decreases along the input, so a batch whose two ends share a key is one window, found
+    /// by evaluating the key on two rows (most batches of a stream lie in one window, and
+    /// the key — `date_bin` — costs several nanoseconds a row); else the key is evaluated
+    /// on every `STRIDE`-th row, and then only on the rows between two samples whose keys
+    /// differ, where the boundaries are; a batch with boundaries between most samples has
+    /// its key evaluated on every row instead.
     fn windows_of(&self, batch: &RecordBatch) -> Result<Parts> {
+        if let Some(parts) = self.binned_parts(batch)? {
+            return Ok(parts);
+        }
         let n = batch.num_rows();
         let ends = self.keys_at(batch, &[0, n - 1])?;
         if !distinct(&ends.slice(0, 1), &ends.slice(1, 1))?.value(0) {
@@ -639,9 +665,6 @@ impl WindowStream {
                 bounds: vec![(0, n)],
                 keys: ends.slice(0, 1),
             });
-        }
-        if let Some(parts) = self.binned_parts(batch)? {
-            return Ok(parts);
         }
         let mut samples: Vec<usize> = (0..n).step_by(STRIDE).collect();
         if samples.last() != Some(&(n - 1)) {
@@ -706,9 +729,6 @@ impl WindowStream {
         let Some(starts) = bins.starts(batch.column(bins.column())) else {
             return Ok(None);
         };
-        if starts.is_empty() {
-            return Ok(None); // its ends differ: the arithmetic is not DataFusion's here
-        }
         let n = batch.num_rows();
         let firsts = std::iter::once(0).chain(starts.iter().copied());
         let lasts = starts.iter().map(|s| s - 1).chain(std::iter::once(n - 1));
@@ -821,16 +841,18 @@ impl WindowStream {
     /// Emit the windows that `batch`'s first row closes (the input is ordered: nothing from
     /// it or later falls below that row's window), so that a batch closing a window need
     /// not be folded before the window's row leaves; whether any did.
-    fn closed_by_first_row(&mut self, batch: &RecordBatch) -> Result<bool> {
+    fn closed_by_first_row(&mut self, arrived: &Arrived) -> Result<bool> {
+        let batch = &arrived.batch;
         if batch.num_rows() == 0 || self.windows.is_empty() {
             return Ok(false);
         }
-        let threshold = match &self.expand {
-            Some((windowing, time, time_type)) => {
+        let threshold = match (&self.expand, &arrived.parts) {
+            (Some((windowing, time, time_type)), _) => {
                 let first = ScalarValue::try_from_array(batch.column(*time), 0)?;
                 Windowing::scalar(windowing.oldest(Windowing::ticks(&first)?), time_type)?
             }
-            None => {
+            (None, Some(parts)) => ScalarValue::try_from_array(&parts.keys, 0)?,
+            (None, None) => {
                 let key = &self.group_by.expr()[self.window_key].0;
                 let value = key.evaluate(&batch.slice(0, 1))?.into_array(1)?;
                 ScalarValue::try_from_array(&value, 0)?
@@ -841,8 +863,8 @@ impl WindowStream {
         Ok(self.pending.len() > before)
     }
 
-    fn on_batch(&mut self, batch: &RecordBatch) -> Result<()> {
-        let by_rows = self.aggregate(batch)?;
+    fn on_batch(&mut self, arrived: Arrived) -> Result<()> {
+        let by_rows = self.aggregate(arrived)?;
         self.account()?;
         let by_watermark = self.watermark_key()?;
         let threshold = match (by_rows, by_watermark) {
@@ -863,14 +885,15 @@ impl WindowStream {
 
 impl WindowStream {
     /// Fold the input that is ready now into the pending windows (see
-    /// [`WindowStream::poll_next`]), at most `COALESCE_BATCHES` batches and until
-    /// `COALESCE_ROWS` window rows are pending. A batch whose first row closed windows stays
+    /// [`WindowStream::poll_next`]) for at most `COALESCE_FOR` and until `COALESCE_ROWS`
+    /// window rows are pending: the windows already closed wait that long at most, whatever
+    /// the size of the batches behind them. A batch whose first row closed windows stays
     /// deferred unless more input is ready: with none, the reader is keeping up and gets
     /// those windows before the batch is folded. An error waits in `failed` until the
     /// windows before it have gone out.
     fn fold_ready(&mut self, cx: &mut Context<'_>) {
-        let mut folded = 0;
-        while !self.done && self.failed.is_none() && folded < COALESCE_BATCHES {
+        let until = Instant::now() + COALESCE_FOR;
+        while !self.done && self.failed.is_none() && Instant::now() < until {
             if self.pending.iter().map(|b| b.num_rows()).sum::<usize>() >= COALESCE_ROWS {
                 return;
             }
@@ -885,7 +908,7 @@ impl WindowStream {
                     self.done = true;
                     let deferred = self.deferred.take();
                     let outcome = deferred
-                        .map_or(Ok(()), |d| self.on_batch(&d))
+                        .map_or(Ok(()), |d| self.on_batch(d))
                         .and_then(|()| {
                             self.windows.clear();
                             self.emit(EmitTo::All)
@@ -896,12 +919,14 @@ impl WindowStream {
                     return;
                 }
             };
-            folded += 1;
             let deferred = self.deferred.take();
             let outcome = deferred
-                .map_or(Ok(()), |d| self.on_batch(&d))
-                .and_then(|()| self.closed_by_first_row(&batch))
-                .and_then(|_| self.on_batch(&batch));
+                .map_or(Ok(()), |d| self.on_batch(d))
+                .and_then(|()| self.arrive(batch))
+                .and_then(|arrived| {
+                    self.closed_by_first_row(&arrived)?;
+                    self.on_batch(arrived)
+                });
             if let Err(e) = outcome {
                 self.failed = Some(e);
             }
@@ -943,8 +968,8 @@ impl Stream for WindowStream {
             if self.done {
                 return Poll::Ready(None);
             }
-            if let Some(batch) = self.deferred.take() {
-                if let Err(e) = self.on_batch(&batch) {
+            if let Some(arrived) = self.deferred.take() {
+                if let Err(e) = self.on_batch(arrived) {
                     self.done = true;
                     return Poll::Ready(Some(Err(e)));
                 }
@@ -952,10 +977,17 @@ impl Stream for WindowStream {
             }
             match futures::ready!(self.input.poll_next_unpin(cx)) {
                 Some(Ok(batch)) => {
+                    let arrived = match self.arrive(batch) {
+                        Ok(arrived) => arrived,
+                        Err(e) => {
+                            self.done = true;
+                            return Poll::Ready(Some(Err(e)));
+                        }
+                    };
                     // The windows the batch's first row closes go out before it is folded.
-                    match self.closed_by_first_row(&batch) {
+                    match self.closed_by_first_row(&arrived) {
                         Ok(true) => {
-                            self.deferred = Some(batch);
+                            self.deferred = Some(arrived);
                             continue;
                         }
                         Ok(false) => {}
@@ -964,7 +996,7 @@ impl Stream for WindowStream {
                             return Poll::Ready(Some(Err(e)));
                         }
                     }
-                    if let Err(e) = self.on_batch(&batch) {
+                    if let Err(e) = self.on_batch(arrived) {
                         self.done = true;
                         return Poll::Ready(Some(Err(e)));
                     }
