@@ -3,6 +3,7 @@ limits and the audit trail, each against a real server on loopback."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import logging
@@ -26,10 +27,21 @@ from pushtable import (
     StatementRefusedError,
     StreamFailedError,
     UnauthenticatedError,
+    WriteTimeoutError,
 )
 from pushtable.flight import Client, Grant, Limits, RemoteSink, Server, connect
+from pushtable.flight.client import transport
+from pushtable.flight.client.aio import AsyncClient
 from pushtable.flight.server import sql
-from tests.conftest import SCHEMA, WAIT, Background, batch, serve_process, wait_until
+from tests.conftest import (
+    SCHEMA,
+    WAIT,
+    Background,
+    batch,
+    no_aio_threads,
+    serve_process,
+    wait_until,
+)
 
 ADMIN, INGEST, DASH = "admin-s3cret", "ingest-s3cret", "dash-s3cret"
 TOKENS = {
@@ -671,6 +683,139 @@ def test_calls_that_never_send_a_first_message_count_from_their_first_byte(
 
             wait_until(writes, "the noisy token's slots to come back")
         channel.close()
+
+
+class _Silent:
+    """DoPut calls opened with grpcio that never send a message (each counts as opening for
+    its token until it goes), held until :meth:`release`."""
+
+    def __init__(self, server: Server) -> None:
+        self.grpc = pytest.importorskip("grpc")
+        self.server = server
+        self.channel = self.grpc.insecure_channel(server.location.removeprefix("grpc://"))
+        self._do_put = self.channel.stream_stream("/arrow.flight.protocol.FlightService/DoPut")
+        self._never = threading.Event()
+        self._calls: list[Any] = []
+
+    def _silence(self) -> Iterator[bytes]:
+        self._never.wait()
+        yield from ()
+
+    def hold(self, token: str, name: str, count: int) -> int:
+        """Open ``count`` calls of ``token`` (named ``name``); the refusals counted so far."""
+        auth = [("authorization", f"Bearer {token}")]
+        self._calls += [self._do_put(self._silence(), metadata=auth) for _ in range(count)]
+        wait_until(lambda: self.server.usage.opening.get(name) == count, "silent calls opening")
+        return self.refusals()
+
+    def refusals(self) -> int:
+        return self.server.usage.refusals.get("max_streams_per_client", 0)
+
+    def refused_again(self, since: int) -> None:
+        """Two refusals after ``since``: a call refused as it opened was opened again."""
+        wait_until(lambda: self.refusals() >= since + 2, "a call refused twice as it opened")
+
+    def release(self) -> None:
+        for call in self._calls:
+            call.cancel()
+        self._calls = []
+
+    def close(self) -> None:
+        self.release()
+        self._never.set()
+        self.channel.close()
+
+
+def _write_and_flush(sink: RemoteSink, data: pa.RecordBatch) -> None:
+    sink.write(data)
+    sink.flush(timeout=WAIT)
+
+
+def test_a_stream_refused_as_it_opens_is_opened_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The streams of one token still waiting for their first message are bounded, and a
+    refusal for that frees by itself: CI saw the 17th of 100 producers opening at once on a
+    busy machine fail with it. The client now opens the stream again after a pause, whatever
+    opened it: a query waits until its DoGet is taken, a producer until its batches are; a
+    flush with a timeout ends with ``WriteTimeoutError`` naming the refusal, one with none
+    raises the refusal after ``REOPEN_FOR_S``, and either leaves the sink usable: every batch
+    written is stored once. (The token's other calls are silent ones, held until
+    the test lets them go.)"""
+    server = Server(tokens=TOKENS, limits=Limits(max_streams_per_client=2))
+    silent = _Silent(server)
+    try:
+        server.create_table("events", SCHEMA)
+        with connect(server.location, token=ADMIN, timeout=WAIT) as client:
+            since = silent.hold(ADMIN, "ops", 2)
+            reading = Background(lambda: client.sql("SELECT k FROM events").read_all())
+            silent.refused_again(since)
+            silent.release()
+            wait_until(lambda: server.usage.queries == 1, "the query to be taken")
+
+            sink = client.sink("events")
+            since = silent.hold(ADMIN, "ops", 2)
+            writing = Background(functools.partial(_write_and_flush, sink, batch(1, 0)))
+            silent.refused_again(since)
+            silent.release()
+            writing.join(WAIT)
+
+            with connect(server.location, token=ADMIN, timeout=WAIT) as other:
+                silent.hold(ADMIN, "ops", 2)
+                late = other.sink("events")  # (the first sink's stream stays open, taken)
+                late.write(batch(1, 1))  # on its way: the refusal comes to the flush
+                with pytest.raises(WriteTimeoutError, match=r"first message.*_per_client"):
+                    late.flush(timeout=2.0)
+                monkeypatch.setattr(transport, "REOPEN_FOR_S", 0.5)
+                with pytest.raises(ResourceLimitError, match=r"first message.*_per_client"):
+                    late.flush()
+                silent.release()
+                late.write(batch(1, 2))  # the batch whose flushes failed goes first
+                late.flush(timeout=WAIT)
+            sink.close()
+            assert sorted(reading.join(WAIT)["k"].to_pylist()) == [0, 1, 2]
+    finally:
+        silent.close()
+        server.stop()
+
+
+@pytest.mark.asyncio
+async def test_asyncio_and_durable_producers_open_a_refused_stream_again(tmp_path: Path) -> None:
+    """As above, for the other producers: an asyncio producer's write and a durable topic's
+    idempotent producer wait through refusals of their streams as they opened, and each batch
+    is stored once."""
+    server = Server(
+        tokens=TOKENS, data_dir=tmp_path / "data", limits=Limits(max_streams_per_client=2)
+    )
+    silent = _Silent(server)
+    try:
+        server.create_table("events", SCHEMA)
+        async with AsyncClient.connect(server.location, token=ADMIN, timeout=WAIT) as aio:
+            since = await asyncio.to_thread(silent.hold, ADMIN, "ops", 2)
+            sink = await aio.sink("events")
+            writing = asyncio.create_task(sink.write(batch(2, 0), timeout=WAIT))
+            await asyncio.to_thread(silent.refused_again, since)
+            assert not writing.done()
+            silent.release()
+            await asyncio.wait_for(writing, WAIT)  # acknowledged: queued in the table
+            await sink.close(timeout=WAIT)
+        with connect(server.location, token=ADMIN, timeout=WAIT) as client:
+            got = client.sql("SELECT k FROM events").read_all()["k"].to_pylist()
+            assert sorted(got) == [0, 1]
+
+            client.create_topic("log", SCHEMA, durable=True)
+            durable = client.sink("log", producer_id="p")
+            since = silent.hold(ADMIN, "ops", 2)
+            storing = Background(functools.partial(_write_and_flush, durable, batch(2, 5)))
+            silent.refused_again(since)
+            silent.release()
+            storing.join(WAIT)
+            durable.write(batch(1, 7))
+            durable.flush(timeout=WAIT)
+            committed = client.offsets("log")["committed"]
+            assert client.read("log", 0, committed).read_all()["k"].to_pylist() == [5, 6, 7]
+    finally:
+        silent.close()
+        server.stop()
+    await no_aio_threads()
 
 
 def test_a_producer_id_is_bound_to_the_token_that_first_used_it(tmp_path: Path) -> None:

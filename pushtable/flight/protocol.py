@@ -23,7 +23,11 @@
   ``earliest``/``committed``/``next``), ``producer`` (an idempotent producer's last stored
   sequence).
 - **Errors**: a pushtable error crosses as ``[pushtable:ClassName] message [/pushtable]`` inside
-  Flight's error text, and is raised again on the client as the same class.
+  Flight's error text, and is raised again on the client as the same class. ``[refused:n]``
+  after it: the refusal of message *n* of a DoPut (those before it were taken, none after);
+  ``[reopen]``: the DoPut was refused as it opened, for a count that frees by itself (its
+  token's calls still waiting for their first message), so nothing was taken and a client
+  may open another a moment later.
 - **Auth**: ``authorization: Bearer <token>`` on every call.
 """
 
@@ -33,7 +37,7 @@ import json
 import re
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import pyarrow as pa
 import pyarrow.flight as flight
@@ -50,8 +54,11 @@ STREAM_HEADER = "pushtable-stream"
 #: the longest stream id a server keeps (longer ones are ignored: that stream cannot be left)
 MAX_STREAM_ID_CHARS = 64
 
+_E = TypeVar("_E", bound=BaseException)
+
 _ERROR = re.compile(
-    r"\[pushtable:(?P<cls>\w+)\] (?P<msg>.*?) \[/pushtable\](?:\[refused:(?P<refused>\d+)\])?",
+    r"\[pushtable:(?P<cls>\w+)\] (?P<msg>.*?) \[/pushtable\]"
+    r"(?:\[refused:(?P<refused>\d+)\])?(?P<reopen>\[reopen\])?",
     re.DOTALL,
 )
 
@@ -63,7 +70,9 @@ def error_text(exc: BaseException) -> str:
     """
     text = f"[pushtable:{type(exc).__name__}] {exc} [/pushtable]"
     number = getattr(exc, "refused_message", None)
-    return text if number is None else f"{text}[refused:{number}]"
+    if number is not None:
+        text = f"{text}[refused:{number}]"
+    return f"{text}[reopen]" if reopens(exc) else text
 
 
 def refusing(exc: BaseException, number: int | None) -> None:
@@ -75,6 +84,23 @@ def refusing(exc: BaseException, number: int | None) -> None:
     """
     if number is not None:
         exc.refused_message = number  # type: ignore[attr-defined]
+
+
+def reopening(exc: _E) -> _E:
+    """Mark ``exc`` as a refusal of a DoPut as it opened that frees by itself; returns it.
+
+    Its token had as many calls still waiting for their first message as it may: they reach
+    their handlers within moments (a burst of producers opening at once, a busy server), so
+    the client opens another stream a moment later instead of failing the write. The call
+    took nothing: every message sent on it goes again.
+    """
+    exc.reopen = True  # type: ignore[attr-defined]
+    return exc
+
+
+def reopens(exc: BaseException) -> bool:
+    """Whether ``exc`` is a refusal marked by :func:`reopening`."""
+    return getattr(exc, "reopen", False) is True
 
 
 def checked(table: str, number: int, batch: pa.RecordBatch) -> pa.RecordBatch:
@@ -126,6 +152,8 @@ def client_error(exc: BaseException) -> BaseException:
     public.__cause__ = exc
     if match.group("refused") is not None:
         public.refused_message = int(match.group("refused"))  # type: ignore[attr-defined]
+    if match.group("reopen") is not None:
+        reopening(public)
     if isinstance(public, errors.StreamFailedError):
         public.error = _cause(match.group("msg"))
     return public

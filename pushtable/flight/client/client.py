@@ -19,7 +19,8 @@ from pushtable.errors import (
 )
 from pushtable.flight import protocol
 from pushtable.flight.client.idempotent import DURABLE_WINDOW, DURABLE_WINDOW_BYTES, IdempotentSink
-from pushtable.flight.client.remote_sink import RemoteSink, Stager
+from pushtable.flight.client.remote_sink import RemoteSink
+from pushtable.flight.client.stager import Stager
 from pushtable.flight.client.transport import Transport
 from pushtable.producer import Late, OnSlow
 

@@ -20,6 +20,7 @@ import pyarrow.flight as flight
 from pushtable.errors import (
     CommitFailedError,
     PushTableError,
+    ResourceLimitError,
     ServerUnavailableError,
     SinkClosedError,
     WriteTimeoutError,
@@ -27,7 +28,7 @@ from pushtable.errors import (
 from pushtable.flight import protocol
 from pushtable.flight.client.put_stream import Item, PutStream
 from pushtable.flight.client.remote_sink import RemoteSink
-from pushtable.flight.client.transport import Transport
+from pushtable.flight.client.transport import REOPEN_FOR_S, Transport
 from pushtable.producer import arrow_batches, batch_bytes, check_timeout
 
 __all__ = ["DURABLE_WINDOW", "DURABLE_WINDOW_BYTES", "IdempotentSink"]
@@ -171,7 +172,7 @@ class IdempotentSink(RemoteSink):
                 for sequence, batch, _ in self._unsent():
                     room = self.window - 1
                     if not put.wait(room, deadline) or not self._bytes_fit(put, batch, deadline):
-                        raise WriteTimeoutError(
+                        raise self._reopening.timed_out(
                             f"write to remote topic '{self.name}' timed out with "
                             f"{put.sent - put.acked} batch(es) unacknowledged"
                         )
@@ -183,13 +184,24 @@ class IdempotentSink(RemoteSink):
                 if most_unacked == 0 and put.sent > put.acked:
                     put.sync()  # a flush: the server commits what is pending now
                 if most_unacked is not None and not put.wait(most_unacked, deadline):
-                    raise WriteTimeoutError(f"flush of remote topic '{self.name}' timed out")
+                    flush = f"flush of remote topic '{self.name}' timed out"
+                    raise self._reopening.timed_out(flush)
+                if put.acked:
+                    self._reopening.reset()  # the stream was taken
                 self._trim()
                 return
             except PushTableError as exc:
                 first = self._first  # the open stream's first sequence, before it is dropped
                 if self._put is not None and (self._put.error is not None or self._put.finished):
                     self._drop_stream()
+                if protocol.reopens(exc):  # refused as it opened: took nothing, all go again
+                    try:
+                        self._reopening.wait(exc, deadline)
+                    except WriteTimeoutError:
+                        raise
+                    except PushTableError as refusal:
+                        raise self._unavailable(refusal) from refusal
+                    continue
                 if not protocol.retriable(exc):
                     self._let_go_refused(exc, first)
                     raise
@@ -255,13 +267,27 @@ class IdempotentSink(RemoteSink):
         self._trim()
         super()._drop_stream()
 
-    def _unavailable(self, exc: BaseException) -> ServerUnavailableError:
+    def _unavailable(self, exc: BaseException) -> ServerUnavailableError | ResourceLimitError:
+        """Why this producer stopped trying; its batches are kept.
+
+        An outage, or a server that refused its streams as they opened for ``REOPEN_FOR_S``
+        (still marked so).
+        """
         seqs = [s for s, _, _ in self._unacked]
         what = f"sequences {seqs[0]}..{seqs[-1]}" if seqs else "nothing"
+        kept = (
+            f"{len(seqs)} batch(es) not acknowledged ({what}): they are kept and sent again by "
+            "the next write or flush"
+        )
+        if protocol.reopens(exc):
+            refused = ResourceLimitError(
+                f"producer {self.producer_id!r} of topic '{self.name}': the server refused "
+                f"its streams as they opened for {REOPEN_FOR_S}s ({exc}); {kept}"
+            )
+            return protocol.reopening(refused)
         return ServerUnavailableError(
             f"producer {self.producer_id!r} of topic '{self.name}': the server stayed "
-            f"unreachable for {self.retry}s ({exc}); {len(seqs)} batch(es) not acknowledged "
-            f"({what}): they are kept and sent again by the next write or flush"
+            f"unreachable for {self.retry}s ({exc}); {kept}"
         )
 
     def write(self, data: Any, timeout: float | None = None) -> None:
@@ -345,6 +371,8 @@ class IdempotentSink(RemoteSink):
             except PushTableError as exc:
                 if protocol.retriable(exc) or isinstance(exc, WriteTimeoutError):
                     raise
+                if protocol.reopens(exc):
+                    raise  # its streams were refused as they opened: every item is kept
                 if getattr(exc, "refused_sequence", None) is not None:
                     raise  # the refused item is told; the others are kept, sent next time
                 items, self._items = list(self._items.values()), {}

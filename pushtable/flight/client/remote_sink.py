@@ -1,6 +1,4 @@
-"""Producers for tables on ``pushtable serve``: :class:`RemoteSink` and :class:`Stager`.
-
-:class:`Stager` is the Spark bridge's: it sends one task attempt's share of an epoch.
+"""A producer for a table on ``pushtable serve``: :class:`RemoteSink`.
 
 A :class:`RemoteSink` has the methods and exceptions of a local :class:`~pushtable.TableSink`.
 ``write`` returns once the batch is on its way with at most ``window`` batches not yet
@@ -10,7 +8,9 @@ client's producer. ``flush`` waits for every acknowledgement; ``close`` flushes 
 A batch the server refuses (NOT NULL, order, invalid Arrow) costs only itself: the batches
 sent after it, which the server did not take, are sent again on a new stream, and the refusal
 is raised by the producer's next call (a refused batch leaves the sink usable; nothing else
-is lost).
+is lost). A stream refused as it opened for a count that frees by itself (its token's other
+calls still opening: a burst of producers) took nothing: its batches go again on another,
+opened a moment later (see :class:`~pushtable.flight.client.transport.Reopening`).
 """
 
 from __future__ import annotations
@@ -37,10 +37,10 @@ from pushtable.errors import (
 )
 from pushtable.flight import protocol
 from pushtable.flight.client.put_stream import Item, PutStream
-from pushtable.flight.client.transport import Transport
+from pushtable.flight.client.transport import Reopening, Transport
 from pushtable.producer import ProducerScope, SinkStats, TopicStats, arrow_batches, check_timeout
 
-__all__ = ["RemoteSink", "RemoteSinkStats", "Stager"]
+__all__ = ["RemoteSink", "RemoteSinkStats"]
 
 #: how long a producer leaving (its client closing) waits for its stream to end before it
 #: leaves it (see :meth:`PutStream.finish`)
@@ -54,29 +54,6 @@ class RemoteSinkStats:
     sent_batches: int
     acknowledged_batches: int
     table: SinkStats | TopicStats
-
-
-class Stager:
-    """One Spark task attempt's share of an epoch, sent to the server's stage area."""
-
-    def __init__(self, transport: Transport, path: list[str], schema: pa.Schema) -> None:
-        self._table = path[0]
-        self._schema = schema
-        self._wire_schema = protocol.wire_schema(schema)
-        self._put = PutStream(transport, flight.FlightDescriptor.for_path(*path), self._wire_schema)
-
-    def write(self, batch: pa.RecordBatch) -> None:
-        """Send ``batch`` to the stage area, checked against the share's schema first."""
-        batch = protocol.to_wire(self._table, self._schema, self._wire_schema, batch)
-        try:
-            self._put.send(batch)
-        except PushTableError:
-            self._put.finish(timeout=30.0)  # the server's reason, if it gave one
-            raise
-
-    def finish(self) -> None:
-        """End the share; returns once the server holds all of it (raises its error)."""
-        self._put.finish()
 
 
 class RemoteSink(ProducerScope):
@@ -119,6 +96,8 @@ class RemoteSink(ProducerScope):
         #: producer's writer settles what was in flight then, not at its next write
         self.on_stream_end: Callable[[], None] | None = None
         self._stopped = False  # a stream of it heard the server say it stops
+        #: the pauses between streams refused as they opened, and when to stop opening more
+        self._reopening = Reopening(f"remote table '{name}'")
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -241,14 +220,20 @@ class RemoteSink(ProducerScope):
     def _drain_locked(self, deadline: float | None) -> None:
         """Send every pending item, oldest first (those a refusal left unsent come first)."""
         while self._pending:
-            put = self._stream()
+            try:
+                put = self._stream()
+            except PushTableError as exc:  # pyarrow may hear a refusal as the call opens
+                if not protocol.reopens(exc):
+                    raise
+                self._reopening.wait(exc, deadline)
+                continue
             try:
                 room = put.wait(self.window - 1, deadline)  # raises only once the stream ended
             except PushTableError as exc:
-                self._recover_or_raise(put, exc)
+                self._recover_or_raise(put, exc, deadline)
                 continue
             if not room:
-                raise WriteTimeoutError(
+                raise self._reopening.timed_out(
                     f"write to remote table '{self.name}' timed out with {self.window} "
                     "batch(es) unacknowledged"
                 )
@@ -258,7 +243,10 @@ class RemoteSink(ProducerScope):
             try:
                 put.send(self._pending.popleft(), ack_every=max(1, self.window // 2))
             except PushTableError as exc:  # the stream is over: its end says what it took
-                self._recover_or_raise(put, exc)
+                self._recover_or_raise(put, exc, deadline)
+                continue
+            if put.acked:
+                self._reopening.reset()  # the stream was taken
 
     def _ended(self) -> None:
         hook = self.on_stream_end
@@ -275,9 +263,11 @@ class RemoteSink(ProducerScope):
         """
         with self._lock:
             put = self._put
-            if put is not None and put.finished and put.inflight:
-                self._recover(put, put.error or StreamEndedError("the stream ended"))
             try:
+                if put is not None and put.finished and put.inflight:
+                    error, _ = self._recover(put, put.error or StreamEndedError("the stream ended"))
+                    if protocol.reopens(error):
+                        self._reopening.wait(error, deadline)
                 self._drain_locked(deadline)
             except WriteTimeoutError:
                 raise
@@ -292,23 +282,30 @@ class RemoteSink(ProducerScope):
             if put is not None and not put.ended and put.requested < put.sent:
                 put.sync()
 
-    def _recover_or_raise(self, put: PutStream, seen: BaseException) -> None:
-        """Recover from ``put``'s end when it refused one batch (the rest go again).
+    def _recover_or_raise(
+        self, put: PutStream, seen: BaseException, deadline: float | None
+    ) -> None:
+        """Recover from ``put``'s end when it was a refusal, or raise why it ended.
 
-        Otherwise raise why it ended: it took nothing more, and the caller's call fails with it.
+        A refusal of one batch: the rest go again. A refusal of the stream as it opened: all
+        go again, after a pause (see :class:`Reopening`). Any other end took nothing more: the
+        caller's call fails with it.
         """
         error, resent = self._recover(put, seen)
         if not resent:
             if self._unreported is error:
                 self._unreported = None  # raised here, not again by the next call
             raise error
+        if protocol.reopens(error):
+            self._reopening.wait(error, deadline)
 
     def _recover(self, put: PutStream, seen: BaseException) -> tuple[BaseException, bool]:
         """Settle what was in flight on ``put``, which ended.
 
         After a refusal, the refused item gets the error and those after it (never taken)
-        wait to be sent again, first; after any other end, each gets the error. Returns the
-        error, and whether it was a refusal (with items after it to send again).
+        wait to be sent again, first; after a refusal of the stream as it opened, all of them
+        do; after any other end, each gets the error. Returns the error, and whether it was a
+        refusal (with items to send again).
         """
         error = put.verdict(seen)
         refused = getattr(error, "refused_message", None)
@@ -316,6 +313,9 @@ class RemoteSink(ProducerScope):
             items, first = list(put.inflight), put.acked + 1  # the number of items[0]
             put.inflight.clear()
         self._drop_stream()
+        if protocol.reopens(error):
+            self._pending.extendleft(reversed(items))
+            return error, True
         if refused is None or not first <= refused < first + len(items):
             for item in items:
                 self._settle(item, error)
@@ -370,10 +370,12 @@ class RemoteSink(ProducerScope):
             try:
                 done = put.wait(0, deadline)  # raises only once the stream ended
             except PushTableError as exc:
-                self._recover_or_raise(put, exc)
+                self._recover_or_raise(put, exc, deadline)
                 continue
             if not done:
-                raise WriteTimeoutError(f"flush of remote table '{self.name}' timed out")
+                raise self._reopening.timed_out(f"flush of remote table '{self.name}' timed out")
+            if put.acked:
+                self._reopening.reset()
             if not self._pending:
                 return
 

@@ -11,15 +11,18 @@ client, and the client nothing of theirs but their public methods.
 from __future__ import annotations
 
 import json
+import random
+import time
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.flight as flight
 
+from pushtable.errors import PushTableError, WriteTimeoutError
 from pushtable.flight import protocol
 
-__all__ = ["Transport"]
+__all__ = ["REOPEN_FOR_S", "Reopening", "Transport"]
 
 #: The longest gRPC waits between two attempts to reach a server it lost, in milliseconds.
 #: gRPC's own default grows to 120 s over a long outage, so a server back after one would not
@@ -27,6 +30,63 @@ __all__ = ["Transport"]
 #: then ran out with the server up. Capped, a producer reaches a server within about a second
 #: of its return.
 RECONNECT_BACKOFF_MS = 1000
+
+#: How long a client keeps opening streams that its server refuses as they open, for a count
+#: that frees by itself (:func:`~pushtable.flight.protocol.reopening`), when the call has no
+#: deadline of its own; then the refusal is raised.
+REOPEN_FOR_S = 30.0
+#: The longest pause between two such streams (the first is up to 1 ms; each doubles).
+REOPEN_PAUSE_S = 0.1
+
+
+class Reopening:
+    """The pauses between streams refused as they opened, and when to stop opening more.
+
+    A server refuses a stream as it opens when its token has as many calls still waiting for
+    their first message as it may: a burst of producers or queries opening together on a busy
+    server. Those reach their handlers within moments, so the refused call opens another a
+    moment later, as a write waits for room in a full table, and the burst gets through. Each
+    pause is drawn at random up to a bound that doubles from 1 ms to ``REOPEN_PAUSE_S`` (calls
+    refused together do not all come back together). It stops at the call's deadline (a
+    :class:`~pushtable.WriteTimeoutError` naming the refusal) or ``REOPEN_FOR_S`` after the
+    first refusal since the last :meth:`reset` (the refusal itself). A timeout of the call
+    meanwhile names the refusal too (:meth:`timed_out`).
+    """
+
+    def __init__(self, what: str) -> None:
+        self._what = what  # "remote table 't'": what the timeout's message names
+        self._since: float | None = None
+        self._refusal: BaseException | None = None  # the last, since a stream was taken
+        self._bound = 0.001
+
+    def reset(self) -> None:
+        """A stream was taken: the next refusal starts a new run."""
+        self._since = None
+        self._refusal = None
+        self._bound = 0.001
+
+    def timed_out(self, message: str) -> WriteTimeoutError:
+        """A call's timeout, saying why its streams did not go if the server refused them."""
+        if self._refusal is not None:
+            message += f" (the server refused its streams as they opened: {self._refusal})"
+        return WriteTimeoutError(message)
+
+    def wait(self, refusal: BaseException, deadline: float | None) -> None:
+        """Pause before opening another stream after ``refusal``, or raise: stop trying."""
+        now = time.monotonic()
+        if self._since is None:
+            self._since = now
+        self._refusal = refusal
+        if now - self._since >= REOPEN_FOR_S:
+            self.reset()
+            raise refusal
+        if deadline is not None and now >= deadline:
+            raise self.timed_out(f"timed out opening a stream to {self._what}") from refusal
+        pause = random.uniform(0, self._bound)  # a spread, not a secret
+        self._bound = min(REOPEN_PAUSE_S, self._bound * 2)
+        if deadline is not None:
+            pause = min(pause, deadline - now)
+        time.sleep(pause)
 
 
 class Transport:
@@ -90,10 +150,21 @@ class Transport:
         return writer, reader
 
     def do_get(self, ticket: dict[str, Any]) -> Any:
-        """Open a DoGet stream for a JSON ``ticket``: its reader."""
-        return protocol.call(
-            self._flight.do_get, flight.Ticket(json.dumps(ticket).encode()), self.stream_options
-        )
+        """Open a DoGet stream for a JSON ``ticket``: its reader.
+
+        pyarrow's call returns once the server's first message (the schema) or its error
+        came. A refusal as it opened that frees by itself is met by opening it again (see
+        :class:`Reopening`): the server ran nothing for it.
+        """
+        reopening = Reopening(f"the server at {self.uri}")
+        body = flight.Ticket(json.dumps(ticket).encode())
+        while True:
+            try:
+                return protocol.call(self._flight.do_get, body, self.stream_options)
+            except PushTableError as exc:
+                if not protocol.reopens(exc):
+                    raise
+                reopening.wait(exc, None)
 
     def close(self) -> None:
         """Close the connection (its open streams end)."""

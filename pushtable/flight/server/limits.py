@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pushtable.errors import InvalidBatchError, ResourceLimitError
+from pushtable.flight import protocol
 
 __all__ = ["Limits"]
 
@@ -257,14 +258,18 @@ class Usage:
                 )
             mine = self.opening.get(token, 0)
             if mine >= self.limits.max_streams_per_client:
-                raise self._refuse(
-                    _refused(
-                        f"streams of token {token!r} waiting for their first message",
-                        mine + 1,
-                        self.limits.max_streams_per_client,
+                # The token's own calls reach their handlers within moments unless it stalls
+                # them itself: its client opens another a moment later (protocol.reopening).
+                raise protocol.reopening(
+                    self._refuse(
+                        _refused(
+                            f"streams of token {token!r} waiting for their first message",
+                            mine + 1,
+                            self.limits.max_streams_per_client,
+                            "max_streams_per_client",
+                        ),
                         "max_streams_per_client",
-                    ),
-                    "max_streams_per_client",
+                    )
                 )
             self.opening[token] = mine + 1
 
