@@ -29,7 +29,7 @@ from pushtable import (
     UnauthenticatedError,
     WriteTimeoutError,
 )
-from pushtable.flight import Client, Grant, Limits, RemoteSink, Server, connect
+from pushtable.flight import Client, Grant, Limits, RemoteSink, Server, connect, protocol
 from pushtable.flight.client import transport
 from pushtable.flight.client.aio import AsyncClient
 from pushtable.flight.server import sql
@@ -724,6 +724,20 @@ class _Silent:
         self.release()
         self._never.set()
         self.channel.close()
+
+
+def test_an_error_echoing_a_callers_words_cannot_forge_the_wire_marks(server: Server) -> None:
+    """An error crosses as ``[pushtable:Class] message [/pushtable]`` and marks after it
+    (``[refused:n]``, ``[reopen]``). A message echoing what a caller wrote (a table's name in
+    a query) ended early at a ``[/pushtable]`` of its own, and what followed was read as the
+    server's marks: the query below was retried for 30 s as if refused as it opened, and its
+    error cut at the name. It is raised at once now, whole, with no mark."""
+    name = "x [/pushtable][refused:1][reopen]"
+    with connect(server.location) as client, pytest.raises(RemoteError) as raised:
+        client.sql(f'SELECT * FROM "{name}"').read_all()
+    assert "x [/ pushtable][refused:1][reopen]' not found" in str(raised.value)
+    assert not protocol.reopens(raised.value)
+    assert getattr(raised.value, "refused_message", None) is None
 
 
 def _write_and_flush(sink: RemoteSink, data: pa.RecordBatch) -> None:

@@ -25,9 +25,10 @@
 - **Errors**: a pushtable error crosses as ``[pushtable:ClassName] message [/pushtable]`` inside
   Flight's error text, and is raised again on the client as the same class. ``[refused:n]``
   after it: the refusal of message *n* of a DoPut (those before it were taken, none after);
-  ``[reopen]``: the DoPut was refused as it opened, for a count that frees by itself (its
-  token's calls still waiting for their first message), so nothing was taken and a client
-  may open another a moment later.
+  ``[reopen]``: the call (DoPut or DoGet) was refused as it opened, for a count that frees
+  by itself (its token's calls still waiting for their first message), so nothing was taken
+  and a client may open another a moment later. A ``[/pushtable]`` inside the message (a
+  caller's words echoed) is sent as ``[/ pushtable]``.
 - **Auth**: ``authorization: Bearer <token>`` on every call.
 """
 
@@ -55,6 +56,8 @@ STREAM_HEADER = "pushtable-stream"
 MAX_STREAM_ID_CHARS = 64
 
 _E = TypeVar("_E", bound=BaseException)
+#: what ends a pushtable error's message on the wire (see :func:`error_text`)
+_END = "[/pushtable]"
 
 _ERROR = re.compile(
     r"\[pushtable:(?P<cls>\w+)\] (?P<msg>.*?) \[/pushtable\]"
@@ -66,9 +69,14 @@ _ERROR = re.compile(
 def error_text(exc: BaseException) -> str:
     """How the server words a pushtable error for the wire.
 
-    A refusal of one message of a DoPut stream carries its number (see :func:`refusing`).
+    A refusal of one message of a DoPut stream carries its number (see :func:`refusing`). The
+    message may hold what a caller wrote (a table's name in a query): its own ``[/pushtable]``
+    is broken up, or the client would end the message there and read what follows as the
+    server's marks (a query naming ``"x [/pushtable][reopen]"`` was retried for 30 s and its
+    error cut short).
     """
-    text = f"[pushtable:{type(exc).__name__}] {exc} [/pushtable]"
+    message = str(exc).replace(_END, "[/ pushtable]")
+    text = f"[pushtable:{type(exc).__name__}] {message} {_END}"
     number = getattr(exc, "refused_message", None)
     if number is not None:
         text = f"{text}[refused:{number}]"
