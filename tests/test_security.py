@@ -832,6 +832,45 @@ async def test_asyncio_and_durable_producers_open_a_refused_stream_again(tmp_pat
     await no_aio_threads()
 
 
+def test_a_durable_write_timed_out_on_refused_streams_says_its_batch_is_kept(
+    tmp_path: Path,
+) -> None:
+    """An idempotent producer keeps a batch whose write timed out (its next write or flush
+    sends it, stored once), and the timeout said ``batches_written=0``: a producer that wrote
+    it again stored it twice (found by an attack on the reopening path). Every write that
+    times out while the server refuses its streams as they open now says the batch is kept
+    (``kept``, counted in ``batches_written``), and each batch is stored once."""
+    server = Server(
+        tokens=TOKENS, data_dir=tmp_path / "data", limits=Limits(max_streams_per_client=2)
+    )
+    silent = _Silent(server)
+    try:
+        with connect(server.location, token=ADMIN, timeout=WAIT) as client:
+            client.create_topic("log", SCHEMA, durable=True)
+            silent.hold(ADMIN, "ops", 2)
+            sink = client.sink("log", producer_id="p", window=1)
+            timeouts = []
+            for k in (1, 2):  # the second cannot go before the first is acknowledged
+                try:
+                    sink.write(batch(1, k), timeout=0.5)
+                except WriteTimeoutError as exc:
+                    timeouts.append(exc)
+            assert timeouts
+            for timeout in timeouts:
+                assert getattr(timeout, "kept", False) is True
+                assert timeout.batches_written == 1
+                assert "keeps this batch" in str(timeout)
+                assert "do not write it again" in str(timeout)
+                assert "first message" in str(timeout)  # why it could not go
+            silent.release()
+            sink.flush(timeout=WAIT)
+            committed = client.offsets("log")["committed"]
+            assert client.read("log", 0, committed).read_all()["k"].to_pylist() == [1, 2]
+    finally:
+        silent.close()
+        server.stop()
+
+
 def test_a_producer_id_is_bound_to_the_token_that_first_used_it(tmp_path: Path) -> None:
     """A write token reusing another producer's id made that producer's next batch
     acknowledged and never stored (taken for a resend). The id is now bound to the token

@@ -28,7 +28,7 @@ from pushtable.errors import (
 from pushtable.flight import protocol
 from pushtable.flight.client.put_stream import Item, PutStream
 from pushtable.flight.client.remote_sink import RemoteSink
-from pushtable.flight.client.transport import REOPEN_FOR_S, Transport
+from pushtable.flight.client.transport import Reopening, Transport
 from pushtable.producer import arrow_batches, batch_bytes, check_timeout
 
 __all__ = ["DURABLE_WINDOW", "DURABLE_WINDOW_BYTES", "IdempotentSink"]
@@ -81,6 +81,7 @@ class IdempotentSink(RemoteSink):
         retry: float = 60.0,
     ) -> None:
         super().__init__(transport, name, schema, window=window)
+        self._reopening = Reopening(f"remote topic '{name}'")
         if isinstance(window_bytes, bool) or not isinstance(window_bytes, int) or window_bytes < 1:
             raise ValueError(f"window_bytes must be an integer >= 1, got {window_bytes!r}")
         self.window_bytes = window_bytes
@@ -271,7 +272,7 @@ class IdempotentSink(RemoteSink):
         """Why this producer stopped trying; its batches are kept.
 
         An outage, or a server that refused its streams as they opened for ``REOPEN_FOR_S``
-        (still marked so).
+        since it last took one (still marked so).
         """
         seqs = [s for s, _, _ in self._unacked]
         what = f"sequences {seqs[0]}..{seqs[-1]}" if seqs else "nothing"
@@ -281,8 +282,8 @@ class IdempotentSink(RemoteSink):
         )
         if protocol.reopens(exc):
             refused = ResourceLimitError(
-                f"producer {self.producer_id!r} of topic '{self.name}': the server refused "
-                f"its streams as they opened for {REOPEN_FOR_S}s ({exc}); {kept}"
+                f"producer {self.producer_id!r} of topic '{self.name}': the server kept "
+                f"refusing its streams as they opened ({exc}); {kept}"
             )
             return protocol.reopening(refused)
         return ServerUnavailableError(
@@ -307,12 +308,34 @@ class IdempotentSink(RemoteSink):
                 except CommitFailedError as exc:
                     raise self._kept(exc, written + 1) from exc
                 except PushTableError as exc:
-                    # This call's batch counts as written unless it is the one refused (a
-                    # refusal of an earlier one is raised here; this one is kept and sent).
-                    refused = getattr(exc, "refused_sequence", None)
-                    kept = refused is not None and refused != self._next_sequence
-                    exc.batches_written = written + (1 if kept else 0)
+                    # This call's batch counts as written whenever the sink keeps it (its next
+                    # write or flush sends it, stored once): after a refusal of an earlier
+                    # batch, a timeout, an outage, streams refused as they opened. Only a batch
+                    # the server refused is not. (A timeout said "not written" while the batch
+                    # was kept and stored later: a producer that wrote it again stored it twice.)
+                    sequence = next((q for q, b, _ in reversed(self._unacked) if b is batch), None)
+                    if sequence is None:
+                        exc.batches_written = written
+                        raise
+                    if isinstance(exc, WriteTimeoutError):
+                        said = self._timed_out_kept(exc, sequence, written + 1)
+                        raise said from exc
+                    exc.batches_written = written + 1
+                    exc.kept = True  # type: ignore[attr-defined]
                     raise
+
+    def _timed_out_kept(
+        self, exc: WriteTimeoutError, sequence: int, taken: int
+    ) -> WriteTimeoutError:
+        """A write's timeout saying that its batch is kept, numbered, and sent again."""
+        said = WriteTimeoutError(
+            f"{exc}. Producer {self.producer_id!r} keeps this batch (sequence {sequence}) and "
+            "sends it again with its next write or flush: it is stored once; do not write it "
+            "again"
+        )
+        said.batches_written = taken
+        said.kept = True  # type: ignore[attr-defined]
+        return said
 
     def _kept(self, exc: CommitFailedError, taken: int) -> CommitFailedError:
         """``exc`` saying what became of the batches: this sink keeps them, numbered.
