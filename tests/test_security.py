@@ -622,6 +622,47 @@ def _threads_of(pid: int) -> int:
         return next(int(line.split()[1]) for line in status if line.startswith("Threads:"))
 
 
+def test_one_token_cannot_fill_the_server_with_streams_over_many_connections() -> None:
+    """``max_streams_per_client`` counts one connection's streams, so a token opening more
+    connections held as many streams as it liked, up to ``max_streams`` for the whole server:
+    then another token's producer was refused (found by an attack on the server's limits).
+    A token's streams over all its connections are now bounded by ``max_streams_per_token``:
+    the one over is refused by name, and another token still writes."""
+    limits = Limits(max_streams_per_client=2, max_streams_per_token=4, max_streams=6)
+    server = Server(tokens=TOKENS, limits=limits)
+    clients: list[Client] = []
+    try:
+        server.create_table("events", SCHEMA)
+        with connect(server.location, token=DASH, timeout=WAIT) as dashboard:
+            reading = Background(lambda: dashboard.sql("SELECT k FROM events").read_all())
+            wait_until(lambda: server.usage.queries == 1, "the query to be taken")
+            for i in range(2):  # two connections of one token, two streams each: its 4
+                clients.append(connect(server.location, token=ADMIN, timeout=WAIT))
+                for j in range(2):
+                    sink = clients[-1].sink("events")
+                    sink.write(batch(1, 10 * i + j))
+                    sink.flush(timeout=WAIT)  # its stream stays open on the server
+            assert server.usage.token_streams["ops"] == 4
+            clients.append(connect(server.location, token=ADMIN, timeout=WAIT))  # a third
+            extra = clients[-1].sink("events")
+            with pytest.raises(ResourceLimitError, match=r"'ops' .* 5, .* 4 \(max_streams_per_t"):
+                extra.write(batch(1, 99))  # whichever call hears the refusal first raises it
+                extra.flush(timeout=WAIT)
+            with connect(server.location, token=INGEST, timeout=WAIT) as other:
+                sink = other.sink("events")  # the server's last stream: another token's
+                sink.write(batch(1, 50))
+                sink.flush(timeout=WAIT)
+            assert server.usage.refusals == {"max_streams_per_token": 1}
+            for c in clients:
+                c.close()
+            server.table("events").close()
+            assert sorted(reading.join(WAIT)["k"].to_pylist()) == [0, 1, 10, 11, 50]
+    finally:
+        for c in clients:
+            c.close()
+        server.stop()
+
+
 def test_calls_that_never_send_a_first_message_count_from_their_first_byte(
     tmp_path: Path,
 ) -> None:

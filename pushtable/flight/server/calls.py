@@ -47,7 +47,7 @@ class Calls:
     @contextlib.contextmanager
     def held(self, context: Any) -> Iterator[None]:
         """Count a streaming call for as long as it runs, in one of its client's stream slots."""
-        with self.usage.stream(client_of(context)):
+        with self.usage.stream(client_of(context), caller(context).name):
             opened(context)  # counted as held from here
             with self._changed:
                 self._count += 1

@@ -44,6 +44,10 @@ class Limits:
     max_queries: int = 8
     #: open DoPut + DoGet streams per client (one connection: token name and peer address).
     max_streams_per_client: int = 16
+    #: ... and of one token over all its connections, so that no token fills ``max_streams``
+    #: by opening more connections (set ``max_streams`` above what the tokens may hold
+    #: together, each this plus ``max_streams_per_client`` still opening).
+    max_streams_per_token: int = 128
     #: open DoPut + DoGet streams on the whole server (every client together).
     max_streams: int = 256
     #: Spark shares staged and not yet published, whole server (bytes).
@@ -227,6 +231,8 @@ class Usage:
         self._lock = threading.Lock()
         self.queries = 0
         self.streams: dict[str, int] = {}
+        #: the same streams by token, over all its connections
+        self.token_streams: dict[str, int] = {}
         self.staged_bytes = 0
         self.staged_by_query: dict[tuple[str, str], int] = {}
         self.refusals: dict[str, int] = {}
@@ -287,10 +293,11 @@ class Usage:
         return error
 
     @contextlib.contextmanager
-    def stream(self, client: str) -> Iterator[None]:
-        """Hold one of ``client``'s stream slots for the block."""
+    def stream(self, client: str, token: str) -> Iterator[None]:
+        """Hold one of ``client``'s stream slots (one of its token ``token``'s) for the block."""
         with self._lock:
             held = self.streams.get(client, 0)
+            of_token = self.token_streams.get(token, 0)
             total = sum(self.streams.values())
             if total >= self.limits.max_streams:
                 raise self._refuse(
@@ -312,16 +319,28 @@ class Usage:
                     ),
                     "max_streams_per_client",
                 )
+            if of_token >= self.limits.max_streams_per_token:
+                raise self._refuse(
+                    _refused(
+                        f"open streams of token {token!r} (all its connections)",
+                        of_token + 1,
+                        self.limits.max_streams_per_token,
+                        "max_streams_per_token",
+                    ),
+                    "max_streams_per_token",
+                )
             self.streams[client] = held + 1
+            self.token_streams[token] = of_token + 1
         try:
             yield
         finally:
             with self._lock:
-                left = self.streams[client] - 1
-                if left:
-                    self.streams[client] = left
-                else:
-                    del self.streams[client]
+                for counts, key in ((self.streams, client), (self.token_streams, token)):
+                    left = counts[key] - 1
+                    if left:
+                        counts[key] = left
+                    else:
+                        del counts[key]
 
     def query(self) -> Slot:
         """Take one of the server's query slots; :meth:`Slot.release` gives it back.
