@@ -249,34 +249,17 @@ class Usage:
         gives the count back.
         """
         with self._lock:
-            waiting = sum(self.opening.values())
-            total = sum(self.streams.values()) + waiting
-            if total >= self.limits.max_streams:
-                raise self._refuse(
-                    _refused(
-                        "open streams on the server (those still waiting for their first "
-                        "message included)",
-                        total + 1,
-                        self.limits.max_streams,
-                        "max_streams",
-                    ),
-                    "max_streams",
-                )
+            total = sum(self.streams.values()) + sum(self.opening.values())
+            what = "open streams on the server (those still waiting for their first message "
+            self._within(what + "included)", total, "max_streams")
             mine = self.opening.get(token, 0)
-            if mine >= self.limits.max_streams_per_client:
+            try:
+                what = f"streams of token {token!r} waiting for their first message"
+                self._within(what, mine, "max_streams_per_client")
+            except ResourceLimitError as exc:
                 # The token's own calls reach their handlers within moments unless it stalls
                 # them itself: its client opens another a moment later (protocol.reopening).
-                raise protocol.reopening(
-                    self._refuse(
-                        _refused(
-                            f"streams of token {token!r} waiting for their first message",
-                            mine + 1,
-                            self.limits.max_streams_per_client,
-                            "max_streams_per_client",
-                        ),
-                        "max_streams_per_client",
-                    )
-                )
+                raise protocol.reopening(exc) from None
             self.opening[token] = mine + 1
 
     def opened(self, token: str) -> None:
@@ -292,43 +275,22 @@ class Usage:
         self.refusals[reason] = self.refusals.get(reason, 0) + 1
         return error
 
+    def _within(self, what: str, count: int, option: str) -> None:
+        """Refuse one more of ``count`` ``what`` if that passes the limit ``option`` names."""
+        limit = getattr(self.limits, option)
+        if count >= limit:
+            raise self._refuse(_refused(what, count + 1, limit, option), option)
+
     @contextlib.contextmanager
     def stream(self, client: str, token: str) -> Iterator[None]:
         """Hold one of ``client``'s stream slots (one of its token ``token``'s) for the block."""
         with self._lock:
             held = self.streams.get(client, 0)
             of_token = self.token_streams.get(token, 0)
-            total = sum(self.streams.values())
-            if total >= self.limits.max_streams:
-                raise self._refuse(
-                    _refused(
-                        "open streams on the server",
-                        total + 1,
-                        self.limits.max_streams,
-                        "max_streams",
-                    ),
-                    "max_streams",
-                )
-            if held >= self.limits.max_streams_per_client:
-                raise self._refuse(
-                    _refused(
-                        f"open streams of {client}",
-                        held + 1,
-                        self.limits.max_streams_per_client,
-                        "max_streams_per_client",
-                    ),
-                    "max_streams_per_client",
-                )
-            if of_token >= self.limits.max_streams_per_token:
-                raise self._refuse(
-                    _refused(
-                        f"open streams of token {token!r} (all its connections)",
-                        of_token + 1,
-                        self.limits.max_streams_per_token,
-                        "max_streams_per_token",
-                    ),
-                    "max_streams_per_token",
-                )
+            self._within("open streams on the server", sum(self.streams.values()), "max_streams")
+            self._within(f"open streams of {client}", held, "max_streams_per_client")
+            what = f"open streams of token {token!r} (all its connections)"
+            self._within(what, of_token, "max_streams_per_token")
             self.streams[client] = held + 1
             self.token_streams[token] = of_token + 1
         try:
