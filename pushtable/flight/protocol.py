@@ -95,12 +95,12 @@ def refusing(exc: BaseException, number: int | None) -> None:
 
 
 def reopening(exc: _E) -> _E:
-    """Mark ``exc`` as a refusal of a DoPut as it opened that frees by itself; returns it.
+    """Mark ``exc`` as a refusal of a call (DoPut, DoGet) as it opened that frees by itself.
 
     Its token had as many calls still waiting for their first message as it may: they reach
     their handlers within moments (a burst of producers opening at once, a busy server), so
-    the client opens another stream a moment later instead of failing the write. The call
-    took nothing: every message sent on it goes again.
+    the client opens another stream a moment later instead of failing the write or query.
+    The call took nothing: every message sent on it goes again. Returns ``exc``.
     """
     exc.reopen = True  # type: ignore[attr-defined]
     return exc

@@ -250,8 +250,8 @@ class Usage:
         """
         with self._lock:
             total = sum(self.streams.values()) + sum(self.opening.values())
-            what = "open streams on the server (those still waiting for their first message "
-            self._within(what + "included)", total, "max_streams")
+            what = "open streams on the server (those waiting for their first message included)"
+            self._within(what, total, "max_streams")
             mine = self.opening.get(token, 0)
             try:
                 what = f"streams of token {token!r} waiting for their first message"
