@@ -253,6 +253,9 @@ def test_only_the_token_that_opened_a_stream_can_leave_it(secured: Server) -> No
         sink.write(batch(2), timeout=WAIT)  # in flight: the server waits for room
         put = sink._put
         assert put is not None
+        # a write returns once its batch is sent, maybe before the server's handler took the
+        # stream (a run failed "still the server's" so): wait for it
+        wait_until(lambda: bool(secured.usage.streams), "the server to hold the stream")
         assert ops._transport.action("leave", {"stream": put.stream_id}) == {"left": False}
         assert secured.usage.streams  # still the server's
         assert ingest._transport.action("leave", {"stream": put.stream_id}) == {"left": True}
