@@ -138,6 +138,10 @@ def client_error(exc: BaseException) -> BaseException:
         return errors.UnauthenticatedError(f"the server refused the call: {exc}")
     match = _ERROR.search(str(exc))
     if match is None:
+        if isinstance(exc, flight.FlightTimedOutError):  # the call's own deadline passed
+            timed_out = errors.WriteTimeoutError(f"the call to the server timed out: {exc}")
+            timed_out.__cause__ = exc
+            return timed_out
         if isinstance(exc, flight.FlightUnavailableError):
             return errors.ServerUnavailableError(
                 f"the server is not reachable: {exc}{_tls_hint(exc)}"

@@ -149,7 +149,12 @@ class AsyncResult:
         if self._queue is None:
             if self._refuse_closed is not None:
                 self._refuse_closed()
-            self._result = await off_loop(self._start)
+            result = await off_loop(self._start)
+            if self._done:  # left (aclose) while the query opened: it stops now
+                with contextlib.suppress(Exception):
+                    result.cancel()
+                raise StopAsyncIteration
+            self._result = result
             loop = asyncio.get_running_loop()
             self._queue = janus.Queue(self._max_queued)
             self._exited = loop.create_future()

@@ -30,7 +30,7 @@ import pyarrow as pa
 from pushtable.errors import PushTableError, SinkClosedError, WriteTimeoutError
 from pushtable.flight import protocol
 from pushtable.flight.client.aio_threads import deliver, off_loop, within
-from pushtable.flight.client.put_stream import Item
+from pushtable.flight.client.put_stream import Item, timed_out
 from pushtable.flight.client.remote_sink import RemoteSink, RemoteSinkStats
 from pushtable.producer import arrow_batches, check_timeout
 
@@ -125,8 +125,9 @@ class _Writer:
 
     def _tend(self) -> None:
         with contextlib.suppress(PushTableError):  # what it raises is each item's outcome
-            self.sync.request_acks()
-            self.sync.tend(time.monotonic() + _POLL_S)
+            step = time.monotonic() + _POLL_S
+            self.sync.request_acks(step)
+            self.sync.tend(step)
 
     def _refuse_queued(self) -> None:
         """The sink was left: what is still queued is never sent, and its tasks hear so."""
@@ -161,8 +162,14 @@ class _Writer:
                 job.sent = True
                 return
             except WriteTimeoutError as exc:
+                if job.item.claimed:
+                    job.sent = True  # on its way: its outcome comes with its acknowledgement
+                    return
                 if job.deadline is not None and time.monotonic() >= job.deadline:
-                    job.item.settle(exc)
+                    if job.item.withdraw():  # never sent, and never will be
+                        job.item.settle(timed_out(str(exc), 0, kept=False))
+                    else:
+                        job.sent = True  # claimed meanwhile: on its way
                     return
             except PushTableError as exc:
                 now = time.monotonic()
@@ -317,12 +324,15 @@ class AsyncSink:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
             await within(asyncio.shield(outcome), left, f"write to '{self.name}'")
-        except WriteTimeoutError:
-            _abandon(jobs)
-            raise WriteTimeoutError(
+        except WriteTimeoutError as exc:
+            if outcome.done() and not outcome.cancelled() and outcome.exception() is exc:
+                raise  # the batch's own outcome (its stream's end, or never sent)
+            sent = _abandon(jobs)
+            raise timed_out(
                 f"write to '{self.name}' timed out after {timeout}s waiting for its "
-                "acknowledgement (a batch already sent may still be stored: flush() waits "
-                "for it)"
+                "acknowledgement",
+                sent,
+                kept=sent > 0,
             ) from None
         except BaseException:
             _abandon(jobs)
@@ -390,7 +400,7 @@ class AsyncSink:
 
     def _close_step(self, deadline: float | None) -> None:
         self._flush_step(deadline)  # bounded: a step of the wait, then the close itself
-        self.sync.close()
+        self.sync.close(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     async def fail(self, exc: BaseException, *, timeout: float | None = 10.0) -> None:
         """Make the table's reading query raise ``exc`` (``StreamFailedError`` naming it).
@@ -410,21 +420,30 @@ class AsyncSink:
         _left(self._writer, end_stream)
 
     async def aclose(self, *, timeout: float | None = CLOSE_WAIT_S) -> None:
-        """Leave without ending the table (a producer going away).
+        """Leave without ending the table (a producer going away), within ``timeout``.
 
         Queued batches are not sent, the writer thread stops and the stream on the server
-        ends (freeing its slot). Waits at most ``timeout`` seconds for the thread; never
-        joins it on the loop.
+        ends (freeing its slot), all before it returns: a stream the server holds (a batch
+        waiting for room in a full table) is left half-way through ``timeout`` with the
+        ``leave`` action. Raises :class:`~pushtable.WriteTimeoutError` naming what it could
+        not free by then (a server that does not answer). Never joins a thread on the loop.
         """
         if self._closed:
             return await self._exited(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
         self._leave(end_stream=False)
-        # the stream ends; one the server holds (a batch waiting for room) is left half-way
-        # through ``timeout``, so the server frees its slot before this returns
-        wait = CLOSE_WAIT_S if timeout is None else min(CLOSE_WAIT_S, timeout / 2)
+        wait = CLOSE_WAIT_S if timeout is None else timeout
+        held: list[str] = ["its stream (no answer)"]
         with contextlib.suppress(PushTableError):
-            await within(off_loop(self.sync._end_stream, wait), timeout, "aclose")
-        await self._exited(timeout)
+            held = await within(off_loop(self.sync._end_stream, wait), timeout, "aclose")
+        await self._exited(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if self._writer.thread.is_alive():
+            held.append(f"thread {self._writer.thread.name}")
+        if held:
+            raise WriteTimeoutError(
+                f"aclose of '{self.name}' timed out after {timeout}s with {', '.join(held)} "
+                "still held"
+            )
 
     async def _exited(self, timeout: float | None) -> None:
         """Wait (at most ``timeout`` seconds) for the writer thread to end."""
@@ -447,10 +466,12 @@ class AsyncSink:
             await self.fail(exc)
 
 
-def _abandon(jobs: list[_Job]) -> None:
-    """The task stopped waiting: what the writer has not sent yet, it never sends."""
-    for job in jobs:
-        job.item.withdrawn = True
+def _abandon(jobs: list[_Job]) -> int:
+    """The task stopped waiting: what the writer has not sent yet, it never sends.
+
+    Returns how many of them were sent already (each on its way, its outcome to come).
+    """
+    return sum(not job.item.withdraw() for job in jobs)
 
 
 async def _all(outcomes: list[asyncio.Future[None]]) -> None:

@@ -19,7 +19,7 @@ from pushtable.errors import (
 )
 from pushtable.flight import protocol
 from pushtable.flight.client.idempotent import DURABLE_WINDOW, DURABLE_WINDOW_BYTES, IdempotentSink
-from pushtable.flight.client.remote_sink import RemoteSink
+from pushtable.flight.client.remote_sink import WINDOW_BYTES, RemoteSink
 from pushtable.flight.client.stager import Stager
 from pushtable.flight.client.transport import Transport
 from pushtable.producer import Late, OnSlow
@@ -248,7 +248,8 @@ class Client:
     ) -> RemoteSink:
         """A producer for table (or topic) ``name``; ``window`` bounds unacknowledged batches.
 
-        ``window`` defaults to 8; a table acknowledges a batch once queued.
+        ``window`` defaults to 8 and ``window_bytes`` (the bytes those batches reference) to
+        64 MiB, whichever bound comes first; a table acknowledges a batch once queued.
 
         With ``producer_id`` (a durable topic), an :class:`IdempotentSink`: its batches are
         numbered, kept until stored, and sent again after an outage of up to ``retry``
@@ -267,11 +268,13 @@ class Client:
                 window_bytes=DURABLE_WINDOW_BYTES if window_bytes is None else window_bytes,
                 retry=retry,
             )
-        elif window_bytes is not None:
-            raise ValueError("window_bytes bounds a durable producer's window: give producer_id")
         else:
             sink = RemoteSink(
-                self._transport, name, self.schema(name), window=8 if window is None else window
+                self._transport,
+                name,
+                self.schema(name),
+                window=8 if window is None else window,
+                window_bytes=WINDOW_BYTES if window_bytes is None else window_bytes,
             )
         self._sinks.add(sink)
         return sink

@@ -26,8 +26,8 @@ from pushtable.errors import (
     WriteTimeoutError,
 )
 from pushtable.flight import protocol
-from pushtable.flight.client.put_stream import Item, PutStream
-from pushtable.flight.client.remote_sink import RemoteSink
+from pushtable.flight.client.put_stream import Item, PutStream, Sent, timed_out
+from pushtable.flight.client.remote_sink import WINDOW_BYTES, RemoteSink
 from pushtable.flight.client.transport import Reopening, Transport
 from pushtable.producer import arrow_batches, batch_bytes, check_timeout
 
@@ -38,7 +38,7 @@ __all__ = ["DURABLE_WINDOW", "DURABLE_WINDOW_BYTES", "IdempotentSink"]
 #: committed in groups of 32 and its encoder waited for them; docs/benchmarks.md)
 DURABLE_WINDOW = 256
 #: ...and their bytes (what each references: a slice its own rows), whichever bound comes first.
-DURABLE_WINDOW_BYTES = 64 * 1024 * 1024
+DURABLE_WINDOW_BYTES = WINDOW_BYTES
 
 
 class IdempotentSink(RemoteSink):
@@ -80,11 +80,8 @@ class IdempotentSink(RemoteSink):
         window_bytes: int = DURABLE_WINDOW_BYTES,
         retry: float = 60.0,
     ) -> None:
-        super().__init__(transport, name, schema, window=window)
+        super().__init__(transport, name, schema, window=window, window_bytes=window_bytes)
         self._reopening = Reopening(f"remote topic '{name}'")
-        if isinstance(window_bytes, bool) or not isinstance(window_bytes, int) or window_bytes < 1:
-            raise ValueError(f"window_bytes must be an integer >= 1, got {window_bytes!r}")
-        self.window_bytes = window_bytes
         if not isinstance(producer_id, str) or not producer_id:
             raise ValueError(f"producer_id must be a non-empty string, got {producer_id!r}")
         self.producer_id = producer_id
@@ -130,21 +127,32 @@ class IdempotentSink(RemoteSink):
                 if (item := self._items.pop(sequence, None)) is not None:
                     item.settle(None)
 
-    def _withdraw(self, sequence: int) -> bool:
-        """Take back the newest batch if its writer stopped waiting before it was sent.
+    def _drop_withdrawn(self) -> None:
+        """Forget the batches whose writers withdrew them before any stream carried them.
 
-        Only the newest can go without renumbering those after it; an older one withdrawn is
-        sent as numbered (its writer was told it may still be stored).
+        A withdrawn batch was never claimed for the wire, so neither was any batch after it
+        (they go in order): those take the numbers from the first withdrawn one's on. Any
+        batch's writer may withdraw it, whatever its place in the window.
         """
-        item = self._items.get(sequence)
-        if item is None or not item.withdrawn or sequence != self._next_sequence - 1:
-            return False
-        _, _, size = self._unacked.pop()
-        del self._items[sequence]
-        self._unacked_bytes -= size
-        self._next_sequence -= 1
-        item.sequence = None
-        return True
+        kept: collections.deque[tuple[int, pa.RecordBatch, int]] = collections.deque()
+        items: dict[int, Item] = {}
+        renumber: int | None = None  # the next number, once a withdrawn batch was dropped
+        for sequence, batch, size in self._unacked:
+            item = self._items.get(sequence)
+            if item is not None and item.withdrawn:
+                self._unacked_bytes -= size
+                item.sequence = None
+                renumber = sequence if renumber is None else renumber
+                continue
+            new = sequence if renumber is None else renumber
+            if renumber is not None:
+                renumber += 1
+            kept.append((new, batch, size))
+            if item is not None:
+                item.sequence = new
+                items[new] = item
+        if renumber is not None:
+            self._unacked, self._items, self._next_sequence = kept, items, renumber
 
     def _unsent(self) -> list[tuple[int, pa.RecordBatch, int]]:
         """The batches the open stream has not carried yet (the newest), oldest first.
@@ -169,29 +177,44 @@ class IdempotentSink(RemoteSink):
         pause = 0.05
         while True:
             try:
+                self._refuse_left()
                 put = self._stream()
-                for sequence, batch, _ in self._unsent():
-                    room = self.window - 1
-                    if not put.wait(room, deadline) or not self._bytes_fit(put, batch, deadline):
+                for sequence, batch, size in self._unsent():
+                    if not put.wait(self.window - 1, deadline, self.window_bytes - size):
                         raise self._reopening.timed_out(
                             f"write to remote topic '{self.name}' timed out with "
                             f"{put.sent - put.acked} batch(es) unacknowledged"
                         )
                     self._trim()
-                    if self._withdraw(sequence):
-                        break  # the newest, never sent: nothing follows it
-                    put.send(self._items.get(sequence) or batch, ack_every=max(1, self.window // 2))
+                    item = self._items.get(sequence) or Item(batch)
+                    sent = put.send(item, max(1, self.window // 2), deadline)
+                    if sent is Sent.WITHDRAWN:
+                        self._drop_withdrawn()  # those after it take its number: not sent yet
+                        break
+                    if sent is Sent.BUSY:
+                        raise self._reopening.timed_out(
+                            f"write to remote topic '{self.name}' timed out while gRPC was "
+                            "still taking an earlier batch"
+                        )
                     self._sent_upto = sequence
-                if most_unacked == 0 and put.sent > put.acked:
-                    put.sync()  # a flush: the server commits what is pending now
-                if most_unacked is not None and not put.wait(most_unacked, deadline):
-                    flush = f"flush of remote topic '{self.name}' timed out"
-                    raise self._reopening.timed_out(flush)
-                if put.acked:
-                    self._reopening.reset()  # the stream was taken
-                self._trim()
-                return
+                    if sent is Sent.PENDING:
+                        raise self._reopening.timed_out(
+                            f"write to remote topic '{self.name}' timed out while gRPC was "
+                            "taking a batch"
+                        )
+                else:
+                    if most_unacked == 0 and put.sent > put.acked:
+                        put.sync(deadline)  # a flush: the server commits what is pending now
+                    if most_unacked is not None and not put.wait(most_unacked, deadline):
+                        flush = f"flush of remote topic '{self.name}' timed out"
+                        raise self._reopening.timed_out(flush)
+                    if put.acked:
+                        self._reopening.reset()  # the stream was taken
+                    self._trim()
+                    return
             except PushTableError as exc:
+                if isinstance(exc, WriteTimeoutError):
+                    raise  # every batch stays kept; the next call goes on
                 first = self._first  # the open stream's first sequence, before it is dropped
                 if self._put is not None and (self._put.error is not None or self._put.finished):
                     self._drop_stream()
@@ -204,7 +227,8 @@ class IdempotentSink(RemoteSink):
                         raise self._unavailable(refusal) from refusal
                     continue
                 if not protocol.retriable(exc):
-                    self._let_go_refused(exc, first)
+                    if self._let_go_refused(exc, first):
+                        continue  # its own writer is told; the others go on the next stream
                     raise
                 now = time.monotonic()
                 give_up = (
@@ -216,26 +240,31 @@ class IdempotentSink(RemoteSink):
                     deadline is not None and now >= deadline
                 ):
                     raise self._unavailable(exc) from exc
-                time.sleep(pause)
+                # the pause never outlasts the call's deadline, nor the retry window
+                ends = [t for t in (deadline, give_up) if t is not None]
+                time.sleep(min([pause, *(t - now for t in ends)]))
                 pause = min(1.0, pause * 2)
 
-    def _let_go_refused(self, exc: PushTableError, first: int) -> None:
+    def _let_go_refused(self, exc: PushTableError, first: int) -> bool:
         """Forget the batch the server refused (its data), numbering those after it anew.
 
         The server took every batch before it and none after (the stream ended there): the
         later ones take the numbers from the refused one's on, and go on the next stream. It
         used to be kept and sent again with every call, refused each time, and nothing
-        written after it was ever stored.
+        written after it was ever stored. Returns whether the refusal reached its own writer
+        (an asyncio producer's item): no other call raises it then.
         """
         refused = getattr(exc, "refused_message", None)
         if refused is None:
-            return
+            return False
         sequence = first + refused - 1
         kept = [entry for entry in self._unacked if entry[0] != sequence]
         if len(kept) == len(self._unacked):
-            return  # not one of ours (acknowledged meanwhile, or already let go)
+            return False  # not one of ours (acknowledged meanwhile, or already let go)
+        told = False
         if (item := self._items.pop(sequence, None)) is not None:
             item.settle(exc)
+            told = item.outcome is not None
         renumbered: collections.deque[tuple[int, pa.RecordBatch, int]] = collections.deque()
         items: dict[int, Item] = {}
         for seq, batch, size in kept:
@@ -248,21 +277,7 @@ class IdempotentSink(RemoteSink):
         self._unacked, self._items = renumbered, items
         self._next_sequence -= 1
         exc.refused_sequence = sequence  # type: ignore[attr-defined]
-
-    def _bytes_fit(self, put: PutStream, batch: pa.RecordBatch, deadline: float | None) -> bool:
-        """Wait until ``batch`` and the batches in flight on ``put`` fit ``window_bytes``.
-
-        One batch alone always goes. False: timed out.
-        """
-        size = batch_bytes(batch)
-        while put.sent > put.acked:
-            self._trim()
-            in_flight = self._unacked_bytes - sum(b for _, _, b in self._unsent())
-            if in_flight + size <= self.window_bytes:
-                return True
-            if not put.wait(put.sent - put.acked - 1, deadline):
-                return False
-        return True
+        return told
 
     def _drop_stream(self) -> None:
         self._trim()
@@ -318,24 +333,16 @@ class IdempotentSink(RemoteSink):
                         exc.batches_written = written
                         raise
                     if isinstance(exc, WriteTimeoutError):
-                        said = self._timed_out_kept(exc, sequence, written + 1)
+                        said = timed_out(
+                            f"{exc}. Producer {self.producer_id!r} keeps this batch (sequence "
+                            f"{sequence}) and sends it again with its next write or flush",
+                            written + 1,
+                            kept=True,
+                        )
                         raise said from exc
                     exc.batches_written = written + 1
                     exc.kept = True  # type: ignore[attr-defined]
                     raise
-
-    def _timed_out_kept(
-        self, exc: WriteTimeoutError, sequence: int, taken: int
-    ) -> WriteTimeoutError:
-        """A write's timeout saying that its batch is kept, numbered, and sent again."""
-        said = WriteTimeoutError(
-            f"{exc}. Producer {self.producer_id!r} keeps this batch (sequence {sequence}) and "
-            "sends it again with its next write or flush: it is stored once; do not write it "
-            "again"
-        )
-        said.batches_written = taken
-        said.kept = True  # type: ignore[attr-defined]
-        return said
 
     def _kept(self, exc: CommitFailedError, taken: int) -> CommitFailedError:
         """``exc`` saying what became of the batches: this sink keeps them, numbered.
@@ -416,10 +423,15 @@ class IdempotentSink(RemoteSink):
                 if not self._unacked:
                     return
 
-    def close(self) -> None:
-        """Flush, end this producer's stream, and close the topic (end of stream)."""
-        self.flush()
-        super().close()
+    def close(self, timeout: float | None = None) -> None:
+        """Flush, end this producer's stream, and close the topic (end of stream).
+
+        ``timeout`` bounds the whole call, as :meth:`RemoteSink.close`'s does.
+        """
+        timeout = check_timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self.flush(timeout)
+        super().close(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def advance(self, ts: Any, timeout: float | None = None) -> None:
         """Not supported: an idempotent producer does not send ``advance()``."""

@@ -5,12 +5,23 @@ own. Every message it sends is an :class:`Item` kept until an acknowledgement co
 when the stream ends early its owner knows exactly what the server took: the acknowledged
 items, and, when the call's error is the refusal of message *n* (see
 :func:`~pushtable.flight.protocol.refusing`), every message before *n* too, and none after.
+
+A write never holds its caller past its deadline: gRPC's write blocks while the server reads
+nothing (its handler waits for room in a full table and the stream's flow-control window is
+full), so a write with a deadline runs on the stream's sender thread, and a caller whose
+deadline passes first returns with the item *in flight* (:data:`PENDING`): it goes on once
+gRPC takes it, and its outcome comes as every sent item's does. An item is claimed for the
+wire before it is written (:meth:`Item.claim`), so a producer that stops waiting for an item
+either withdraws it for good (:meth:`Item.withdraw`: it is never sent) or learns that it was
+sent already — never both.
 """
 
 from __future__ import annotations
 
 import collections
 import contextlib
+import enum
+import functools
 import threading
 import time
 import uuid
@@ -23,13 +34,49 @@ import pyarrow.flight as flight
 from pushtable.errors import PushTableError, ServerStoppedError, StreamEndedError, WriteTimeoutError
 from pushtable.flight import protocol
 from pushtable.flight.client.transport import Transport
+from pushtable.producer import batch_bytes
 
-__all__ = ["Item", "PutStream"]
+__all__ = ["Item", "PutStream", "Sent", "timed_out"]
 
 _LATER = pa.py_buffer(protocol.LATER)
 _SYNC = pa.py_buffer(protocol.SYNC)
 #: how long a stream that was left is given to end (the server looks every ``POLL_S``)
 LEAVE_WAIT_S = 2.0
+#: one lock for every item's claim/withdraw pair: held for a flag's read and write only
+_CLAIMS = threading.Lock()
+
+
+class Sent(enum.Enum):
+    """What :meth:`PutStream.send` did with an item."""
+
+    #: written: gRPC took it (its acknowledgement comes later)
+    SENT = "sent"
+    #: in flight: claimed and being written when the caller's deadline passed; it goes on
+    PENDING = "pending"
+    #: not sent: its writer withdrew it first (it never will be)
+    WITHDRAWN = "withdrawn"
+    #: not sent: an earlier write still held the stream at the caller's deadline
+    BUSY = "busy"
+
+
+def timed_out(message: str, written: int, kept: bool) -> WriteTimeoutError:
+    """A write's timeout, saying exactly what became of its batches (one form for both faces).
+
+    ``kept``: the call's last batch is on its way or kept by the sink (it is stored unless the
+    stream fails, which a later call reports; do not write it again), and ``written`` counts
+    it. Otherwise no batch of the call past ``written`` was sent, nor ever will be.
+    """
+    if kept:
+        message += (
+            "; the batch is on its way, kept by the sink: a later flush() reports its "
+            "outcome (do not write it again)"
+        )
+    else:
+        message += "; the batch was not sent, and never will be"
+    error = WriteTimeoutError(message)
+    error.batches_written = written
+    error.kept = kept  # type: ignore[attr-defined]
+    return error
 
 
 class Item:
@@ -41,7 +88,17 @@ class Item:
     :attr:`error` for the producer's next call to raise.
     """
 
-    __slots__ = ("batch", "error", "metadata", "outcome", "sequence", "settled", "withdrawn")
+    __slots__ = (
+        "batch",
+        "claimed",
+        "error",
+        "metadata",
+        "nbytes",
+        "outcome",
+        "sequence",
+        "settled",
+        "withdrawn",
+    )
 
     def __init__(
         self,
@@ -56,9 +113,26 @@ class Item:
         self.settled = False
         #: an idempotent producer's number for it, once it has one
         self.sequence: int | None = None
-        #: its writer stopped waiting for it: a sink that has not sent it yet never does
-        #: (checked again once the window has room, so a withdrawal before that always holds)
+        #: its writer stopped waiting for it before it was claimed: it is never sent
         self.withdrawn = False
+        #: handed to a stream's wire at least once (a withdrawal no longer holds)
+        self.claimed = False
+        #: the bytes it references: what it weighs in a window bounded in bytes
+        self.nbytes = batch_bytes(batch)
+
+    def withdraw(self) -> bool:
+        """Its writer stops waiting: True if it is never sent, False if it was sent already."""
+        with _CLAIMS:
+            if not self.claimed:
+                self.withdrawn = True
+            return self.withdrawn
+
+    def claim(self) -> bool:
+        """Take it for the wire: False if its writer withdrew it (it must not be sent)."""
+        with _CLAIMS:
+            if not self.withdrawn:
+                self.claimed = True
+            return self.claimed
 
     def settle(self, error: BaseException | None) -> None:
         """Record the item's outcome and tell its callback (once)."""
@@ -92,10 +166,15 @@ class PutStream:
         self.error: BaseException | None = None
         self.finished = False
         self.idle = False  # the server ended the stream for idleness: the next write reopens
-        #: items sent and not yet acknowledged, oldest first
+        #: items sent and not yet acknowledged, oldest first, and the bytes they reference
         self.inflight: collections.deque[Item] = collections.deque()
+        self.inflight_bytes = 0
         self.changed = threading.Condition()
         self.io = threading.Lock()  # one call on the writer at a time
+        #: the write the sender thread runs (None: it is idle), under ``changed``
+        self._job: Callable[[], None] | None = None
+        self._sender: threading.Thread | None = None
+        self.left = False  # its producer left it (the ``leave`` action): it ends soon
         self._ack_reader = threading.Thread(
             target=self._read_acks, name="pushtable-acks", daemon=True
         )
@@ -106,42 +185,141 @@ class PutStream:
         """The server ended the stream, or said why it will."""
         return self.finished or self.error is not None
 
-    def send(self, item: Item | pa.RecordBatch, ack_every: int = 1) -> None:
-        """Write one item (its batch already in the stream's wire schema).
+    @property
+    def threads(self) -> list[threading.Thread]:
+        """The stream's threads still running (acknowledgement reader, sender)."""
+        return [t for t in (self._ack_reader, self._sender) if t is not None and t.is_alive()]
+
+    def send(
+        self, item: Item | pa.RecordBatch, ack_every: int = 1, deadline: float | None = None
+    ) -> Sent:
+        """Write one item (its batch already in the stream's wire schema); what became of it.
 
         The server acknowledges it at once only when ``ack_every`` batches went unasked:
-        ``wait`` asks (``SYNC``) for what it needs beyond that. A failed write leaves the item
-        in flight: the stream's end settles it.
+        ``wait`` asks (``SYNC``) for what it needs beyond that. An item its writer withdrew
+        is not sent (:data:`Sent.WITHDRAWN`). With a ``deadline``, the call returns by then:
+        :data:`Sent.BUSY` if an earlier write still held the stream (this one was not sent),
+        :data:`Sent.PENDING` if this one was being written (it goes on). A failed write
+        raises :class:`~pushtable.StreamEndedError` and leaves the item in flight: the
+        stream's end settles it.
         """
         if not isinstance(item, Item):
             item = Item(item)
+        if not self._idle(deadline):
+            return Sent.BUSY
+        if not item.claim():
+            return Sent.WITHDRAWN
         later = item.metadata is None and self.sent + 1 - self.requested < ack_every
         with self.changed:
             self.inflight.append(item)
-        try:
-            with self.io:
-                if later:
-                    protocol.call(self.writer.write_with_metadata, item.batch, _LATER)
-                elif item.metadata is None:
-                    protocol.call(self.writer.write_batch, item.batch)
-                else:
-                    protocol.call(
-                        self.writer.write_with_metadata, item.batch, pa.py_buffer(item.metadata)
-                    )
-        except (flight.FlightError, pa.ArrowException) as exc:  # not one of ours: it ended
-            raise StreamEndedError(f"the stream ended under a write: {exc}") from exc
+            self.inflight_bytes += item.nbytes
         self.sent += 1
         if not later:
             self.requested = self.sent
+        write: Callable[[], None]
+        if later:
+            write = functools.partial(self.writer.write_with_metadata, item.batch, _LATER)
+        elif item.metadata is None:
+            write = functools.partial(self.writer.write_batch, item.batch)
+        else:
+            meta = pa.py_buffer(item.metadata)
+            write = functools.partial(self.writer.write_with_metadata, item.batch, meta)
+        return Sent.SENT if self._write(write, deadline) else Sent.PENDING
 
-    def sync(self) -> None:
+    def _idle(self, deadline: float | None) -> bool:
+        """Wait until no write of the sender thread holds the stream (False: ``deadline``)."""
+        with self.changed:
+            while self._job is not None and not self.finished:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self.changed.wait(left)
+            return True
+
+    def _write(self, write: Callable[[], None], deadline: float | None) -> bool:
+        """Run one gRPC write: True once done, False if ``deadline`` passed first (it goes on).
+
+        Without a deadline it runs on the caller's thread (which waits as long as it takes);
+        with one, on the stream's sender thread, so the caller is free at its deadline.
+        """
+        if deadline is None:
+            self._wire(write)
+            return True
+        failed: list[BaseException] = []
+
+        def job() -> None:
+            try:
+                self._wire(write)
+            except BaseException as exc:  # noqa: BLE001 (the caller raises it, if it waits)
+                failed.append(exc)
+
+        with self.changed:
+            self._job = job
+            if self._sender is None:
+                self._sender = threading.Thread(
+                    target=self._send_jobs, name="pushtable-send", daemon=True
+                )
+                self._sender.start()
+            self.changed.notify_all()
+            while self._job is job:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self.changed.wait(left)
+        if failed:
+            raise failed[0]
+        return True
+
+    def _wire(self, write: Callable[[], None]) -> None:
+        try:
+            with self.io:
+                protocol.call(write)
+        except (flight.FlightError, pa.ArrowException) as exc:  # not one of ours: it ended
+            raise StreamEndedError(f"the stream ended under a write: {exc}") from exc
+
+    def _send_jobs(self) -> None:
+        """The sender thread: runs each write handed to it, until the stream ends."""
+        while True:
+            with self.changed:
+                while self._job is None and not self.finished:
+                    self.changed.wait()
+                job = self._job
+                if job is None:
+                    self._sender = None  # the stream ended: a later write starts another
+                    return
+            try:
+                job()
+            finally:
+                with self.changed:
+                    self._job = None
+                    self.changed.notify_all()
+
+    def sync(self, deadline: float | None = None) -> None:
         """Ask the server to acknowledge every batch sent so far.
 
-        If the stream has ended, the acknowledgement reader has the verdict.
+        If the stream has ended, the acknowledgement reader has the verdict. Bounded by
+        ``deadline`` as :meth:`send` is (a sync not written by then goes on, or is not sent).
         """
-        with self.io, contextlib.suppress(flight.FlightError, pa.ArrowException):
-            self.writer.write_metadata(_SYNC)
+        if not self._idle(deadline):
+            return
+        with contextlib.suppress(StreamEndedError, PushTableError):
+            self._write(functools.partial(self.writer.write_metadata, _SYNC), deadline)
         self.requested = self.sent
+
+    def leave(self, deadline: float | None) -> bool:
+        """Leave the stream without taking its writer (a write may hold it); whether it ended.
+
+        The ``leave`` action tells the server to stop waiting for room for this stream and
+        end it: a write blocked in gRPC then fails, what the server had not taken is not
+        acknowledged. Waits for the end until ``deadline``.
+        """
+        self.left = True
+        left = None if deadline is None else max(0.001, deadline - time.monotonic())
+        if not self.finished:
+            with contextlib.suppress(PushTableError):
+                options = self._transport.options(left if left is not None else LEAVE_WAIT_S)
+                self._transport.action("leave", {"stream": self.stream_id}, options)
+        return self._wait_finished(deadline)
 
     def _read_acks(self) -> None:
         try:
@@ -172,7 +350,9 @@ class PutStream:
                 with self.changed:
                     count = protocol.acked(buf)
                     while self.acked < count and self.inflight:
-                        done.append(self.inflight.popleft())
+                        item = self.inflight.popleft()
+                        self.inflight_bytes -= item.nbytes
+                        done.append(item)
                         self.acked += 1
                     self.acked = max(self.acked, count)
                     self.changed.notify_all()
@@ -188,17 +368,35 @@ class PutStream:
             if self._on_end is not None:
                 self._on_end()
 
-    def wait(self, most_unacked: int, deadline: float | None) -> bool:
-        """Wait until at most ``most_unacked`` batches are unacknowledged (False: timed out)."""
-        if self.sent - self.requested > most_unacked:
-            self.sync()
+    def wait(
+        self, most_unacked: int, deadline: float | None, most_bytes: int | None = None
+    ) -> bool:
+        """Wait until at most ``most_unacked`` batches are unacknowledged (False: timed out).
+
+        With ``most_bytes``, also until those in flight reference at most that many bytes
+        (or none is in flight: one batch alone always goes).
+        """
+
+        def over() -> bool:
+            if self.sent - self.acked > most_unacked:
+                return True
+            return (
+                most_bytes is not None
+                and bool(self.inflight)
+                and (self.inflight_bytes > most_bytes)
+            )
+
+        if self.sent - self.requested > most_unacked or (
+            most_bytes is not None and self.requested < self.sent and over()
+        ):
+            self.sync(deadline)
         with self.changed:
-            while self.sent - self.acked > most_unacked and not self.finished:
+            while over() and not self.finished:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
                 self.changed.wait(left)
-            if self.error is None and self.sent - self.acked > most_unacked:
+            if self.error is None and over():
                 self.error = self._verdict()
             if self.error is not None:
                 raise self.error
@@ -230,8 +428,9 @@ class PutStream:
         The writer is closed only once the acknowledgement reader is done: closing it under a
         pending read would crash.
         """
-        with self.io, contextlib.suppress(flight.FlightError, pa.ArrowException, OSError):
-            self.writer.done_writing()
+        if self._idle(time.monotonic() + timeout):  # a write that holds it fails as it ends
+            with self.io, contextlib.suppress(flight.FlightError, pa.ArrowException, OSError):
+                self.writer.done_writing()
         with self.changed:
             self.changed.wait_for(lambda: self.finished, timeout)
             if not self.finished:
@@ -250,21 +449,20 @@ class PutStream:
                 self.changed.wait(left)
         return True
 
-    def finish(self, timeout: float | None = None) -> None:
+    def finish(self, timeout: float | None = None, leave_for: float = LEAVE_WAIT_S) -> None:
         """End the stream: every acknowledgement read, the server's verdict raised.
 
         If the server has not ended it within ``timeout`` seconds (its handler waits for room
-        for a batch in flight), the stream is left (the ``leave`` action: the server stops
-        waiting, and what it had not written is not acknowledged) and
-        :class:`~pushtable.WriteTimeoutError` raised once it ended, or ``LEAVE_WAIT_S`` later.
+        for a batch in flight, or a write still holds the stream), the stream is left (see
+        :meth:`leave`: what the server had not taken is not acknowledged) and
+        :class:`~pushtable.WriteTimeoutError` raised once it ended, or ``leave_for`` seconds later.
         """
-        with self.io, contextlib.suppress(PushTableError):  # the ack reader has the verdict
-            protocol.call(self.writer.done_writing)
         deadline = None if timeout is None else time.monotonic() + timeout
+        if self._idle(deadline):
+            with self.io, contextlib.suppress(PushTableError):  # the ack reader has the verdict
+                protocol.call(self.writer.done_writing)
         if not self._wait_finished(deadline):
-            with contextlib.suppress(PushTableError):
-                self._transport.action("leave", {"stream": self.stream_id})
-            self._wait_finished(time.monotonic() + LEAVE_WAIT_S)
+            self.leave(time.monotonic() + leave_for)
             raise WriteTimeoutError(
                 f"the server did not finish the stream within {timeout}s: it was left "
                 f"({len(self.inflight)} batch(es) in flight not acknowledged)"

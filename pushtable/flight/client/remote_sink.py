@@ -36,15 +36,18 @@ from pushtable.errors import (
     WriteTimeoutError,
 )
 from pushtable.flight import protocol
-from pushtable.flight.client.put_stream import Item, PutStream
+from pushtable.flight.client.put_stream import LEAVE_WAIT_S, Item, PutStream, Sent, timed_out
 from pushtable.flight.client.transport import Reopening, Transport
 from pushtable.producer import ProducerScope, SinkStats, TopicStats, arrow_batches, check_timeout
 
-__all__ = ["RemoteSink", "RemoteSinkStats"]
+__all__ = ["WINDOW_BYTES", "RemoteSink", "RemoteSinkStats"]
 
 #: how long a producer leaving (its client closing) waits for its stream to end before it
 #: leaves it (see :meth:`PutStream.finish`)
 END_WAIT_S = 5.0
+#: The bytes a producer's batches in flight may reference (with ``window`` batches, whichever
+#: bound comes first): what the client holds for the server and what gRPC buffers for it.
+WINDOW_BYTES = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,11 @@ class RemoteSinkStats:
     sent_batches: int
     acknowledged_batches: int
     table: SinkStats | TopicStats
+
+
+def _left(deadline: float) -> float:
+    """The seconds left until ``deadline`` (a little more than none: a call's timeout)."""
+    return max(0.001, deadline - time.monotonic())
 
 
 class RemoteSink(ProducerScope):
@@ -75,19 +83,29 @@ class RemoteSink(ProducerScope):
     """
 
     def __init__(
-        self, transport: Transport, name: str, schema: pa.Schema, *, window: int = 8
+        self,
+        transport: Transport,
+        name: str,
+        schema: pa.Schema,
+        *,
+        window: int = 8,
+        window_bytes: int = WINDOW_BYTES,
     ) -> None:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"window must be an integer >= 1, got {window!r}")
+        if isinstance(window_bytes, bool) or not isinstance(window_bytes, int) or window_bytes < 1:
+            raise ValueError(f"window_bytes must be an integer >= 1, got {window_bytes!r}")
         self._transport = transport
         self.name = name
         self.schema = schema
         self.window = window
+        self.window_bytes = window_bytes
         self._wire_schema = protocol.wire_schema(schema)
         self._put: PutStream | None = None
         self._sent = 0
         self._acked = 0
         self._closed = False
+        self._left = False  # its client left it (closing): no call sends on it again
         self._unreported: BaseException | None = None  # an earlier batch's refusal
         #: items to send before anything new: those sent after a refused one, which the
         #: server never took
@@ -120,39 +138,78 @@ class RemoteSink(ProducerScope):
             self._stopped |= isinstance(put.error, ServerStoppedError)
             put.abandon()  # its error was raised already
 
-    def _end_stream(self, timeout: float = END_WAIT_S) -> None:
-        """End the open stream, if any (the client is closing); the table stays open.
+    def _end_stream(self, timeout: float = END_WAIT_S) -> list[str]:
+        """Leave this producer's open stream, if any (its client is closing); the table stays open.
 
-        A stream the server has not ended after ``timeout`` seconds (a batch in flight waits
-        for room in a full table) is left: the server stops waiting and frees its slot.
+        Bounded by ``timeout`` as a whole, whatever another call of the sink is doing. With
+        the sink free, the stream ends cleanly (left half-way through ``timeout`` if the
+        server still holds it: a batch in flight waits for room in a full table). With a call
+        holding the sink (waiting for room, or for gRPC to take a batch), the stream is left
+        at once: the server stops waiting and ends it, and that call raises
+        :class:`~pushtable.SinkClosedError`. The sink takes no new batch after this.
+
+        Returns what is still held at ``timeout`` (empty: the stream's slot on the server
+        and its threads are free).
         """
-        with self._lock:
-            self._end_stream_locked(timeout)
+        deadline = time.monotonic() + timeout
+        self._left = True
+        put = self._put
+        if self._lock.acquire(timeout=min(0.05, timeout / 4)):
+            try:  # no call holds the sink: this one takes its stream (none takes it after)
+                put, self._put = self._put, None
+                if put is not None:
+                    self._sent += put.sent
+                    self._acked += put.acked
+            finally:
+                self._lock.release()
+            if put is not None:
+                half = max(0.0, deadline - time.monotonic()) / 2  # then left, if need be
+                with contextlib.suppress(PushTableError):
+                    put.finish(timeout=half, leave_for=half)
+                self._left_unsettled(put)
+        elif put is not None:  # the call holding the sink keeps it: it raises at its next step
+            put.leave(deadline)
+            self._left_unsettled(put)
+        if put is None:
+            return []
+        for thread in put.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        held = [] if put.finished else [f"its stream on the server ({put.stream_id})"]
+        return held + [f"thread {t.name}" for t in put.threads]
 
-    def _end_stream_locked(self, timeout: float = END_WAIT_S) -> None:
+    def _end_stream_locked(
+        self, timeout: float = END_WAIT_S, leave_for: float = LEAVE_WAIT_S
+    ) -> None:
         put, self._put = self._put, None
         if put is not None:
             with contextlib.suppress(PushTableError):
-                put.finish(timeout=timeout)
+                put.finish(timeout=timeout, leave_for=leave_for)
             self._sent += put.sent
             self._acked += put.acked
-            # A stream left before its end was seen: what it had in flight hears so now (its
-            # end, if it comes later, finds them settled).
-            with put.changed:
-                unsettled = [item for item in put.inflight if not item.settled]
-            for item in unsettled:
-                item.settle(
-                    SinkClosedError(
-                        f"the producer of '{self.name}' left its stream before the server "
-                        "acknowledged this batch: it may not be stored"
-                    )
+            self._left_unsettled(put)
+
+    def _left_unsettled(self, put: PutStream) -> None:
+        """A stream left before its end was seen: what it had in flight hears so now.
+
+        Its end, if it comes later, finds them settled.
+        """
+        with put.changed:
+            unsettled = [item for item in put.inflight if not item.settled]
+        for item in unsettled:
+            item.settle(
+                SinkClosedError(
+                    f"the producer of '{self.name}' left its stream before the server "
+                    "acknowledged this batch: it may not be stored"
                 )
+            )
 
     def write(self, data: Any, timeout: float | None = None) -> None:
         """Send a batch (or every batch of a table / stream), at most ``window`` unacknowledged.
 
-        It waits while ``window`` batches are unacknowledged; ``timeout`` bounds that wait (the
-        batch is then not sent).
+        It waits while ``window`` batches (or ``window_bytes``) are unacknowledged; ``timeout``
+        bounds the whole call, gRPC's write included: the ``WriteTimeoutError`` says whether
+        the batch is on its way (``kept``, counted in ``batches_written``: a later ``flush``
+        reports its outcome) or was not sent, and never will be.
 
         Raises the same errors as ``TableSink.write``: ``SchemaMismatchError`` (checked before
         sending; NOT NULL violations come from the server), ``SinkClosedError``,
@@ -173,12 +230,14 @@ class RemoteSink(ProducerScope):
                     written += 1
                 self._raise_unreported()
             except PushTableError as exc:
-                exc.batches_written = written
+                exc.batches_written = written + (1 if getattr(exc, "kept", False) else 0)
                 raise
 
     def _refuse_closed(self) -> None:
         if self._closed:
             raise SinkClosedError(f"remote sink for '{self.name}' is closed")
+        if self._left:
+            raise SinkClosedError(f"remote sink for '{self.name}' was left (its client closed)")
 
     def _raise_unreported(self) -> None:
         """Raise (once) a refusal the server sent for an earlier batch of this sink."""
@@ -208,9 +267,14 @@ class RemoteSink(ProducerScope):
         self._pending.append(item)
         try:
             self._drain_locked(deadline)
-        except PushTableError:
+        except PushTableError as exc:
             if self._pending and self._pending[-1] is item:
                 self._pending.pop()  # not sent: the caller hears why
+                if isinstance(exc, WriteTimeoutError):
+                    raise timed_out(str(exc), 0, kept=False) from exc.__cause__
+            elif isinstance(exc, WriteTimeoutError) and item.claimed:
+                # gRPC was still taking it at the deadline: it goes on, its outcome later
+                raise timed_out(str(exc), 1, kept=True) from exc.__cause__
             raise
         if item.error is not None and item.outcome is None:
             if self._unreported is item.error:
@@ -218,8 +282,13 @@ class RemoteSink(ProducerScope):
             raise item.error
 
     def _drain_locked(self, deadline: float | None) -> None:
-        """Send every pending item, oldest first (those a refusal left unsent come first)."""
+        """Send every pending item, oldest first (those a refusal left unsent come first).
+
+        Raises :class:`~pushtable.WriteTimeoutError` at ``deadline``, with the items not
+        sent still pending (the one gRPC was taking, if any, goes on: it is in flight).
+        """
         while self._pending:
+            self._refuse_left()
             try:
                 put = self._stream()
             except PushTableError as exc:  # pyarrow may hear a refusal as the call opens
@@ -227,26 +296,50 @@ class RemoteSink(ProducerScope):
                     raise
                 self._reopening.wait(exc, deadline)
                 continue
+            item = self._pending[0]
             try:
-                room = put.wait(self.window - 1, deadline)  # raises only once the stream ended
+                # raises only once the stream ended
+                room = put.wait(self.window - 1, deadline, self.window_bytes - item.nbytes)
             except PushTableError as exc:
                 self._recover_or_raise(put, exc, deadline)
                 continue
             if not room:
                 raise self._reopening.timed_out(
-                    f"write to remote table '{self.name}' timed out with {self.window} "
-                    "batch(es) unacknowledged"
+                    f"write to remote table '{self.name}' timed out with "
+                    f"{put.sent - put.acked} batch(es) unacknowledged"
                 )
-            if self._pending[0].withdrawn:
-                self._pending.popleft()  # its writer stopped waiting before it could go
-                continue
             try:
-                put.send(self._pending.popleft(), ack_every=max(1, self.window // 2))
+                sent = put.send(item, max(1, self.window // 2), deadline)
             except PushTableError as exc:  # the stream is over: its end says what it took
+                if self._pending and self._pending[0] is item:
+                    self._pending.popleft()  # in flight on it: its end settles it
                 self._recover_or_raise(put, exc, deadline)
                 continue
+            if sent is Sent.BUSY:  # an earlier batch still holds the stream in gRPC
+                raise self._reopening.timed_out(
+                    f"write to remote table '{self.name}' timed out while gRPC was still "
+                    "taking an earlier batch (the server reads nothing: its table is full)"
+                )
+            self._pending.popleft()  # sent, in flight, or withdrawn by its writer
+            if sent is Sent.PENDING:
+                raise self._reopening.timed_out(
+                    f"write to remote table '{self.name}' timed out while gRPC was taking "
+                    "the batch (the server reads nothing: its table is full)"
+                )
             if put.acked:
                 self._reopening.reset()  # the stream was taken
+
+    def _refuse_left(self) -> None:
+        """A call holding the sink when its client left: the stream is left, the call ends."""
+        if self._left:  # the leaving call settles what the stream has in flight
+            error = SinkClosedError(
+                f"remote sink for '{self.name}' was left (its client closed) during this call: "
+                "a batch it had not sent never will be"
+            )
+            pending, self._pending = list(self._pending), collections.deque()
+            for item in pending:
+                item.settle(error)
+            raise error
 
     def _ended(self) -> None:
         hook = self.on_stream_end
@@ -275,12 +368,12 @@ class RemoteSink(ProducerScope):
                 while self._pending:
                     self._settle(self._pending.popleft(), exc)
 
-    def request_acks(self) -> None:
+    def request_acks(self, deadline: float | None = None) -> None:
         """Ask the server to acknowledge now whatever this sink has in flight."""
         with self._lock:
             put = self._put
             if put is not None and not put.ended and put.requested < put.sent:
-                put.sync()
+                put.sync(deadline)
 
     def _recover_or_raise(
         self, put: PutStream, seen: BaseException, deadline: float | None
@@ -289,8 +382,9 @@ class RemoteSink(ProducerScope):
 
         A refusal of one batch: the rest go again. A refusal of the stream as it opened: all
         go again, after a pause (see :class:`Reopening`). Any other end took nothing more: the
-        caller's call fails with it.
+        caller's call fails with it. A stream its client left: ``SinkClosedError``.
         """
+        self._refuse_left()
         error, resent = self._recover(put, seen)
         if not resent:
             if self._unreported is error:
@@ -379,29 +473,40 @@ class RemoteSink(ProducerScope):
             if not self._pending:
                 return
 
-    def close(self) -> None:
-        """Flush, end this producer's stream, and close the table (end of stream)."""
+    def close(self, timeout: float | None = None) -> None:
+        """Flush, end this producer's stream, and close the table (end of stream).
+
+        ``timeout`` bounds the whole call: past it, :class:`~pushtable.WriteTimeoutError`
+        and the table stays open (call ``close`` again). Without one, the flush waits as long
+        as the table is full, and the stream's end (every batch acknowledged by then) at
+        most ``END_WAIT_S``.
+        """
+        timeout = check_timeout(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             if self._closed:
                 return
-            self._flush_locked(None)
+            self._refuse_closed()
+            self._flush_locked(deadline)
             self._raise_unreported()
-            self._closed = True
             put, self._put = self._put, None
             if put is not None:
                 self._stopped |= isinstance(put.error, ServerStoppedError)
-                put.finish()
                 self._sent += put.sent
                 self._acked += put.acked
-        try:
-            self._transport.action("close", {"name": self.name})
-        except ServerUnavailableError as exc:
-            if self._stopped:  # the server said it stopped: that, not "unreachable"
-                raise ServerStoppedError(
-                    f"the pushtable server stopped before the close of '{self.name}' reached "
-                    "it: the table was failed with the stop, not closed"
-                ) from exc
-            raise
+                put.finish(END_WAIT_S if deadline is None else _left(deadline))
+            options = None if deadline is None else self._transport.options(_left(deadline))
+            try:
+                self._transport.action("close", {"name": self.name}, options)
+            except ServerUnavailableError as exc:
+                self._closed = True
+                if self._stopped:  # the server said it stopped: that, not "unreachable"
+                    raise ServerStoppedError(
+                        f"the pushtable server stopped before the close of '{self.name}' "
+                        "reached it: the table was failed with the stop, not closed"
+                    ) from exc
+                raise
+            self._closed = True
 
     async def aclose(self) -> None:
         """Asyncio counterpart of :meth:`close`, run in a worker thread."""

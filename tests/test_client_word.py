@@ -1,0 +1,372 @@
+"""The client keeps its word: a timeout bounds the whole call, ``aclose`` frees what it holds, a
+write's outcome is exact, and a refusal reaches its own task only.
+
+Against real ``pushtable serve`` processes (tests/conftest.py ``serve_process``), paused with
+SIGSTOP where a server that reads nothing is the case. Each bound is a promise of the docs
+(docs/network.md, "What a call's outcome says"): a call returns within its ``timeout`` plus
+``MARGIN_S``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pytest
+
+from pushtable.errors import (
+    PushTableError,
+    ReaderGoneError,
+    ResourceLimitError,
+    SchemaMismatchError,
+    ServerUnavailableError,
+    SinkClosedError,
+    WriteTimeoutError,
+)
+from pushtable.flight import connect
+from pushtable.flight.client.aio import AsyncClient
+from tests.conftest import WAIT, Background, aio_threads, no_aio_threads, serve_process
+
+#: how far past its timeout a call may return (a thread's wake-up, a leave's round trip)
+MARGIN_S = 1.5
+#: rows of a batch of 8 MiB (one int64 column): past gRPC's flow-control window on its own
+BIG_ROWS = 1 << 20
+
+SCHEMA = pa.schema([pa.field("k", pa.int64(), nullable=False), ("v", pa.int64())])
+
+
+def big(k: int) -> pa.RecordBatch:
+    """8 MiB of rows, every one keyed ``k``."""
+    return pa.record_batch(
+        [pa.array([k] * BIG_ROWS, pa.int64()), pa.array(range(BIG_ROWS), pa.int64())],
+        schema=SCHEMA,
+    )
+
+
+def rows(*keys: int | None) -> pa.RecordBatch:
+    """One row per key (None: a NULL in the NOT NULL column, which the server refuses)."""
+    return pa.record_batch(
+        [pa.array(keys, pa.int64()), pa.array([7] * len(keys), pa.int64())],
+        schema=SCHEMA.set(0, pa.field("k", pa.int64())),
+    )
+
+
+def counts(location: str, table: str) -> dict[int, int]:
+    """Rows per key of ``table`` (a query that ends when the table does)."""
+    with connect(location) as client:
+        got = client.sql(f"SELECT k, count(*) AS n FROM {table} GROUP BY k").read_all()
+    return dict(zip(got["k"].to_pylist(), got["n"].to_pylist(), strict=True))
+
+
+def stream_threads() -> list[threading.Thread]:
+    """A producer stream's threads (acknowledgements, sender) still running."""
+    return [t for t in threading.enumerate() if t.name in ("pushtable-acks", "pushtable-send")]
+
+
+@contextlib.contextmanager
+def paused(proc: Any) -> Iterator[None]:
+    """The server process stopped (SIGSTOP) for the block: it reads nothing, answers nothing."""
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+
+
+def timed(fn: Any) -> tuple[float, BaseException | None]:
+    """How long ``fn()`` took and what it raised (a PushTableError), bounded by WAIT."""
+    call = Background(fn)
+    started = time.monotonic()
+    assert call.done.wait(WAIT), "the call outlived every bound"
+    return time.monotonic() - started, call.error
+
+
+def test_a_sync_write_is_bounded_while_grpc_holds_its_batch_and_its_outcome_is_exact(
+    tmp_path: Path,
+) -> None:
+    """A table of capacity 1 that nobody reads, 8 MiB batches: gRPC stops taking the stream's
+    messages once its flow-control window is full, and a ``write(timeout=2)`` returns by its
+    timeout, saying whether its batch is on its way (``kept``) or was never sent. Once read,
+    the table holds each acknowledged and each kept batch once, and no batch a write said it
+    did not send. (It blocked inside gRPC for over 40 s, under the sink's lock.)"""
+    with serve_process({}, tmp_path) as (_, location):
+        client = connect(location)
+        client.create_table("t", SCHEMA, capacity=1)
+        sink = client.sink("t")
+        outcomes: dict[int, str] = {}
+        for k in range(12):
+            took, error = timed(lambda k=k: sink.write(big(k), timeout=2.0))
+            assert took < 2.0 + MARGIN_S, (k, took)
+            if error is None:
+                outcomes[k] = "sent"
+                continue
+            assert isinstance(error, WriteTimeoutError), error
+            outcomes[k] = "kept" if error.kept else "not sent"  # type: ignore[attr-defined]
+            assert error.batches_written == (1 if error.kept else 0)  # type: ignore[attr-defined]
+        assert "kept" in outcomes.values(), outcomes
+        assert "not sent" in outcomes.values(), outcomes
+        reading = Background(lambda: counts(location, "t"))
+        sink.close(timeout=WAIT)
+        assert reading.done.wait(WAIT)
+        stored = reading.result
+        for k, outcome in outcomes.items():
+            assert stored.get(k, 0) == (0 if outcome == "not sent" else BIG_ROWS), (k, outcome)
+        client.close()
+
+
+def test_close_is_bounded_while_a_write_blocks_in_grpc(tmp_path: Path) -> None:
+    """``Client.close()`` leaves its sinks' streams within its bound even when a write with no
+    timeout blocks in gRPC or waits for room: that write raises ``SinkClosedError`` and the
+    server's slot is free. (``close`` waited on the sink's lock behind the write, for good.)"""
+    config = {"limits": {"max_streams_per_client": 2}}
+    with serve_process(config, tmp_path) as (_, location):
+        client = connect(location)
+        client.create_table("t", SCHEMA, capacity=1)
+        sink = client.sink("t")
+        def write_all() -> None:
+            for k in range(20):
+                sink.write(big(k))
+
+        writing = Background(write_all)
+        assert not writing.done.wait(3.0)  # blocked: the table is full, nobody reads
+        took, error = timed(client.close)
+        assert error is None, error
+        assert took < 5.0 + MARGIN_S, took
+        assert writing.done.wait(WAIT)
+        assert isinstance(writing.error, SinkClosedError), writing.error
+        with connect(location) as other:  # the slots are free: two streams at once
+            other.create_table("u", SCHEMA, capacity=4)
+            sinks = [other.sink("u") for _ in range(2)]
+            for i, s in enumerate(sinks):
+                s.write(rows(i), timeout=WAIT)
+                s.flush(timeout=WAIT)
+
+
+def test_aclose_returns_within_its_timeout_and_frees_the_slot_and_threads(
+    tmp_path: Path,
+) -> None:
+    """``aclose(timeout=3)`` on a sink whose writes gRPC holds (8 MiB batches into a full
+    table) returns within 3 s plus the margin, its slot on the server and every thread of the
+    sink gone: the next two sinks of a client allowed two streams write. (It took 6 s, its
+    threads stayed, and the next sink was refused by ``max_streams_per_client``.)"""
+    config = {"limits": {"max_streams_per_client": 2}}
+
+    async def main(location: str) -> None:
+        async with AsyncClient.connect(location) as client:
+            await client.create_table("t", SCHEMA, capacity=1)
+            await client.create_table("u", SCHEMA, capacity=4)
+            stuck = await client.sink("t")
+            outcomes = [await stuck.send(big(k)) for k in range(3)]
+            pending = [asyncio.create_task(stuck.write(big(k))) for k in range(3, 6)]
+            await asyncio.sleep(2.0)  # the server waits for room; gRPC holds the rest
+            assert not all(task.done() for task in pending)
+            started = time.monotonic()
+            await stuck.aclose(timeout=3.0)
+            assert time.monotonic() - started < 3.0 + MARGIN_S
+            assert not aio_threads("pushtable-aio-write")
+            assert not stream_threads(), stream_threads()
+            for task in pending:
+                with contextlib.suppress(PushTableError):
+                    await asyncio.wait_for(task, WAIT)
+            for outcome in outcomes:
+                with contextlib.suppress(PushTableError):
+                    await asyncio.wait_for(outcome, WAIT)
+            sinks = [await client.sink("u") for _ in range(2)]
+            for i, sink in enumerate(sinks):
+                await sink.write(rows(i), timeout=WAIT)
+            for sink in sinks:
+                await sink.aclose(timeout=WAIT)
+        await no_aio_threads()
+
+    with serve_process(config, tmp_path) as (_, location):
+        asyncio.run(asyncio.wait_for(main(location), 4 * WAIT))
+
+
+def test_an_async_idempotent_write_timed_out_before_it_was_sent_is_never_stored(
+    tmp_path: Path,
+) -> None:
+    """Window 1, the server paused: a write waiting for room times out, saying its batch was
+    not sent (``kept`` False, ``batches_written`` 0); the producer writes it again, the server
+    resumes: it is stored once. (The timed-out batch was sent anyway: stored [0, 1, 2, 2].)"""
+
+    async def main(proc: Any, location: str) -> list[int]:
+        async with AsyncClient.connect(location) as client:
+            await client.create_topic("ticks", SCHEMA, durable=True)
+            sink = await client.sink("ticks", producer_id="p", window=1)
+            await sink.write(rows(0), timeout=WAIT)
+            with paused(proc):
+                first = await sink.send(rows(1))  # in flight: the window is full
+                with pytest.raises(WriteTimeoutError) as timed_out:
+                    await sink.write(rows(2), timeout=1.0)
+                assert timed_out.value.kept is False  # type: ignore[attr-defined]
+                assert timed_out.value.batches_written == 0
+                again = asyncio.create_task(sink.write(rows(2)))
+                await asyncio.sleep(0.5)
+            await asyncio.wait_for(first, WAIT)
+            await asyncio.wait_for(again, WAIT)
+            await sink.flush(timeout=WAIT)
+            following = (await client.offsets("ticks"))["next"]
+            got = await client.read("ticks", 0, following).read_all()
+            return list(got["k"].to_pylist())
+
+    data = str(tmp_path / "data")
+    with serve_process({}, tmp_path, "--data-dir", data) as (proc, location):
+        assert asyncio.run(asyncio.wait_for(main(proc, location), 4 * WAIT)) == [0, 1, 2]
+
+
+def test_a_batch_withdrawn_anywhere_in_the_window_is_never_sent(tmp_path: Path) -> None:
+    """Window 1, the server paused: two numbered writes time out one after the other (the
+    first is no longer the newest when the second is numbered), a third waits. Neither timed
+    out batch is ever sent; the third is stored, numbered without a gap. (Only the newest
+    could be taken back: an older one was sent as numbered.)"""
+
+    async def main(proc: Any, location: str) -> tuple[list[int], int]:
+        async with AsyncClient.connect(location) as client:
+            await client.create_topic("ticks", SCHEMA, durable=True)
+            sink = await client.sink("ticks", producer_id="p", window=1)
+            await sink.write(rows(0), timeout=WAIT)
+            with paused(proc):
+                held = await sink.send(rows(1))  # in flight: the window is full
+                late = []
+                for k, timeout in ((2, 0.5), (3, 1.0)):
+                    late.append(asyncio.create_task(sink.write(rows(k), timeout=timeout)))
+                    await asyncio.sleep(0.1)
+                waiting = asyncio.create_task(sink.write(rows(4)))
+                for task in late:
+                    with pytest.raises(WriteTimeoutError) as timed_out:
+                        await asyncio.wait_for(task, WAIT)
+                    assert timed_out.value.kept is False  # type: ignore[attr-defined]
+            await asyncio.wait_for(held, WAIT)
+            await asyncio.wait_for(waiting, WAIT)
+            await sink.flush(timeout=WAIT)
+            following = (await client.offsets("ticks"))["next"]
+            got = await client.read("ticks", 0, following).read_all()
+            return list(got["k"].to_pylist()), following
+
+    data = str(tmp_path / "data")
+    with serve_process({}, tmp_path, "--data-dir", data) as (proc, location):
+        keys, following = asyncio.run(asyncio.wait_for(main(proc, location), 4 * WAIT))
+    assert keys == [0, 1, 4]
+    assert following == 3
+
+
+def test_a_refusal_reaches_only_the_task_whose_batch_was_refused(tmp_path: Path) -> None:
+    """One idempotent async sink shared by two tasks: A's batch is refused (a NULL in a NOT
+    NULL column) while B writes and flushes. A's write raises the refusal; B's flush and
+    writes do not, in every round. (B's flush raised A's refusal, 5 of 5 rounds.)"""
+
+    async def round_of(client: AsyncClient, topic: str) -> None:
+        sink = await client.sink(topic, producer_id=f"p-{topic}")
+
+        async def a() -> None:
+            with pytest.raises(SchemaMismatchError):
+                await sink.write(rows(None), timeout=WAIT)
+
+        async def b() -> None:
+            for k in range(5):
+                await sink.send(rows(k))
+            await sink.flush(timeout=WAIT)
+
+        await asyncio.gather(a(), b())
+        await sink.flush(timeout=WAIT)
+        got = await client.read(topic, 0, (await client.offsets(topic))["next"]).read_all()
+        assert sorted(got["k"].to_pylist()) == list(range(5))
+        await sink.aclose(timeout=WAIT)
+
+    async def main(location: str) -> None:
+        async with AsyncClient.connect(location) as client:
+            for i in range(5):
+                await client.create_topic(f"t{i}", SCHEMA, durable=True)
+                await round_of(client, f"t{i}")
+        await no_aio_threads()
+
+    data = str(tmp_path / "data")
+    with serve_process({}, tmp_path, "--data-dir", data) as (_, location):
+        asyncio.run(asyncio.wait_for(main(location), 4 * WAIT))
+
+
+def test_the_sync_close_and_a_durable_flush_are_bounded_by_their_timeouts(
+    tmp_path: Path,
+) -> None:
+    """Against a paused server, ``close(timeout=1)`` raises ``WriteTimeoutError`` within its
+    bound (it waited for the stream's end without one) and the table stays open: ``close``
+    again once the server is back closes it. Against a killed server, an idempotent
+    ``flush(timeout=0.3)`` returns within its bound (its reconnect pause slept up to 1 s past
+    the deadline)."""
+    data = str(tmp_path / "data")
+    with serve_process({}, tmp_path, "--data-dir", data) as (proc, location):
+        client = connect(location)
+        client.create_table("t", SCHEMA, capacity=4)
+        sink = client.sink("t")
+        sink.write(rows(1), timeout=WAIT)
+        with paused(proc):
+            took, error = timed(lambda: sink.close(timeout=1.0))
+        assert isinstance(error, WriteTimeoutError), error
+        assert took < 1.0 + MARGIN_S, took
+        assert not sink.closed
+        reading = Background(lambda: counts(location, "t"))
+        sink.close(timeout=WAIT)
+        assert reading.done.wait(WAIT)
+        assert reading.result == {1: 1}
+
+        client.create_topic("d", SCHEMA, durable=True)
+        durable = client.sink("d", producer_id="p", retry=WAIT)
+        durable.write(rows(1), timeout=WAIT)
+        durable.flush(timeout=WAIT)
+        proc.kill()
+        proc.wait(WAIT)
+        took, error = timed(lambda: durable.write(rows(2), timeout=0.3))
+        assert took < 0.3 + MARGIN_S, took
+        assert isinstance(error, (WriteTimeoutError, ServerUnavailableError)), error
+        assert getattr(error, "kept", False), error  # the server is gone: the batch is kept
+        for _ in range(3):
+            took, error = timed(lambda: durable.flush(timeout=0.3))
+            assert took < 0.3 + MARGIN_S, took
+            assert isinstance(error, (WriteTimeoutError, ServerUnavailableError)), error
+        client.close()
+
+
+def test_aclose_of_a_result_while_its_query_opens_stops_the_query(tmp_path: Path) -> None:
+    """A task opening a query when another leaves the result (``aclose``): the query stops as
+    soon as it opens, freeing its slot (``max_queries`` 1: the next query runs). (The query
+    went on reading the table for nobody, and the next was refused.)"""
+
+    async def main(location: str) -> None:
+        async with AsyncClient.connect(location) as client:
+            await client.create_table("t", SCHEMA, capacity=4)
+            await client.create_table("u", SCHEMA, capacity=4)
+            result = client.sql("SELECT k FROM t")
+            opening = asyncio.create_task(result.__anext__())
+            await asyncio.sleep(0)  # the task runs to its open's await: the query is opening
+            await result.aclose(timeout=WAIT)
+            feeder = await client.sink("t")
+            with contextlib.suppress(ReaderGoneError):  # the query, stopped, is gone
+                await feeder.write(rows(1), timeout=WAIT)
+            with pytest.raises(StopAsyncIteration):
+                await asyncio.wait_for(opening, WAIT)
+            await feeder.aclose(timeout=WAIT)
+            sink = await client.sink("u")
+            await sink.write(rows(3), timeout=WAIT)
+            await sink.close(timeout=WAIT)
+            deadline = time.monotonic() + WAIT
+            while True:  # the server frees the slot once it sees the query cancelled
+                try:
+                    got = await client.sql("SELECT k FROM u").read_all()
+                    break
+                except ResourceLimitError:
+                    assert time.monotonic() < deadline, "the left query kept its slot"
+                    await asyncio.sleep(0.05)
+            assert got["k"].to_pylist() == [3]
+        await no_aio_threads()
+
+    config = {"limits": {"max_queries": 1}}
+    with serve_process(config, tmp_path) as (_, location):
+        asyncio.run(asyncio.wait_for(main(location), 4 * WAIT))
