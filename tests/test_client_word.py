@@ -131,6 +131,7 @@ def test_close_is_bounded_while_a_write_blocks_in_grpc(tmp_path: Path) -> None:
         client = connect(location)
         client.create_table("t", SCHEMA, capacity=1)
         sink = client.sink("t")
+
         def write_all() -> None:
             for k in range(20):
                 sink.write(big(k))
