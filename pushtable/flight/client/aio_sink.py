@@ -437,7 +437,7 @@ class AsyncSink:
         with contextlib.suppress(PushTableError):
             held = await within(off_loop(self.sync._end_stream, wait), timeout, "aclose")
         await self._exited(None if deadline is None else max(0.0, deadline - time.monotonic()))
-        if self._writer.thread.is_alive():
+        if not self._writer.exited.done():  # it says so as its last act: then it returns
             held.append(f"thread {self._writer.thread.name}")
         if held:
             raise WriteTimeoutError(
