@@ -167,7 +167,8 @@ class _Writer:
                     return
                 if job.deadline is not None and time.monotonic() >= job.deadline:
                     if job.item.withdraw():  # never sent, and never will be
-                        job.item.settle(timed_out(str(exc), 0, kept=False))
+                        said = exc if getattr(exc, "kept", None) is False else None
+                        job.item.settle(said or timed_out(str(exc), 0, kept=False))
                     else:
                         job.sent = True  # claimed meanwhile: on its way
                     return
@@ -441,7 +442,7 @@ class AsyncSink:
             held.append(f"thread {self._writer.thread.name}")
         if held:
             raise WriteTimeoutError(
-                f"aclose of '{self.name}' timed out after {timeout}s with {', '.join(held)} "
+                f"aclose of '{self.name}' timed out after {wait:g}s with {', '.join(held)} "
                 "still held"
             )
 

@@ -72,4 +72,4 @@ async def within(awaitable: Any, timeout: float | None, what: str) -> Any:
     try:
         return await asyncio.wait_for(awaitable, timeout)
     except TimeoutError:
-        raise WriteTimeoutError(f"{what} timed out after {timeout}s") from None
+        raise WriteTimeoutError(f"{what} timed out after {timeout:g}s") from None

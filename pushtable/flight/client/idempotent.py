@@ -236,10 +236,14 @@ class IdempotentSink(RemoteSink):
                     if give_up is not None
                     else (None if self.retry is None else now + self.retry)
                 )
-                if (give_up is not None and now >= give_up) or (
-                    deadline is not None and now >= deadline
-                ):
+                if give_up is not None and now >= give_up:
                     raise self._unavailable(exc) from exc
+                if deadline is not None and now >= deadline:  # the call's own bound came first
+                    raise self._reopening.timed_out(
+                        f"{'flush' if most_unacked == 0 else 'write'} of remote topic "
+                        f"'{self.name}' timed out while the server was unreachable ({exc}); "
+                        f"{len(self._unacked)} batch(es) kept, sent again by the next call"
+                    ) from exc
                 # the pause never outlasts the call's deadline, nor the retry window
                 ends = [t for t in (deadline, give_up) if t is not None]
                 time.sleep(min([pause, *(t - now for t in ends)]))
