@@ -27,10 +27,13 @@ impl Literals {
             ColumnarValue::Array(array) => return Ok(array),
             ColumnarValue::Scalar(scalar) => scalar,
         };
-        if let Some((_, array)) = self.0.iter().find(|(v, a)| v == &scalar && a.len() >= n) {
+        // The same value of another type is another literal: `ScalarValue`'s equality ignores
+        // a timestamp's zone, and an array of the wrong zone breaks the aggregate that reads it.
+        let same = |v: &ScalarValue| v == &scalar && v.data_type() == scalar.data_type();
+        if let Some((_, array)) = self.0.iter().find(|(v, a)| same(v) && a.len() >= n) {
             return Ok(array.slice(0, n));
         }
-        self.0.retain(|(v, _)| v != &scalar);
+        self.0.retain(|(v, _)| !same(v));
         let array = scalar.to_array_of_size(n)?;
         self.0.push((scalar, Arc::clone(&array)));
         Ok(array)
@@ -166,5 +169,31 @@ impl Keys {
 
     pub fn size(&self) -> usize {
         self.bytes + self.at.capacity() * 8
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn literals_of_one_value_in_two_zones_are_two_arrays() {
+        let mut literals = Literals::default();
+        let at = |zone: &str| {
+            ColumnarValue::Scalar(ScalarValue::TimestampSecond(
+                Some(1_767_225_600),
+                Some(zone.into()),
+            ))
+        };
+        let utc = literals.array(at("UTC"), 3).unwrap();
+        let tokyo = literals.array(at("Asia/Tokyo"), 3).unwrap();
+        assert_eq!(utc.data_type(), &at_type("UTC"));
+        assert_eq!(tokyo.data_type(), &at_type("Asia/Tokyo"));
+        let again = literals.array(at("UTC"), 2).unwrap();
+        assert_eq!(again.data_type(), &at_type("UTC"));
+    }
+
+    fn at_type(zone: &str) -> arrow::datatypes::DataType {
+        arrow::datatypes::DataType::Timestamp(arrow::datatypes::TimeUnit::Second, Some(zone.into()))
     }
 }

@@ -31,6 +31,7 @@ mod session;
 mod shared_scan;
 mod spark_windows;
 mod tally;
+mod task;
 mod updating;
 mod watermark_rows;
 mod window;

@@ -136,7 +136,9 @@ impl ReadAheadExec {
         // On the engine's runtime (the caller polls from datafusion-python's). The reader
         // stops when the input ends, fails, or the query drops the receiver.
         let runtime = super::runtime().map_err(|e| DataFusionError::Execution(e.to_string()))?;
-        runtime.spawn(async move {
+        let report = tx.clone(); // a panic of the task reaches the query as an error
+        let operator = format!("ReadAheadExec[{partition}]");
+        let read = async move {
             // A dropped consumer is seen at once, even while the input is idle: dropping the
             // input tells the table's producers. One wait for it, for the whole read.
             let mut gone = Box::pin(tx.closed());
@@ -165,6 +167,9 @@ impl ReadAheadExec {
                     break;
                 }
             }
+        };
+        super::task::spawn(runtime, operator, read, move |e| {
+            let _ = report.send(Err(e));
         });
         let schema = self.input.schema();
         let output = futures::stream::unfold(rx, move |mut rx| {

@@ -153,7 +153,15 @@ impl SharedRead {
                 abort: super::abort::Abort::of(context),
                 demand: Arc::clone(&self.demand),
             };
-            runtime.spawn(pump.run(whole));
+            let operator = format!("SharedScanExec[{}]", self.table);
+            let pump = Arc::new(pump);
+            let reporter = Arc::clone(&pump); // a panic of the read fails every scan
+            super::task::spawn(
+                runtime,
+                operator,
+                async move { pump.run(whole).await },
+                move |e| reporter.fail(e),
+            );
         }
         queues
             .receivers
@@ -198,8 +206,8 @@ impl Pump {
 
     /// Reads `whole` to its end (or until no scan listens), a batch at a time while some
     /// scan waits, handing each batch to every scan. Returning drops `whole` (the producers
-    /// learn the reader is gone) and the senders (the scans see the end).
-    async fn run(self, mut whole: SendableRecordBatchStream) {
+    /// learn the reader is gone); the task's end drops the senders (the scans see the end).
+    async fn run(&self, mut whole: SendableRecordBatchStream) {
         let scans = self.senders.len();
         // The producer may be idle for long: a dropped query is seen meanwhile too. One wait
         // for every scan's stream to be dropped, for the whole read.

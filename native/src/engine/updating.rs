@@ -183,12 +183,27 @@ impl ExecutionPlan for UpdatingAggregateExec {
         };
         // Each poll of the output asks the task for the next batch of changes.
         let (asks, asked) = mpsc::channel(1);
-        runtime.spawn(changes.run(input, asked));
-        let output = futures::stream::unfold(asks, |asks| async move {
-            let (reply, answer) = oneshot::channel();
-            asks.send(reply).await.ok()?;
-            let item = answer.await.ok()??;
-            Some((item, asks))
+        // A panic of the task drops its side of the channels: the output ends with an error
+        // naming the operator then, never as if the input had ended.
+        let operator = format!("UpdatingAggregateExec[{partition}]");
+        let gone = super::task::panicked(&operator, &"the task ended without an answer");
+        super::task::spawn(runtime, operator, changes.run(input, asked), |_| ());
+        let gone = Arc::new(gone);
+        let output = futures::stream::unfold(Some(asks), move |asks| {
+            let gone = Arc::clone(&gone);
+            async move {
+                let asks = asks?;
+                let ended = || Some((Err(DataFusionError::Shared(Arc::clone(&gone))), None));
+                let (reply, answer) = oneshot::channel();
+                if asks.send(reply).await.is_err() {
+                    return ended();
+                }
+                match answer.await {
+                    Ok(Some(item)) => Some((item, Some(asks))),
+                    Ok(None) => None, // the input ended: so do the changes
+                    Err(_) => ended(),
+                }
+            }
         });
         Ok(Box::pin(RecordBatchStreamAdapter::new(
             Arc::clone(&self.schema),
