@@ -48,12 +48,53 @@ __all__ = ["Subscription", "SubscriptionStats", "Topic", "TopicStats"]
 
 
 class Subscription:
-    """A topic's reader registered as a table: what :meth:`Topic.subscribe` returns."""
+    """A topic's reader registered as a table: what :meth:`Topic.subscribe` returns.
 
-    def __init__(self, native: _native.Subscription, name: str, topic: Topic) -> None:
+    Close it (:meth:`close`, or use it as a context manager) when no query will read it: a
+    subscription that nobody reads holds the topic's producers once ``capacity`` batches
+    wait for it (``on_slow="block"``).
+
+    Example:
+        >>> import pyarrow as pa
+        >>> from pushtable import SessionContext, Topic
+        >>> topic = Topic("t", pa.schema([("v", pa.int64())]))
+        >>> ctx = SessionContext()
+        >>> with topic.subscribe(ctx, "panel", capacity=2) as panel:
+        ...     panel.stats.state
+        'waiting for a query'
+        >>> topic.stats.subscribers, ctx.table_exist("panel")
+        (0, False)
+    """
+
+    def __init__(
+        self,
+        native: _native.Subscription,
+        name: str,
+        topic: Topic,
+        ctx: datafusion.SessionContext | None = None,
+    ) -> None:
         self._native = native
         self.name = name
         self.topic = topic
+        self._ctx = ctx
+
+    def close(self) -> None:
+        """Let the subscription go: its table leaves the session.
+
+        Unless a query is reading it (that query's end lets it go), the topic's producers
+        stop waiting for it at once. A query planned on it before and run after raises,
+        naming the close.
+        """
+        self._native.close()
+        ctx, self._ctx = self._ctx, None
+        if ctx is not None and ctx.table_exist(self.name):
+            ctx.deregister_table(self.name)
+
+    def __enter__(self) -> Subscription:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def __repr__(self) -> str:
         s = self.stats
@@ -429,7 +470,7 @@ class Topic(_Producer):
                 unbounded,
             )
         ctx.register_table(name, provider)
-        subscription = Subscription(native, name, self)
+        subscription = Subscription(native, name, self, ctx)
         metrics.track(subscription, session=ctx.session_id())
         return subscription
 

@@ -30,6 +30,7 @@ from pushtable import (
     metrics,
 )
 from pushtable.errors import (
+    RemoteError,
     ServerStoppedError,
     ServerUnavailableError,
     UnauthenticatedError,
@@ -566,3 +567,32 @@ def test_a_remote_query_that_would_wait_forever_is_refused_by_name() -> None:
         client.close()
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize(
+    ("query", "error"),
+    [
+        (
+            "SELECT k, count(*) AS n FROM top GROUP BY k ORDER BY n DESC LIMIT 5",
+            UnboundedQueryError,
+        ),
+        ("SELECT no_such_column FROM top", RemoteError),
+    ],
+)
+def test_a_query_refused_at_planning_lets_its_subscription_go(
+    server: Server, client: Client, query: str, error: type[Exception]
+) -> None:
+    """A subscription whose query is refused before it read anything (a shape that cannot
+    answer while data arrives, a column that does not exist) is dropped at once: the topic's
+    producer is not held by it (capacity 2, 10 writes) and ``tables()`` no longer lists it.
+    (It stayed, its backlog filled and the topic's producer waited: a Spark micro-batch took
+    40 s until ``unsubscribe``.)"""
+    client.create_topic("ev", SCHEMA)
+    client.subscribe("ev", "top", capacity=2)
+    with pytest.raises(error):
+        client.sql(query).read_all()
+    sink = client.sink("ev")
+    for i in range(10):
+        sink.write(batch(1, i), timeout=WAIT)  # held after 2 if "top" still read the topic
+    assert "top" not in {t["name"] for t in client.tables()}
+    sink.close()

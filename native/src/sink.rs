@@ -66,6 +66,12 @@ pub struct PySubscription {
 
 #[pymethods]
 impl PySubscription {
+    /// Let go of the subscription's cursor unless a query reads it (then the query's end
+    /// does): whether it was let go.
+    fn close(&self) -> bool {
+        self.watch.close()
+    }
+
     /// Counters as a dict.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
         let s = self.watch.stats();

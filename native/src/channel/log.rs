@@ -172,6 +172,9 @@ pub(super) struct State {
     pub(super) stats: Stats,
     /// Batches each finished reader (cursor id) read in all: its stats stay readable.
     pub(super) finished_reads: HashMap<u64, u64>,
+    /// Readers let go before any query read them (a closed subscription): a scan that
+    /// starts on one later fails, naming why, instead of finding nothing.
+    pub(super) closed_readers: std::collections::HashSet<u64>,
     /// Histories of readers detached under the lock, let go once it is released
     /// ([`State::take_let_go`]): dropping one may call back into Python.
     pub(super) let_go: LetGo,
@@ -205,6 +208,7 @@ impl State {
             held: Held::default(),
             stats: Stats::default(),
             finished_reads: HashMap::new(),
+            closed_readers: std::collections::HashSet::new(),
             let_go: LetGo::default(),
         }
     }

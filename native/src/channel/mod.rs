@@ -371,9 +371,32 @@ impl Channel {
         }
     }
 
+    /// Forget reader `id` if no query claimed it (a subscription closed, or whose query was
+    /// refused before it scanned): whether it was forgotten.
+    fn close_unclaimed(&self, id: u64) -> bool {
+        let mut st = self.lock(); // one lock: no query claims it between the look and the act
+        let unclaimed = st
+            .cursors
+            .iter()
+            .any(|c| c.id == id && c.state == ReaderState::Unclaimed);
+        if unclaimed {
+            st.closed_readers.insert(id);
+            self.remove_locked(
+                &mut st,
+                id,
+                "the subscription was closed before any query read it",
+            );
+        }
+        unclaimed
+    }
+
     /// The reader `id` is gone: a table's producers fail from now on; a topic forgets it.
     fn remove_reader(&self, id: u64, why: &'static str) {
         let mut st = self.lock();
+        self.remove_locked(&mut st, id, why);
+    }
+
+    fn remove_locked(&self, st: &mut State, id: u64, why: &'static str) {
         if let Some(pos) = st.cursors.iter().position(|c| c.id == id) {
             let gone = st.cursors.remove(pos);
             st.finished_reads.insert(id, gone.read_batches);

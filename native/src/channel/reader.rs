@@ -88,6 +88,14 @@ pub struct CursorWatch {
 }
 
 impl CursorWatch {
+    /// Let go of the cursor if no query has claimed it yet: the topic's producers stop
+    /// waiting for it at once. Whether it was let go (one a query reads goes with the query).
+    pub fn close(&self) -> bool {
+        self.channel
+            .upgrade()
+            .is_some_and(|ch| ch.close_unclaimed(self.id))
+    }
+
     pub fn stats(&self) -> CursorStats {
         match self.channel.upgrade() {
             Some(ch) => ch.cursor_stats(self.id),
@@ -227,9 +235,15 @@ impl Stream for ReaderStream {
         let first = st.first;
         let watermark = st.watermark;
         let Some(c) = st.cursor(id) else {
+            let closed = st.closed_readers.contains(&id);
             drop(st);
             self.done = true;
-            return Poll::Ready(None);
+            return Poll::Ready(closed.then(|| {
+                Err(DataFusionError::Execution(format!(
+                    "pushtable: the subscription of '{}' was closed before this query read it",
+                    channel.name
+                )))
+            }));
         };
         let error = match (&failure, &c.state) {
             (Some(msg), _) => Some(format!(

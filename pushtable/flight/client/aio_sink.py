@@ -176,6 +176,9 @@ class _Writer:
                 now = time.monotonic()
                 if getattr(exc, "refused_sequence", None) is not None and not job.item.settled:
                     continue  # the server refused an earlier item (told already); this one goes
+                if getattr(exc, "gave_up", False):  # the sink's own ``retry`` ran out
+                    job.item.settle(exc)
+                    return
                 if retry is not _PLAIN and protocol.retriable(exc):
                     if outage_ends is None and isinstance(retry, (int, float)):
                         outage_ends = now + retry
@@ -303,8 +306,11 @@ class AsyncSink:
         try:
             for job in jobs:
                 await self._queue(job, deadline)
+        except WriteTimeoutError as exc:  # the writer's queue stayed full
+            sent = self._abandon(jobs)
+            raise timed_out(str(exc), sent, kept=sent > 0) from None
         except BaseException:
-            _abandon(jobs)  # none is sent: the thread skips them
+            self._abandon(jobs)  # the thread skips those not sent
             raise
         if len(outcomes) == 1:
             return jobs, outcomes[0]
@@ -328,7 +334,7 @@ class AsyncSink:
         except WriteTimeoutError as exc:
             if outcome.done() and not outcome.cancelled() and outcome.exception() is exc:
                 raise  # the batch's own outcome (its stream's end, or never sent)
-            sent = _abandon(jobs)
+            sent = self._abandon(jobs)
             raise timed_out(
                 f"write to '{self.name}' timed out after {timeout}s waiting for its "
                 "acknowledgement",
@@ -336,8 +342,23 @@ class AsyncSink:
                 kept=sent > 0,
             ) from None
         except BaseException:
-            _abandon(jobs)
+            if not outcome.done():  # the task stopped waiting (cancelled): not its outcome
+                self._abandon(jobs)
             raise
+
+    def _abandon(self, jobs: list[_Job]) -> int:
+        """Its task stopped waiting: what the writer has not sent yet, it never sends.
+
+        Returns how many were sent already: each is on its way, and as no task waits for its
+        outcome any more, an error it meets goes to the sink's next ``flush`` or ``close``.
+        """
+        sent = 0
+        for job in jobs:
+            if not job.item.withdraw():
+                sent += 1
+                if not job.item.settled:  # its outcome still to come, for nobody
+                    self.sync.orphan(job.item)
+        return sent
 
     def _item(self, batch: pa.RecordBatch) -> Item:
         return Item(protocol.to_wire(self.name, self.sync.schema, self.sync._wire_schema, batch))
@@ -356,7 +377,7 @@ class AsyncSink:
         try:
             await self._queue(job, deadline)
         except BaseException:
-            _abandon([job])
+            self._abandon([job])
             raise
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         await within(asyncio.shield(outcome), left, f"advance of '{self.name}'")
@@ -465,14 +486,6 @@ class AsyncSink:
             await self.close()
         elif not self._closed:
             await self.fail(exc)
-
-
-def _abandon(jobs: list[_Job]) -> int:
-    """The task stopped waiting: what the writer has not sent yet, it never sends.
-
-    Returns how many of them were sent already (each on its way, its outcome to come).
-    """
-    return sum(not job.item.withdraw() for job in jobs)
 
 
 async def _all(outcomes: list[asyncio.Future[None]]) -> None:

@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime, timedelta
@@ -19,7 +21,7 @@ from pushtable.errors import (
 )
 from pushtable.flight import protocol
 from pushtable.flight.client.idempotent import DURABLE_WINDOW, DURABLE_WINDOW_BYTES, IdempotentSink
-from pushtable.flight.client.remote_sink import WINDOW_BYTES, RemoteSink
+from pushtable.flight.client.remote_sink import END_WAIT_S, WINDOW_BYTES, RemoteSink
 from pushtable.flight.client.stager import Stager
 from pushtable.flight.client.transport import Transport
 from pushtable.producer import Late, OnSlow
@@ -365,8 +367,15 @@ class Client:
         Batches already acknowledged stay in their tables; the tables stay open (a client
         leaving is not end of stream: call ``sink.close()`` for that).
         """
-        for sink in list(self._sinks):
-            sink._end_stream()
+        leaving = [
+            threading.Thread(target=sink._end_stream, name="pushtable-leave", daemon=True)
+            for sink in list(self._sinks)
+        ]
+        for thread in leaving:  # all at once: one bound for every sink, not one each
+            thread.start()
+        deadline = time.monotonic() + END_WAIT_S
+        for thread in leaving:
+            thread.join(max(0.0, deadline - time.monotonic()))
         for result in list(self._results):
             result.cancel()
         self._transport.close()

@@ -18,6 +18,7 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from pushtable.errors import (
+    ClientClosedError,
     CommitFailedError,
     PushTableError,
     ResourceLimitError,
@@ -95,6 +96,11 @@ class IdempotentSink(RemoteSink):
         self._items: dict[int, Item] = {}
         self._first = 0  # the sequence of the open stream's first batch
         self._sent_upto = -1  # the last sequence sent on the open stream
+        #: the last sequence any stream carried: those above were never sent (and may go)
+        self._claimed_upto = self._next_sequence - 1
+        #: when the outage under way began (None: the server answers), across calls: an
+        #: asyncio producer's writer calls in steps, and ``retry`` bounds the whole outage
+        self._outage_since: float | None = None
 
     def __repr__(self) -> str:
         return f"IdempotentSink(name={self.name!r}, producer_id={self.producer_id!r})"
@@ -106,15 +112,18 @@ class IdempotentSink(RemoteSink):
             self._trim()
             return len(self._unacked)
 
-    def _stream(self) -> PutStream:
+    def _stream(self, deadline: float | None = None) -> PutStream:
         if self._put is not None and self._put.idle:
             self._end_stream_locked()
         if self._put is None:
+            if deadline is not None:  # opening waits for gRPC to reach the server: bounded
+                self._transport.ready(deadline)
             self._first = self._unacked[0][0] if self._unacked else self._next_sequence
             self._sent_upto = self._first - 1
             path = [self.name, protocol.PRODUCER, self.producer_id, str(self._first)]
             descriptor = flight.FlightDescriptor.for_path(*path)
-            self._put = PutStream(self._transport, descriptor, self._wire_schema)
+            self._opened(PutStream(self._transport, descriptor, self._wire_schema))
+        assert self._put is not None
         return self._put
 
     def _trim(self) -> None:
@@ -126,6 +135,14 @@ class IdempotentSink(RemoteSink):
                 self._unacked_bytes -= size
                 if (item := self._items.pop(sequence, None)) is not None:
                     item.settle(None)
+
+    def _take_back(self, sequence: int) -> None:
+        """Forget the newest batch (``sequence``), never sent: its number is free again."""
+        if self._unacked and self._unacked[-1][0] == sequence:
+            _, _, size = self._unacked.pop()
+            self._unacked_bytes -= size
+            self._next_sequence -= 1
+            self._items.pop(sequence, None)
 
     def _drop_withdrawn(self) -> None:
         """Forget the batches whose writers withdrew them before any stream carried them.
@@ -173,12 +190,11 @@ class IdempotentSink(RemoteSink):
         It reconnects when the server is unreachable, then waits until at most
         ``most_unacked`` are unacknowledged.
         """
-        give_up: float | None = None
         pause = 0.05
         while True:
             try:
                 self._refuse_left()
-                put = self._stream()
+                put = self._stream(deadline)
                 for sequence, batch, size in self._unsent():
                     if not put.wait(self.window - 1, deadline, self.window_bytes - size):
                         raise self._reopening.timed_out(
@@ -197,6 +213,7 @@ class IdempotentSink(RemoteSink):
                             "still taking an earlier batch"
                         )
                     self._sent_upto = sequence
+                    self._claimed_upto = max(self._claimed_upto, sequence)
                     if sent is Sent.PENDING:
                         raise self._reopening.timed_out(
                             f"write to remote topic '{self.name}' timed out while gRPC was "
@@ -210,6 +227,7 @@ class IdempotentSink(RemoteSink):
                         raise self._reopening.timed_out(flush)
                     if put.acked:
                         self._reopening.reset()  # the stream was taken
+                    self._outage_since = None
                     self._trim()
                     return
             except PushTableError as exc:
@@ -231,12 +249,11 @@ class IdempotentSink(RemoteSink):
                         continue  # its own writer is told; the others go on the next stream
                     raise
                 now = time.monotonic()
-                give_up = (
-                    give_up
-                    if give_up is not None
-                    else (None if self.retry is None else now + self.retry)
-                )
+                if self._outage_since is None:
+                    self._outage_since = now
+                give_up = None if self.retry is None else self._outage_since + self.retry
                 if give_up is not None and now >= give_up:
+                    self._outage_since = None  # told: the next call tries anew
                     raise self._unavailable(exc) from exc
                 if deadline is not None and now >= deadline:  # the call's own bound came first
                     raise self._reopening.timed_out(
@@ -280,6 +297,8 @@ class IdempotentSink(RemoteSink):
         self._unacked_bytes -= sum(size for seq, _, size in self._unacked if seq == sequence)
         self._unacked, self._items = renumbered, items
         self._next_sequence -= 1
+        if self._claimed_upto >= sequence:
+            self._claimed_upto -= 1
         exc.refused_sequence = sequence  # type: ignore[attr-defined]
         return told
 
@@ -305,10 +324,13 @@ class IdempotentSink(RemoteSink):
                 f"refusing its streams as they opened ({exc}); {kept}"
             )
             return protocol.reopening(refused)
-        return ServerUnavailableError(
+        gave_up = ServerUnavailableError(
             f"producer {self.producer_id!r} of topic '{self.name}': the server stayed "
             f"unreachable for {self.retry}s ({exc}); {kept}"
         )
+        gave_up.gave_up = True  # type: ignore[attr-defined]  # past ``retry``: its items hear it
+        gave_up.kept = True  # type: ignore[attr-defined]
+        return gave_up
 
     def write(self, data: Any, timeout: float | None = None) -> None:
         """Number each batch and send it; it is kept, and sent again if need be, until stored."""
@@ -333,6 +355,13 @@ class IdempotentSink(RemoteSink):
                     # the server refused is not. (A timeout said "not written" while the batch
                     # was kept and stored later: a producer that wrote it again stored it twice.)
                     sequence = next((q for q, b, _ in reversed(self._unacked) if b is batch), None)
+                    if (
+                        sequence is not None
+                        and sequence > self._claimed_upto
+                        and isinstance(exc, (SinkClosedError, ClientClosedError))
+                    ):
+                        self._take_back(sequence)  # never sent: the sink is left, it never goes
+                        sequence = None
                     if sequence is None:
                         exc.batches_written = written
                         raise
@@ -403,6 +432,11 @@ class IdempotentSink(RemoteSink):
             try:
                 self._pump(0 if ended else None, deadline)
             except PushTableError as exc:
+                if getattr(exc, "gave_up", False):  # past ``retry``: every item hears it
+                    items, self._items = list(self._items.values()), {}
+                    for item in items:
+                        item.settle(exc)
+                    raise
                 if protocol.retriable(exc) or isinstance(exc, WriteTimeoutError):
                     raise
                 if protocol.reopens(exc):
@@ -425,6 +459,7 @@ class IdempotentSink(RemoteSink):
                 except CommitFailedError as exc:
                     raise self._kept(exc, 0) from exc
                 if not self._unacked:
+                    self._raise_unreported()  # a batch no call waits for any more failed
                     return
 
     def close(self, timeout: float | None = None) -> None:
@@ -440,7 +475,3 @@ class IdempotentSink(RemoteSink):
     def advance(self, ts: Any, timeout: float | None = None) -> None:
         """Not supported: an idempotent producer does not send ``advance()``."""
         raise NotImplementedError("advance() is not sent by an idempotent producer")
-
-    def _refuse_closed(self) -> None:
-        if self._closed:
-            raise SinkClosedError(f"remote sink for '{self.name}' is closed")

@@ -42,6 +42,8 @@ _LATER = pa.py_buffer(protocol.LATER)
 _SYNC = pa.py_buffer(protocol.SYNC)
 #: how long a stream that was left is given to end (the server looks every ``POLL_S``)
 LEAVE_WAIT_S = 2.0
+#: how long a stream left on a server that did not answer is left again, in the background
+LEAVE_AGAIN_FOR_S = 300.0
 #: one lock for every item's claim/withdraw pair: held for a flag's read and write only
 _CLAIMS = threading.Lock()
 
@@ -207,10 +209,14 @@ class PutStream:
             item = Item(item)
         if not self._idle(deadline):
             return Sent.BUSY
+        if self.left:
+            raise StreamEndedError("the producer left this stream: nothing more is sent on it")
         if not item.claim():
             return Sent.WITHDRAWN
         later = item.metadata is None and self.sent + 1 - self.requested < ack_every
         with self.changed:
+            if self.left:  # under the lock its leaver takes what is in flight with: not lost
+                raise StreamEndedError("the producer left this stream: its batch was not sent")
             self.inflight.append(item)
             self.inflight_bytes += item.nbytes
         self.sent += 1
@@ -313,13 +319,31 @@ class PutStream:
         end it: a write blocked in gRPC then fails, what the server had not taken is not
         acknowledged. Waits for the end until ``deadline``.
         """
-        self.left = True
+        with self.changed:
+            first, self.left = not self.left, True
         left = None if deadline is None else max(0.001, deadline - time.monotonic())
         if not self.finished:
             with contextlib.suppress(PushTableError):
                 options = self._transport.options(left if left is not None else LEAVE_WAIT_S)
                 self._transport.action("leave", {"stream": self.stream_id}, options)
-        return self._wait_finished(deadline)
+        ended = self._wait_finished(deadline)
+        if not ended and first:  # a server that did not answer (paused): tell it again later
+            threading.Thread(target=self._leave_again, name="pushtable-leave", daemon=True).start()
+        return ended
+
+    def _leave_again(self) -> None:
+        """Send ``leave`` every ``LEAVE_WAIT_S`` until the stream ends (``LEAVE_AGAIN_FOR_S``).
+
+        A server paused when its producer left answers nothing; once it resumes, its handler
+        goes on waiting for room for the stream, and a write blocked in gRPC stays blocked,
+        until a ``leave`` reaches it.
+        """
+        until = time.monotonic() + LEAVE_AGAIN_FOR_S
+        while not self.finished and time.monotonic() < until:
+            with contextlib.suppress(PushTableError):
+                options = self._transport.options(LEAVE_WAIT_S)
+                self._transport.action("leave", {"stream": self.stream_id}, options)
+            self._wait_finished(time.monotonic() + LEAVE_WAIT_S)
 
     def _read_acks(self) -> None:
         try:

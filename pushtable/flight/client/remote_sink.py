@@ -121,13 +121,27 @@ class RemoteSink(ProducerScope):
     def __repr__(self) -> str:
         return f"RemoteSink(name={self.name!r}, server={self._transport.uri!r})"
 
-    def _stream(self) -> PutStream:
+    def _stream(self, deadline: float | None = None) -> PutStream:
         if self._put is not None and self._put.idle:  # the server ended it: start anew
             self._end_stream_locked()
         if self._put is None:
+            if deadline is not None:  # opening waits for gRPC to reach the server: bounded
+                self._transport.ready(deadline)
             descriptor = flight.FlightDescriptor.for_path(self.name)
-            self._put = PutStream(self._transport, descriptor, self._wire_schema, self._ended)
+            self._opened(PutStream(self._transport, descriptor, self._wire_schema, self._ended))
+        assert self._put is not None
         return self._put
+
+    def _opened(self, put: PutStream) -> None:
+        """Take ``put`` as the open stream, unless the client left meanwhile (then leave it).
+
+        ``_end_stream`` sets ``_left`` and then looks at ``_put``: one of the two sees the
+        other, so no stream opened while the client leaves stays open.
+        """
+        self._put = put
+        if self._left:
+            put.leave(time.monotonic() + LEAVE_WAIT_S)
+            self._refuse_left()
 
     def _drop_stream(self) -> None:
         """Forget a stream the server ended (after an error): the next write opens another."""
@@ -167,7 +181,7 @@ class RemoteSink(ProducerScope):
                 with contextlib.suppress(PushTableError):
                     put.finish(timeout=half, leave_for=half)
                 self._left_unsettled(put)
-        elif put is not None:  # the call holding the sink keeps it: it raises at its next step
+        elif (put := self._put) is not None:  # the call holding the sink keeps it: it raises
             put.leave(deadline)
             self._left_unsettled(put)
         if put is None:
@@ -196,11 +210,12 @@ class RemoteSink(ProducerScope):
         with put.changed:
             unsettled = [item for item in put.inflight if not item.settled]
         for item in unsettled:
-            item.settle(
+            self._settle(
+                item,
                 SinkClosedError(
                     f"the producer of '{self.name}' left its stream before the server "
                     "acknowledged this batch: it may not be stored"
-                )
+                ),
             )
 
     def write(self, data: Any, timeout: float | None = None) -> None:
@@ -244,6 +259,19 @@ class RemoteSink(ProducerScope):
         error, self._unreported = self._unreported, None
         if error is not None:
             raise error
+
+    def orphan(self, item: Item) -> None:
+        """No task waits for ``item``'s outcome any more: an error of it goes elsewhere.
+
+        To the next ``flush`` or ``close`` of the sink (a success goes nowhere).
+        """
+        item.outcome = self._orphaned
+        if item.settled and item.error is not None:  # settled before: told nobody
+            self._orphaned(item.error)
+
+    def _orphaned(self, error: BaseException | None) -> None:
+        if error is not None and self._unreported is None:
+            self._unreported = error
 
     def _settle(self, item: Item, error: BaseException) -> None:
         item.settle(error)
@@ -290,7 +318,7 @@ class RemoteSink(ProducerScope):
         while self._pending:
             self._refuse_left()
             try:
-                put = self._stream()
+                put = self._stream(deadline)
             except PushTableError as exc:  # pyarrow may hear a refusal as the call opens
                 if not protocol.reopens(exc):
                     raise
@@ -456,6 +484,7 @@ class RemoteSink(ProducerScope):
             self._raise_unreported()
 
     def _flush_locked(self, deadline: float | None) -> None:
+        self._refuse_left()  # its client left: nothing more is acknowledged
         while True:
             self._drain_locked(deadline)
             put = self._put
@@ -494,7 +523,10 @@ class RemoteSink(ProducerScope):
                 self._stopped |= isinstance(put.error, ServerStoppedError)
                 self._sent += put.sent
                 self._acked += put.acked
-                put.finish(END_WAIT_S if deadline is None else _left(deadline))
+                if deadline is None:
+                    put.finish(END_WAIT_S)
+                else:  # half to end, half to leave (every batch is acknowledged: none lost)
+                    put.finish(_left(deadline) / 2, leave_for=_left(deadline) / 2)
             options = None if deadline is None else self._transport.options(_left(deadline))
             try:
                 self._transport.action("close", {"name": self.name}, options)

@@ -142,6 +142,15 @@ class Transport:
         )
         return json.loads(results[0].body.to_pybytes()) if results else None
 
+    def ready(self, deadline: float) -> None:
+        """Return once the server answers a call (bounded by ``deadline``), or raise why not.
+
+        Opening a stream waits, without a bound of its own, for gRPC to reach the server:
+        a call with a deadline asks this first (one round trip, only as a stream opens).
+        """
+        options = self.options(max(0.001, deadline - time.monotonic()))
+        protocol.call(lambda: list(self._flight.list_actions(options)))
+
     def do_put(self, descriptor: Any, schema: pa.Schema, stream: str) -> tuple[Any, Any]:
         """Open a DoPut stream with id ``stream``: (writer, acknowledgement reader)."""
         headers = [*self._headers, (protocol.STREAM_HEADER.encode(), stream.encode())]

@@ -42,6 +42,14 @@ from pushtable.flight.server.tables import Tables
 from pushtable.topic import Topic
 
 
+def _readable(context: Any, query: str) -> list[str]:
+    """The tables ``query`` names that the caller may read (what its refusal may let go)."""
+    grant = caller(context)
+    if READ not in grant.roles:
+        return []
+    return [name for name in _native.table_references(query) if grant.covers(name)]
+
+
 @dataclass
 class _Get:
     """A DoGet call under way: its audit line, what it holds until its last batch, its start."""
@@ -111,7 +119,11 @@ class Queries:
             found = sql.statement(cmd)
             if found is not None:
                 query, params = found
-                df = self._plan(context, query, params)
+                try:
+                    df = self._plan(context, query, params)
+                except Exception:  # refused: its subscriptions never get a reader
+                    self._tables.drop_subscriptions(_readable(context, query))
+                    raise
                 schema = _described(df)
                 if not self._ctx.reads_live(query):
                     # The schema its DoGet will declare (see _query): a client compares the
@@ -171,11 +183,12 @@ class Queries:
                 raise ValueError(f'a DoGet ticket\'s "sql" is the query text, not {query!r}')
         # the audit line names the tables the query reads (a query may read several)
         call.record.table = ",".join(_native.table_references(query)) or None
+        # A subscription it reads is let go when the query ends, is refused at planning or
+        # refused its slot: a single-scan table nothing can read again must not hold its
+        # topic's producers.
+        call.held.callback(self._tables.drop_subscriptions, _readable(context, query))
         df = self._plan(context, query, params)
         schema = _described(df)
-        # A subscription it reads is let go when the query ends, or is refused its slot: a
-        # single-scan table nothing can read again must not hold its topic's producers.
-        call.held.callback(self._tables.drop_subscriptions, _native.table_references(query))
         slot = call.held.enter_context(self._calls.usage.query())
         call.held.enter_context(self._calls.held(context))
         stream: Iterator[Any] = iter(df.execute_stream())

@@ -31,7 +31,7 @@ from pushtable.flight.server.auth import Grant
 from pushtable.flight.server.data_dir import DataDir
 from pushtable.flight.server.limits import DataBudget, Usage
 from pushtable.sink import TableSink
-from pushtable.topic import Topic
+from pushtable.topic import Subscription, Topic
 
 #: a durable topic's name, which is also its dataset's file name under the data dir
 _FILE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
@@ -53,7 +53,8 @@ class Tables:
         self._tables: dict[str, TableSink | Topic] = {}
         self._budget: DataBudget | None = None
         #: subscriptions registered in the session: name -> (topic, capacity)
-        self._subscriptions: dict[str, tuple[str, int]] = {}
+        #: name -> (its topic, its capacity, the subscription)
+        self._subscriptions: dict[str, tuple[str, int, Subscription]] = {}
         if data_dir is not None:  # every durable topic is back before calls arrive
             self._budget = DataBudget(
                 data_dir.bytes,
@@ -238,9 +239,9 @@ class Tables:
             raise
         options["start"] = protocol.start_value(options.get("start", "now"))
         name = options.pop("name")
-        topic.subscribe(self._ctx, name, **options)
+        subscription = topic.subscribe(self._ctx, name, **options)
         with self._lock:
-            self._subscriptions[name] = (topic.name, options.get("capacity", 16))
+            self._subscriptions[name] = (topic.name, options.get("capacity", 16), subscription)
         return {}
 
     def unsubscribe(self, req: actions.Named, grant: Grant) -> Any:
@@ -262,9 +263,9 @@ class Tables:
         dropped = []
         with self._lock:
             for name in names:
-                if self._subscriptions.pop(name, None) is not None:
+                if (entry := self._subscriptions.pop(name, None)) is not None:
                     with contextlib.suppress(Exception):  # deregistered already
-                        self._ctx.deregister_table(name)
+                        entry[2].close()  # its cursor too, not only when collected
                     dropped.append(name)
         return dropped
 
@@ -315,7 +316,7 @@ class Tables:
                 )
         with self._lock:
             subscriptions = list(self._subscriptions.items())
-        for name, (topic, capacity) in subscriptions:
+        for name, (topic, capacity, _) in subscriptions:
             if grant.covers(name) and self._ctx.table_exist(name):
                 schema = self._ctx.table(name).schema()
                 out.append(
