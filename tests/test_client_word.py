@@ -374,3 +374,52 @@ def test_aclose_of_a_result_while_its_query_opens_stops_the_query(tmp_path: Path
     config = {"limits": {"max_queries": 1}}
     with serve_process(config, tmp_path) as (_, location):
         asyncio.run(asyncio.wait_for(main(location), 4 * WAIT))
+
+
+def test_calls_on_a_sink_whose_client_left_say_so(tmp_path: Path) -> None:
+    """After ``Client.close()``, a sink's ``flush`` raises ``SinkClosedError`` (it said all was
+    acknowledged while a batch was never taken), and an idempotent write is refused with its
+    batch not kept (it said ``kept=True`` for a batch it could never send)."""
+    data = str(tmp_path / "data")
+    with serve_process({}, tmp_path, "--data-dir", data) as (_, location):
+        client = connect(location)
+        client.create_table("t", SCHEMA, capacity=4)
+        client.create_topic("d", SCHEMA, durable=True)
+        plain = client.sink("t")
+        durable = client.sink("d", producer_id="p")
+        plain.write(rows(1), timeout=WAIT)
+        durable.write(rows(1), timeout=WAIT)
+        durable.flush(timeout=WAIT)
+        client.close()
+        with pytest.raises(SinkClosedError):
+            plain.flush(timeout=WAIT)
+        with pytest.raises(SinkClosedError) as refused:
+            durable.write(rows(2), timeout=WAIT)
+        assert not getattr(refused.value, "kept", False)
+        assert refused.value.batches_written == 0
+        assert durable.unacknowledged == 0
+
+
+def test_an_async_idempotent_write_gives_up_after_retry(tmp_path: Path) -> None:
+    """``retry=2``, the server killed: a write with no timeout raises ``ServerUnavailableError``
+    within ``retry`` plus the margin, saying its batch is kept (it waited for good: the
+    writer's 0.2 s steps each started a new outage)."""
+
+    async def main(proc: Any, location: str) -> None:
+        async with AsyncClient.connect(location) as client:
+            await client.create_topic("d", SCHEMA, durable=True)
+            sink = await client.sink("d", producer_id="p", retry=2.0)
+            await sink.write(rows(0), timeout=WAIT)
+            proc.kill()
+            proc.wait(WAIT)
+            started = time.monotonic()
+            with pytest.raises(ServerUnavailableError) as gave_up:
+                await asyncio.wait_for(sink.write(rows(1)), WAIT)
+            assert time.monotonic() - started < 2.0 + MARGIN_S + 1.0  # a reconnect pause
+            assert getattr(gave_up.value, "kept", False)
+            with contextlib.suppress(PushTableError):
+                await sink.aclose(timeout=WAIT)
+
+    data = str(tmp_path / "data")
+    with serve_process({}, tmp_path, "--data-dir", data) as (proc, location):
+        asyncio.run(asyncio.wait_for(main(proc, location), 4 * WAIT))
