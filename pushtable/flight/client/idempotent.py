@@ -116,8 +116,9 @@ class IdempotentSink(RemoteSink):
         if self._put is not None and self._put.idle:
             self._end_stream_locked()
         if self._put is None:
-            if deadline is not None:  # opening waits for gRPC to reach the server: bounded
+            if deadline is not None and self._reconnecting:  # as RemoteSink._stream
                 self._transport.ready(deadline)
+                self._reconnecting = False
             self._first = self._unacked[0][0] if self._unacked else self._next_sequence
             self._sent_upto = self._first - 1
             path = [self.name, protocol.PRODUCER, self.producer_id, str(self._first)]

@@ -106,6 +106,7 @@ class RemoteSink(ProducerScope):
         self._acked = 0
         self._closed = False
         self._left = False  # its client left it (closing): no call sends on it again
+        self._reconnecting = False  # a stream ended on an error: the next may find no server
         self._unreported: BaseException | None = None  # an earlier batch's refusal
         #: items to send before anything new: those sent after a refused one, which the
         #: server never took
@@ -125,8 +126,11 @@ class RemoteSink(ProducerScope):
         if self._put is not None and self._put.idle:  # the server ended it: start anew
             self._end_stream_locked()
         if self._put is None:
-            if deadline is not None:  # opening waits for gRPC to reach the server: bounded
+            if deadline is not None and self._reconnecting:
+                # after a stream ended on an error, opening one waits, without a bound of its
+                # own, for gRPC to reach the server again: asked first, within the deadline
                 self._transport.ready(deadline)
+                self._reconnecting = False
             descriptor = flight.FlightDescriptor.for_path(self.name)
             self._opened(PutStream(self._transport, descriptor, self._wire_schema, self._ended))
         assert self._put is not None
@@ -146,6 +150,7 @@ class RemoteSink(ProducerScope):
     def _drop_stream(self) -> None:
         """Forget a stream the server ended (after an error): the next write opens another."""
         put, self._put = self._put, None
+        self._reconnecting = True
         if put is not None:
             self._acked += put.acked
             self._sent += put.sent

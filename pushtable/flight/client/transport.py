@@ -146,7 +146,8 @@ class Transport:
         """Return once the server answers a call (bounded by ``deadline``), or raise why not.
 
         Opening a stream waits, without a bound of its own, for gRPC to reach the server:
-        a call with a deadline asks this first (one round trip, only as a stream opens).
+        a call with a deadline asks this first when its sink's last stream ended on an error
+        (one round trip, only then).
         """
         options = self.options(max(0.001, deadline - time.monotonic()))
         protocol.call(lambda: list(self._flight.list_actions(options)))
