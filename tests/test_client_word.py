@@ -423,3 +423,33 @@ def test_an_async_idempotent_write_gives_up_after_retry(tmp_path: Path) -> None:
     data = str(tmp_path / "data")
     with serve_process({}, tmp_path, "--data-dir", data) as (proc, location):
         asyncio.run(asyncio.wait_for(main(proc, location), 4 * WAIT))
+
+
+def test_a_kept_batchs_later_refusal_reaches_the_next_flush(tmp_path: Path) -> None:
+    """An async write times out while its batch is on its way (``kept=True``): the server
+    holds the batch before it (its table is full). Once a reader makes room the server
+    refuses the kept batch (a NULL in a NOT NULL column): no task waits for it any more, so
+    the sink's next ``flush`` raises the refusal. (That flush returned normally: the loss was
+    told to nobody.)"""
+
+    async def main(location: str) -> None:
+        async with AsyncClient.connect(location) as client:
+            await client.create_table("t", SCHEMA, capacity=1)
+            sink = await client.sink("t")
+            first = await sink.send(rows(0))  # queued in the table: full
+            second = await sink.send(rows(1))  # the server waits for room for it
+            with pytest.raises(WriteTimeoutError) as timed_out:
+                await sink.write(rows(None), timeout=1.0)  # behind it, on its way
+            assert timed_out.value.kept is True  # type: ignore[attr-defined]
+            reading = asyncio.create_task(client.sql("SELECT k FROM t").read_all())
+            await asyncio.wait_for(first, WAIT)
+            await asyncio.wait_for(second, WAIT)
+            with pytest.raises(SchemaMismatchError):
+                await sink.flush(timeout=WAIT)
+            await sink.close(timeout=WAIT)
+            got = await asyncio.wait_for(reading, WAIT)
+            assert sorted(got["k"].to_pylist()) == [0, 1], got  # partitions: any order
+        await no_aio_threads()
+
+    with serve_process({}, tmp_path) as (_, location):
+        asyncio.run(asyncio.wait_for(main(location), 4 * WAIT))
