@@ -33,6 +33,7 @@ from pushtable.errors import (
 )
 from pushtable.flight import connect
 from pushtable.flight.client.aio import AsyncClient
+from pushtable.flight.client.idempotent import IdempotentSink
 from tests.conftest import WAIT, Background, aio_threads, no_aio_threads, serve_process
 
 #: how far past its timeout a call may return (a thread's wake-up, a leave's round trip)
@@ -397,6 +398,7 @@ def test_calls_on_a_sink_whose_client_left_say_so(tmp_path: Path) -> None:
             durable.write(rows(2), timeout=WAIT)
         assert not getattr(refused.value, "kept", False)
         assert refused.value.batches_written == 0
+        assert isinstance(durable, IdempotentSink)
         assert durable.unacknowledged == 0
 
 

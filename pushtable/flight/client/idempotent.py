@@ -116,9 +116,8 @@ class IdempotentSink(RemoteSink):
         if self._put is not None and self._put.idle:
             self._end_stream_locked()
         if self._put is None:
-            if deadline is not None and self._reconnecting:  # as RemoteSink._stream
+            if deadline is not None and not self._transport.reached:  # see RemoteSink
                 self._transport.ready(deadline)
-                self._reconnecting = False
             self._first = self._unacked[0][0] if self._unacked else self._next_sequence
             self._sent_upto = self._first - 1
             path = [self.name, protocol.PRODUCER, self.producer_id, str(self._first)]
@@ -415,7 +414,10 @@ class IdempotentSink(RemoteSink):
                 self._unacked_bytes += size
                 self._next_sequence += 1
                 self._items[item.sequence] = item
-            self._pump(None, deadline)
+            try:
+                self._pump(None, deadline)
+            except CommitFailedError as exc:  # kept, sent again: said as the sync face says it
+                raise self._kept(exc, 1) from exc
 
     def tend(self, deadline: float | None) -> None:
         """Forget what is stored, and go on sending what is kept (reconnecting if need be).
@@ -444,9 +446,12 @@ class IdempotentSink(RemoteSink):
                     raise  # its streams were refused as they opened: every item is kept
                 if getattr(exc, "refused_sequence", None) is not None:
                     raise  # the refused item is told; the others are kept, sent next time
+                told: BaseException = exc
+                if isinstance(exc, CommitFailedError):  # kept, sent again: not "not written"
+                    told = self._kept(exc, 1)
                 items, self._items = list(self._items.values()), {}
                 for item in items:
-                    item.settle(exc)
+                    item.settle(told)
                 raise
 
     def flush(self, timeout: float | None = None) -> None:

@@ -31,7 +31,13 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from pushtable.errors import PushTableError, ServerStoppedError, StreamEndedError, WriteTimeoutError
+from pushtable.errors import (
+    ClientClosedError,
+    PushTableError,
+    ServerStoppedError,
+    StreamEndedError,
+    WriteTimeoutError,
+)
 from pushtable.flight import protocol
 from pushtable.flight.client.transport import Transport
 from pushtable.producer import batch_bytes
@@ -340,9 +346,13 @@ class PutStream:
         """
         until = time.monotonic() + LEAVE_AGAIN_FOR_S
         while not self.finished and time.monotonic() < until:
-            with contextlib.suppress(PushTableError):
+            try:
                 options = self._transport.options(LEAVE_WAIT_S)
                 self._transport.action("leave", {"stream": self.stream_id}, options)
+            except ClientClosedError:
+                return  # the connection is closed: its calls, this stream's too, are over
+            except PushTableError:
+                pass
             self._wait_finished(time.monotonic() + LEAVE_WAIT_S)
 
     def _read_acks(self) -> None:
@@ -385,6 +395,7 @@ class PutStream:
         except (flight.FlightError, pa.ArrowException) as exc:
             with self.changed:
                 self.error = _ended(exc)
+            self._transport.reached = False  # the server may be away: the next open asks
         finally:
             with self.changed:
                 self.finished = True

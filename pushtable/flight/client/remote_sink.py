@@ -106,8 +106,9 @@ class RemoteSink(ProducerScope):
         self._acked = 0
         self._closed = False
         self._left = False  # its client left it (closing): no call sends on it again
-        self._reconnecting = False  # a stream ended on an error: the next may find no server
         self._unreported: BaseException | None = None  # an earlier batch's refusal
+        #: the error of a batch no task waits for any more (see :meth:`orphan`)
+        self._orphan_error: BaseException | None = None
         #: items to send before anything new: those sent after a refused one, which the
         #: server never took
         self._pending: collections.deque[Item] = collections.deque()
@@ -126,11 +127,10 @@ class RemoteSink(ProducerScope):
         if self._put is not None and self._put.idle:  # the server ended it: start anew
             self._end_stream_locked()
         if self._put is None:
-            if deadline is not None and self._reconnecting:
-                # after a stream ended on an error, opening one waits, without a bound of its
-                # own, for gRPC to reach the server again: asked first, within the deadline
+            if deadline is not None and not self._transport.reached:
+                # opening a stream waits, without a bound of its own, for gRPC to reach the
+                # server: asked first, within the deadline, unless the last call reached it
                 self._transport.ready(deadline)
-                self._reconnecting = False
             descriptor = flight.FlightDescriptor.for_path(self.name)
             self._opened(PutStream(self._transport, descriptor, self._wire_schema, self._ended))
         assert self._put is not None
@@ -150,7 +150,8 @@ class RemoteSink(ProducerScope):
     def _drop_stream(self) -> None:
         """Forget a stream the server ended (after an error): the next write opens another."""
         put, self._put = self._put, None
-        self._reconnecting = True
+        if put is not None and put.error is not None:
+            self._transport.reached = False  # it ended on an error: the server may be away
         if put is not None:
             self._acked += put.acked
             self._sent += put.sent
@@ -260,8 +261,13 @@ class RemoteSink(ProducerScope):
             raise SinkClosedError(f"remote sink for '{self.name}' was left (its client closed)")
 
     def _raise_unreported(self) -> None:
-        """Raise (once) a refusal the server sent for an earlier batch of this sink."""
+        """Raise (once) a refusal the server sent for an earlier batch of this sink.
+
+        Or the error of a batch whose task stopped waiting for it (see :meth:`orphan`).
+        """
         error, self._unreported = self._unreported, None
+        if error is None:
+            error, self._orphan_error = self._orphan_error, None
         if error is not None:
             raise error
 
@@ -275,8 +281,8 @@ class RemoteSink(ProducerScope):
             self._orphaned(item.error)
 
     def _orphaned(self, error: BaseException | None) -> None:
-        if error is not None and self._unreported is None:
-            self._unreported = error
+        if error is not None and self._orphan_error is None:
+            self._orphan_error = error  # its own slot: no other call takes it for its own
 
     def _settle(self, item: Item, error: BaseException) -> None:
         item.settle(error)
