@@ -117,7 +117,7 @@ class IdempotentSink(RemoteSink):
             self._end_stream_locked()
         if self._put is None:
             if deadline is not None and not self._transport.reached:  # see RemoteSink
-                self._transport.ready(deadline)
+                self._ready(deadline)
             self._first = self._unacked[0][0] if self._unacked else self._next_sequence
             self._sent_upto = self._first - 1
             path = [self.name, protocol.PRODUCER, self.producer_id, str(self._first)]

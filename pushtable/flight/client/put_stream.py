@@ -395,7 +395,8 @@ class PutStream:
         except (flight.FlightError, pa.ArrowException) as exc:
             with self.changed:
                 self.error = _ended(exc)
-            self._transport.reached = False  # the server may be away: the next open asks
+            if protocol.retriable(self.error):  # the server may be away: the next open asks
+                self._transport.reached = False
         finally:
             with self.changed:
                 self.finished = True

@@ -130,11 +130,20 @@ class RemoteSink(ProducerScope):
             if deadline is not None and not self._transport.reached:
                 # opening a stream waits, without a bound of its own, for gRPC to reach the
                 # server: asked first, within the deadline, unless the last call reached it
-                self._transport.ready(deadline)
+                self._ready(deadline)
             descriptor = flight.FlightDescriptor.for_path(self.name)
             self._opened(PutStream(self._transport, descriptor, self._wire_schema, self._ended))
         assert self._put is not None
         return self._put
+
+    def _ready(self, deadline: float) -> None:
+        """The server answers (:meth:`Transport.ready`), or the call's timeout, saying why."""
+        try:
+            self._transport.ready(deadline)
+        except WriteTimeoutError as exc:
+            raise self._reopening.timed_out(
+                f"opening a stream to remote table '{self.name}' timed out: {exc}"
+            ) from exc
 
     def _opened(self, put: PutStream) -> None:
         """Take ``put`` as the open stream, unless the client left meanwhile (then leave it).
@@ -150,8 +159,8 @@ class RemoteSink(ProducerScope):
     def _drop_stream(self) -> None:
         """Forget a stream the server ended (after an error): the next write opens another."""
         put, self._put = self._put, None
-        if put is not None and put.error is not None:
-            self._transport.reached = False  # it ended on an error: the server may be away
+        if put is not None and put.error is not None and protocol.retriable(put.error):
+            self._transport.reached = False  # it ended unreachable: the server may be away
         if put is not None:
             self._acked += put.acked
             self._sent += put.sent
