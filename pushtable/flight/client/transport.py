@@ -127,10 +127,11 @@ class Transport:
         #: options of a stream's call: no timeout (a stream lasts as long as its data)
         self.stream_options = flight.FlightCallOptions(headers=self._headers)
         self._control_options = flight.FlightCallOptions(headers=self._headers, timeout=timeout)
-        #: the last call reached the server (a stream opened now finds it at once); False
-        #: after a call or a stream met an unreachable server: a stream opened then waits,
-        #: without a bound, for gRPC to reach it, so a call with a deadline asks first
-        self.reached = False
+        #: no call or stream of this connection has met an unreachable server since the last
+        #: one that reached it. False: a stream opened now waits, without a bound, for gRPC to
+        #: reach the server, so a call with a deadline asks first. A new connection counts as
+        #: reached (a probe on every first stream was a round trip and an audit line each).
+        self.reached = True
 
     def options(self, timeout: float | None) -> Any:
         """Call options with ``timeout`` (None: a stream's, with no timeout)."""
