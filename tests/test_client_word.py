@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -455,3 +456,82 @@ def test_a_kept_batchs_later_refusal_reaches_the_next_flush(tmp_path: Path) -> N
 
     with serve_process({}, tmp_path) as (_, location):
         asyncio.run(asyncio.wait_for(main(location), 4 * WAIT))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_a_first_stream_to_a_restarted_paused_server_is_bounded(tmp_path: Path) -> None:
+    """Sinks idle while their server restarts (same port) open their next stream on a
+    connection gRPC makes again, and the new server is paused: a ``write(timeout=2)`` raised
+    after 20 s (gRPC's connect timeout). Each returns by its timeout, on both sink kinds and
+    both faces; once the server resumes, the stream its open got is taken by the next write
+    (or let go when the client closes), and each table holds a batch once if its write said
+    it was kept or written again, and never one a write said it did not send."""
+    port, data = _free_port(), str(tmp_path / "data")
+    with serve_process({}, tmp_path, "--data-dir", data, port=port) as (proc, location):
+        client = connect(location)
+        client.create_table("t", SCHEMA, capacity=4)
+        client.create_topic("d", SCHEMA, durable=True)
+        plain, durable = client.sink("t"), client.sink("d", producer_id="p", retry=WAIT)
+        durable.write(rows(0), timeout=WAIT)
+        durable.flush(timeout=WAIT)
+        proc.kill()
+        proc.wait(WAIT)
+
+    with serve_process({}, tmp_path, "--data-dir", data, port=port) as (proc, location):
+        with connect(location) as other:
+            other.create_table("t", SCHEMA, capacity=4)
+        outcomes: dict[str, str] = {}
+        with paused(proc):
+            for name, sink in (("t", plain), ("d", durable)):
+                took, error = timed(lambda sink=sink: sink.write(rows(1), timeout=2.0))
+                assert took < 2.0 + MARGIN_S, (name, took)
+                assert isinstance(error, WriteTimeoutError | ServerUnavailableError), error
+                outcomes[name] = "kept" if getattr(error, "kept", False) else "not sent"
+        assert outcomes["t"] == "not sent", outcomes  # a plain sink keeps nothing unsent
+        for name, sink in (("t", plain), ("d", durable)):
+            if outcomes[name] == "not sent":
+                sink.write(rows(1), timeout=WAIT)  # the stream its open got, taken now
+        reading = Background(lambda: counts(location, "t"))
+        plain.close(timeout=WAIT)
+        durable.flush(timeout=WAIT)
+        assert reading.done.wait(WAIT)
+        assert reading.result == {1: 1}
+        assert client.read("d", 0, 2).read_all()["k"].to_pylist() == [0, 1]
+        client.close()
+
+
+@pytest.mark.asyncio
+async def test_an_async_first_stream_to_a_restarted_paused_server_is_bounded(
+    tmp_path: Path,
+) -> None:
+    """The asyncio face of the test above: ``await write(timeout=2)`` returns by its timeout
+    with the batch not sent, and ``aclose`` frees what the open holds once the server is back."""
+    port = _free_port()
+    with serve_process({}, tmp_path, port=port) as (proc, location):
+        client = await AsyncClient.connect(location, timeout=WAIT)
+        await client.create_table("t", SCHEMA, capacity=4)
+        sink = await client.sink("t")
+        proc.kill()
+        proc.wait(WAIT)
+    with serve_process({}, tmp_path, port=port) as (proc, location):
+        with connect(location) as other:
+            other.create_table("t", SCHEMA, capacity=4)
+        with paused(proc):
+            started = time.monotonic()
+            with pytest.raises(WriteTimeoutError) as raised:
+                await asyncio.wait_for(sink.write(rows(1), timeout=2.0), WAIT)
+            assert time.monotonic() - started < 2.0 + MARGIN_S
+        assert raised.value.kept is False  # type: ignore[attr-defined]
+        assert raised.value.batches_written == 0
+        result = client.sql("SELECT k FROM t")
+        await sink.write(rows(2), timeout=WAIT)
+        await sink.close(timeout=WAIT)
+        got = await asyncio.wait_for(result.read_all(), WAIT)
+        assert got["k"].to_pylist() == [2]
+        await client.aclose(timeout=WAIT)
+    await no_aio_threads()

@@ -30,7 +30,7 @@ import pyarrow as pa
 from pushtable.errors import PushTableError, SinkClosedError, WriteTimeoutError
 from pushtable.flight import protocol
 from pushtable.flight.client.aio_threads import deliver, off_loop, within
-from pushtable.flight.client.put_stream import Item, timed_out
+from pushtable.flight.client.outcome import Item, timed_out
 from pushtable.flight.client.remote_sink import RemoteSink, RemoteSinkStats
 from pushtable.producer import arrow_batches, check_timeout
 

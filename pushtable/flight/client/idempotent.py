@@ -27,7 +27,8 @@ from pushtable.errors import (
     WriteTimeoutError,
 )
 from pushtable.flight import protocol
-from pushtable.flight.client.put_stream import Item, PutStream, Sent, timed_out
+from pushtable.flight.client.outcome import Item, Sent, timed_out
+from pushtable.flight.client.put_stream import PutStream
 from pushtable.flight.client.remote_sink import WINDOW_BYTES, RemoteSink
 from pushtable.flight.client.transport import Reopening, Transport
 from pushtable.producer import arrow_batches, batch_bytes, check_timeout
@@ -116,13 +117,11 @@ class IdempotentSink(RemoteSink):
         if self._put is not None and self._put.idle:
             self._end_stream_locked()
         if self._put is None:
-            if deadline is not None and not self._transport.reached:  # see RemoteSink
-                self._ready(deadline)
             self._first = self._unacked[0][0] if self._unacked else self._next_sequence
             self._sent_upto = self._first - 1
             path = [self.name, protocol.PRODUCER, self.producer_id, str(self._first)]
             descriptor = flight.FlightDescriptor.for_path(*path)
-            self._opened(PutStream(self._transport, descriptor, self._wire_schema))
+            self._open(descriptor, deadline)
         assert self._put is not None
         return self._put
 

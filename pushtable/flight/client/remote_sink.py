@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -36,7 +37,9 @@ from pushtable.errors import (
     WriteTimeoutError,
 )
 from pushtable.flight import protocol
-from pushtable.flight.client.put_stream import LEAVE_WAIT_S, Item, PutStream, Sent, timed_out
+from pushtable.flight.client.opening import Opening
+from pushtable.flight.client.outcome import Item, Sent, timed_out
+from pushtable.flight.client.put_stream import LEAVE_WAIT_S, PutStream
 from pushtable.flight.client.transport import Reopening, Transport
 from pushtable.producer import ProducerScope, SinkStats, TopicStats, arrow_batches, check_timeout
 
@@ -118,6 +121,8 @@ class RemoteSink(ProducerScope):
         self._stopped = False  # a stream of it heard the server say it stops
         #: the pauses between streams refused as they opened, and when to stop opening more
         self._reopening = Reopening(f"remote table '{name}'")
+        #: a stream being opened for a call with a deadline that passed first
+        self._opening: Opening | None = None
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -127,29 +132,57 @@ class RemoteSink(ProducerScope):
         if self._put is not None and self._put.idle:  # the server ended it: start anew
             self._end_stream_locked()
         if self._put is None:
-            if deadline is not None and not self._transport.reached:
-                # opening a stream waits, without a bound of its own, for gRPC to reach the
-                # server: asked first, within the deadline, unless the last call reached it
-                self._ready(deadline)
             descriptor = flight.FlightDescriptor.for_path(self.name)
-            self._opened(PutStream(self._transport, descriptor, self._wire_schema, self._ended))
+            self._open(descriptor, deadline, self._ended)
         assert self._put is not None
         return self._put
 
-    def _ready(self, deadline: float) -> None:
-        """The server answers (:meth:`Transport.ready`), or the call's timeout, saying why."""
-        try:
-            self._transport.ready(deadline)
-        except WriteTimeoutError as exc:
+    def _open(
+        self,
+        descriptor: Any,
+        deadline: float | None,
+        on_end: Callable[[], None] | None = None,
+    ) -> None:
+        """Open a stream for ``descriptor`` as the sink's own, within ``deadline``.
+
+        gRPC's open waits, without a bound, for its connection (see
+        :mod:`~pushtable.flight.client.opening`): with a deadline, the open runs on a thread
+        of its own and the call raises :class:`~pushtable.WriteTimeoutError` at its deadline;
+        the next call takes the stream it opened. Without one, it opens here.
+        """
+        opening = self._opening
+        if opening is not None and opening.path != tuple(descriptor.path):
+            self._opening = None  # opened for another first batch: not this call's
+            opening.let_go()
+            opening = None
+        if opening is None:
+            if deadline is None:
+                self._opened(PutStream(self._transport, descriptor, self._wire_schema, on_end))
+                return
+            opening = self._opening = Opening(
+                functools.partial(
+                    PutStream, self._transport, descriptor, self._wire_schema, on_end
+                ),
+                tuple(descriptor.path),
+            )
+        if not opening.wait(deadline):
             raise self._reopening.timed_out(
-                f"opening a stream to remote table '{self.name}' timed out: {exc}"
-            ) from exc
+                f"timed out opening a stream to remote table '{self.name}' (gRPC had not "
+                "reached the server: it is paused, or away)"
+            )
+        self._opening = None
+        put = opening.take()
+        if put is None:  # let go by the client leaving meanwhile
+            self._refuse_left()
+            raise SinkClosedError(f"remote sink for '{self.name}' was left (its client closed)")
+        self._opened(put)
 
     def _opened(self, put: PutStream) -> None:
         """Take ``put`` as the open stream, unless the client left meanwhile (then leave it).
 
-        ``_end_stream`` sets ``_left`` and then looks at ``_put``: one of the two sees the
-        other, so no stream opened while the client leaves stays open.
+        ``_end_stream`` sets ``_left`` and then looks at ``_put`` (and a stream still
+        opening): one of the two sees the other, so no stream opened while the client leaves
+        stays open.
         """
         self._put = put
         if self._left:
@@ -159,8 +192,6 @@ class RemoteSink(ProducerScope):
     def _drop_stream(self) -> None:
         """Forget a stream the server ended (after an error): the next write opens another."""
         put, self._put = self._put, None
-        if put is not None and put.error is not None and protocol.retriable(put.error):
-            self._transport.reached = False  # it ended unreachable: the server may be away
         if put is not None:
             self._acked += put.acked
             self._sent += put.sent
@@ -182,6 +213,18 @@ class RemoteSink(ProducerScope):
         """
         deadline = time.monotonic() + timeout
         self._left = True
+        opening = self._opening
+        if opening is not None:  # a stream still opening for a call that timed out: it ends
+            opening.let_go()
+        held = self._leave_stream(deadline, timeout)
+        if opening is not None:
+            opening.thread.join(max(0.0, deadline - time.monotonic()))
+            if opening.thread.is_alive():
+                held.append(f"a stream still opening (thread {opening.thread.name})")
+        return held
+
+    def _leave_stream(self, deadline: float, timeout: float) -> list[str]:
+        """:meth:`_end_stream`'s work on the open stream; what it still holds at ``deadline``."""
         put = self._put
         if self._lock.acquire(timeout=min(0.05, timeout / 4)):
             try:  # no call holds the sink: this one takes its stream (none takes it after)

@@ -19,7 +19,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from pushtable.errors import PushTableError, ServerUnavailableError, WriteTimeoutError
+from pushtable.errors import PushTableError, WriteTimeoutError
 from pushtable.flight import protocol
 
 __all__ = ["REOPEN_FOR_S", "Reopening", "Transport"]
@@ -127,11 +127,6 @@ class Transport:
         #: options of a stream's call: no timeout (a stream lasts as long as its data)
         self.stream_options = flight.FlightCallOptions(headers=self._headers)
         self._control_options = flight.FlightCallOptions(headers=self._headers, timeout=timeout)
-        #: no call or stream of this connection has met an unreachable server since the last
-        #: one that reached it. False: a stream opened now waits, without a bound, for gRPC to
-        #: reach the server, so a call with a deadline asks first. A new connection counts as
-        #: reached (a probe on every first stream was a round trip and an audit line each).
-        self.reached = True
 
     def options(self, timeout: float | None) -> Any:
         """Call options with ``timeout`` (None: a stream's, with no timeout)."""
@@ -142,26 +137,10 @@ class Transport:
     def action(self, name: str, body: dict[str, Any] | None = None, options: Any = None) -> Any:
         """Run action ``name`` with a JSON ``body``; its JSON answer (None: no answer)."""
         options = self._control_options if options is None else options
-        try:
-            results = protocol.call(
-                lambda: list(self._flight.do_action(protocol.action(name, body), options))
-            )
-        except (ServerUnavailableError, WriteTimeoutError):
-            self.reached = False
-            raise
-        self.reached = True
+        results = protocol.call(
+            lambda: list(self._flight.do_action(protocol.action(name, body), options))
+        )
         return json.loads(results[0].body.to_pybytes()) if results else None
-
-    def ready(self, deadline: float) -> None:
-        """Return once the server answers a call (bounded by ``deadline``), or raise why not.
-
-        Opening a stream waits, without a bound of its own, for gRPC to reach the server:
-        a call with a deadline asks this first unless the last call of this connection
-        reached the server (one round trip, only then).
-        """
-        options = self.options(max(0.001, deadline - time.monotonic()))
-        protocol.call(lambda: list(self._flight.list_actions(options)))
-        self.reached = True
 
     def do_put(self, descriptor: Any, schema: pa.Schema, stream: str) -> tuple[Any, Any]:
         """Open a DoPut stream with id ``stream``: (writer, acknowledgement reader)."""
