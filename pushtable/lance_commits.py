@@ -89,7 +89,7 @@ def not_found(exc: BaseException) -> bool:
     )
 
 
-def _contention(exc: OSError) -> bool:
+def contention(exc: OSError) -> bool:
     """Whether a failed commit met concurrent writers.
 
     Lance retries compatible conflicts itself and then raises ``CommitConflictError``, or a
@@ -213,7 +213,7 @@ def commit(
         try:
             new = lance.LanceDataset.commit(ds, tx, storage_options=storage_options)
         except OSError as exc:
-            if not _contention(exc):
+            if not contention(exc):
                 raise  # storage trouble, not contention
             if on_conflict is not None:
                 on_conflict(exc)
@@ -355,7 +355,7 @@ def upkeep(
                 excluded_fragment_ids=None if exclude is None else exclude(ds)
             )
         except OSError as exc:
-            if not _contention(exc) and "preempted" not in str(exc).lower():
+            if not contention(exc) and "preempted" not in str(exc).lower():
                 raise
             log.info("compaction of %s gave way to a concurrent commit: %s", uri, exc)
     ds = open_dataset(uri, storage_options) or ds

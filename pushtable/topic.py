@@ -32,6 +32,7 @@ from pushtable.context import (
     order_columns,
 )
 from pushtable.durable import DurableLog, Start
+from pushtable.durable.fence import Fence
 from pushtable.durable.store import describe
 from pushtable.errors import PushTableError
 from pushtable.producer import (
@@ -147,7 +148,9 @@ class Topic(_Producer):
     ``storage_options`` are what Lance takes to reach it (``aws_endpoint``,
     ``aws_access_key_id``, …; without them, Lance's environment variables, ``AWS_*`` and the
     like), never stored with the topic. An acknowledgement then means the commit's puts
-    returned.
+    returned. ``fence`` (a :class:`~pushtable.durable.fence.Fence`: what a server's data dir
+    lease passes) makes its commits land only while its epoch is the newest: opening the
+    topic fences out every commit an older owner prepared.
 
     Example:
         >>> import pyarrow as pa
@@ -185,6 +188,7 @@ class Topic(_Producer):
         fsync: bool = True,
         keep_versions: timedelta = timedelta(minutes=10),
         storage_options: dict[str, str] | None = None,
+        fence: Fence | None = None,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string, got {name!r}")
@@ -198,16 +202,17 @@ class Topic(_Producer):
         order = order_columns(order_by, late)
         delay = delay_units(schema, order, max_delay)
         durable = persist is not None
-        if not durable and (retention, retention_bytes, fsync, keep_versions, storage_options) != (
-            None,
-            None,
-            True,
-            timedelta(minutes=10),
-            None,
-        ):
+        if not durable and (
+            retention,
+            retention_bytes,
+            fsync,
+            keep_versions,
+            storage_options,
+            fence,
+        ) != (None, None, True, timedelta(minutes=10), None, None):
             raise ValueError(
-                "retention, retention_bytes, fsync, keep_versions and storage_options are "
-                "options of a durable "
+                "retention, retention_bytes, fsync, keep_versions, storage_options and fence "
+                "are options of a durable "
                 "topic's stored history (Topic(..., persist=...)); retain/retain_bytes bound "
                 "one in memory"
             )
@@ -256,6 +261,7 @@ class Topic(_Producer):
                 fsync=fsync,
                 keep_versions=keep_versions,
                 storage_options=storage_options,
+                fence=fence,
             )
         metrics.track(self)
 

@@ -93,7 +93,13 @@ def test_a_killed_server_is_replaced_at_once_here_and_after_one_term_elsewhere(
     monkeypatch.setenv("PUSHTABLE_LEASE_S", "3")
     elsewhere = Lease(DataDir(root, place.options), "pushtable serve on another host")
     held = pa.table(
-        {"owner": [elsewhere.owner], "host": ["another-host"], "pid": [1], "expires": [0.0]},
+        {
+            "owner": [elsewhere.owner],
+            "host": ["another-host"],
+            "pid": [1],
+            "expires": [0.0],
+            "pidns": [""],
+        },
         schema=elsewhere._row(0.0).schema,
     )
     held = held.set_column(3, "expires", pa.array([time.time() + 3.0]))

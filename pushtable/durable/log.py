@@ -31,9 +31,11 @@ from typing import Any
 
 import pyarrow as pa
 
+from pushtable.durable.fence import Fence
 from pushtable.durable.store import LogStore, Stamp, StoredBatch, Written, micros, now_us
 from pushtable.errors import (
     CommitFailedError,
+    DataDirInUseError,
     OffsetOutOfRangeError,
     PushTableError,
     ResourceLimitError,
@@ -52,8 +54,9 @@ MiB = 1 << 20
 #: where a read starts: "earliest", "latest" (alias "now"), an offset, or an arrival time
 Start = str | int | datetime
 
-#: called after each commit attempt with the committed offset and the failure, if any
-Listener = Callable[[int, "CommitFailedError | None"], None]
+#: called after each commit attempt with the committed offset and the failure, if any (a
+#: CommitFailedError; DataDirInUseError once a newer owner fenced the topic)
+Listener = Callable[[int, "PushTableError | None"], None]
 
 
 #: batches of one epoch a Spark query may publish (the low bits of a sequence number)
@@ -194,13 +197,16 @@ class DurableLog:
         retention_bytes: int | None = None,
         fsync: bool = True,
         room: Callable[[], int | None] | None = None,
+        fence: Fence | None = None,
     ) -> None:
         if commit_interval <= 0:
             raise ValueError(f"commit_interval must be > 0 seconds, got {commit_interval!r}")
         check_retention(retention, retention_bytes)
         self.name = name
         self.schema = schema
-        self.store = LogStore(uri, schema, config, storage_options=storage_options, sync=fsync)
+        self.store = LogStore(
+            uri, schema, config, storage_options=storage_options, sync=fsync, fence=fence
+        )
         recovered = self.store.recover()
         #: history older than this is deleted, whole fragments at a time (None: kept)
         self.retention = retention
@@ -245,6 +251,7 @@ class DurableLog:
         self._took: deque[float] = deque(maxlen=8)  # seconds the latest commits took
         self._closing = False
         self._closed = False
+        self._abandoned = False  # stopped without committing what is pending (abandon)
         self._listeners: list[Listener] = []
         self.commits = 0
         self.commit_failures = 0
@@ -582,13 +589,16 @@ class DurableLog:
             # disk: they leave now, not at the first upkeep (never, without one).
             self._release()
         while True:
+            if self._abandoned:  # nothing pending is committed any more
+                self._discard(ahead)
+                return
             if not ahead:
                 with self._cond:
                     while not self._ready() and not self._closing:
                         if not self._cond.wait(self._retention_wait()):
                             break
-                    if not self._pending and self._closing:
-                        return  # closing with nothing left
+                    if self._abandoned or (not self._pending and self._closing):
+                        return  # abandoned, or closing with nothing left
                     if not self._ready() and self._closing:
                         # A unit is being appended: it closes or is taken back (both notify).
                         self._cond.wait(POLL_UNIT_S)
@@ -625,6 +635,12 @@ class DurableLog:
                 last = current.entries[-1].offset
                 stamp = Stamp(last + 1, current.stored, consumers, earliest)
                 version = self.store.commit_written(written, stamp)
+            except DataDirInUseError as exc:  # fenced by a newer owner: it did not land
+                self._discard(ahead)
+                if written is not None:
+                    self.store.discard(written)
+                self._fenced(exc)
+                return
             except BaseException as exc:  # I/O, a full disk, a read-only dir, a Lance panic
                 if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                     raise
@@ -634,8 +650,12 @@ class DurableLog:
                 # would store them twice. Read the newest stamp before anything is retried.
                 # (Unsure already, it stays so: a failure before this commit proves nothing.)
                 self._unsure = self._unsure or written is not None
-                if written is not None and self._settle_landed(written):
-                    continue
+                try:
+                    if written is not None and self._settle_landed(written):
+                        continue
+                except DataDirInUseError as fenced:  # a newer owner's stamp, not this commit's
+                    self._fenced(fenced)
+                    return
                 if written is not None and not self._unsure:
                     self.store.discard(written)  # known not to have landed
                 self._failed(current.entries, exc)
@@ -645,6 +665,9 @@ class DurableLog:
                         return
                 continue
             self._unsure = False
+            if self._abandoned:  # abandoned while it committed: it acknowledges nothing
+                self._discard(ahead)
+                return
             self._took.append(time.monotonic() - current.started)
             self._succeeded(current.entries, current.stored, version)
             # A bound in bytes is held after every commit (the history stays within one
@@ -668,6 +691,8 @@ class DurableLog:
             committed = self._committed
         try:
             found = self.store.landed(committed, written)
+        except DataDirInUseError:
+            raise
         except Exception as exc:  # noqa: BLE001 - unsure still: asked again before the retry
             log.warning(
                 "durable topic '%s': cannot tell whether offsets from %d were stored: %s",
@@ -764,6 +789,9 @@ class DurableLog:
         cutoff = None if self.retention is None else now_us() - _micros(self.retention)
         try:
             done = self.store.expire(stamp, cutoff, self.retention_bytes)
+        except DataDirInUseError as exc:
+            self._fenced(exc)
+            return
         except Exception as exc:  # noqa: BLE001 (the next check tries again)
             log.warning("retention of durable topic '%s' failed: %s", self.name, exc)
             return
@@ -830,6 +858,18 @@ class DurableLog:
             listeners = list(self._listeners)
         for listener in listeners:
             listener(self._committed, error)
+
+    def _fenced(self, exc: DataDirInUseError) -> None:
+        """A newer owner fenced the topic, or this one lost the data dir: it stops at once.
+
+        Nothing pending is committed or acknowledged; producers waiting for a commit and
+        every later write hear ``exc``, and the owner is told (its other topics stop too).
+        """
+        log.error("durable topic '%s': %s", self.name, exc)
+        self.abandon(exc)  # its listeners hear it
+        fence = self.store.fence
+        if fence is not None and fence.lost is not None:
+            fence.lost(str(exc))
 
     def _succeeded(self, entries: list[_Entry], stored: dict[str, int], version: int) -> None:
         with self._cond:
@@ -1059,18 +1099,25 @@ class DurableLog:
                 thread.join(timeout)
 
     def abandon(self, reason: PushTableError | None = None) -> None:
-        """Stop without waiting for pending batches (a failed topic, a stopping server).
+        """Stop without committing pending batches (a failed topic, a stopping server).
 
-        With ``reason`` (another server took the data dir), writes and waits for a commit
-        raise it: what is pending is never committed, so never acknowledged.
+        What is pending is never committed, so never acknowledged (a commit under way may
+        still land: it is not acknowledged either). With ``reason`` (another server took the
+        data dir), writes and waits for a commit raise it.
         """
         with self._cond:
+            first = not self._abandoned
             self._closing = True
             self._closed = True
+            self._abandoned = True
             if reason is not None:
                 self._gone = reason
             self._cond.notify_all()
+            committed, listeners = self._committed, list(self._listeners)
         self._upkeep_stop.set()
+        if reason is not None and first:  # producers waiting for a commit hear why: none comes
+            for listener in listeners:
+                listener(committed, reason)
 
     def _refused(self) -> PushTableError:
         """Why a write or a wait is refused once the log closed (the caller holds ``_cond``)."""

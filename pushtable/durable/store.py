@@ -29,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 
 from pushtable import lance_commits
+from pushtable.durable.fence import EPOCH_KEY, Fence, check_epoch, fence_topic
 from pushtable.errors import OffsetOutOfRangeError
 from pushtable.lance_commits import open_dataset
 from pushtable.lance_epochs import write_fragments
@@ -163,6 +164,7 @@ class LogStore:
         *,
         storage_options: dict[str, str] | None = None,
         sync: bool = True,
+        fence: Fence | None = None,
     ) -> None:
         for name in (OFFSET, TIMESTAMP):
             if name in schema.names:
@@ -171,8 +173,13 @@ class LogStore:
                     "dataset uses it for each row's offset and arrival time"
                 )
         self.uri = str(uri)
+        if fence is not None and not fence.current():  # an owner that lost its data dir
+            raise fence.refuse(f"opening durable topic {self.uri}")
         self.schema = schema.remove_metadata()
         self.storage_options = storage_options
+        #: the owner's epoch its commits carry (a server's data dir; see
+        #: :mod:`pushtable.durable.fence`): None, nothing fences the dataset
+        self.fence = fence
         #: fsync what each commit wrote before it counts as stored (local datasets)
         self.sync = sync
         #: fragments' bounds by their first data file (a fragment's files never change;
@@ -212,6 +219,13 @@ class LogStore:
                 raise ValueError(
                     f"{self.uri} holds a topic with schema {have}, not the one given: {self.schema}"
                 )
+        if fence is not None:  # the owner's first act: no commit prepared before lands
+            ds = fence_topic(
+                self.uri,
+                fence,
+                lambda state: _stamp(stamp_of(state)).props(),
+                storage_options,
+            )
         self._ds: lance.LanceDataset = ds
         #: the stored schema (the topic's columns and the two per row): fixed for its life
         self._schema: pa.Schema = ds.schema
@@ -267,7 +281,7 @@ class LogStore:
         after it failed, or an object store's reply lost): :meth:`landed` tells, before
         anything is committed again.
         """
-        props = stamp.props()
+        props = self._props(stamp)
         self._ds = self._commit(
             lambda ds: lance.Transaction(
                 ds.version,
@@ -294,6 +308,7 @@ class LogStore:
         ds = self._open()
         if ds is None:
             return None
+        self._check_fence(ds, "reading back a commit")  # a newer owner's stamp is not ours
         found = stamp_of(ds)
         if found.next_offset <= after:
             return None
@@ -314,15 +329,56 @@ class LogStore:
         names = [file.path for fragment in written.fragments for file in fragment.files]
         lance_commits.remove_data_files(self._ds, names)
 
+    def _props(self, stamp: Stamp) -> dict[str, str]:
+        """``stamp`` as a commit's properties, with the owner's epoch when fenced."""
+        props = stamp.props()
+        if self.fence is not None:
+            props[EPOCH_KEY] = str(self.fence.epoch)
+        return props
+
+    def _check_fence(self, ds: lance.LanceDataset, what: str) -> None:
+        """Raise :class:`~pushtable.DataDirInUseError` when this owner may not commit to ``ds``.
+
+        The store's fence is the conflict a commit over an older version meets; this is what
+        keeps a commit from being retried over a version a newer owner fenced (and, beside
+        it, an owner that knows it lost the data dir from trying at all).
+        """
+        fence = self.fence
+        if fence is None:
+            return
+        if not fence.current():
+            raise fence.refuse(f"{what} of {self.uri}")
+        check_epoch(ds, fence, f"{what} of {self.uri}")
+
     def _commit(self, transaction: Any) -> lance.LanceDataset:
+        """Commit ``transaction(ds)`` over the version this store last read (or wrote).
+
+        A fenced store commits over the version it read and, when a commit conflicts, reads
+        the epoch before anything is tried again: a newer owner's fence raises
+        :class:`~pushtable.DataDirInUseError` (the commit did not land).
+        """
+        if self.fence is not None and not self.fence.current():  # its own version: no read
+            raise self.fence.refuse(f"committing to {self.uri}")
+        recheck = None
+        if self.fence is not None:
+
+            def recheck(ds: lance.LanceDataset) -> None:
+                self._check_fence(ds, "committing")
+
         with self._committing:
-            new = lance_commits.commit(
-                self._ds,
-                transaction,
-                storage_options=self.storage_options,
-                retries=6,  # another writer of the dataset committed meanwhile
-                sync=self.sync,
-            )
+            try:
+                new = lance_commits.commit(
+                    self._ds,
+                    transaction,
+                    storage_options=self.storage_options,
+                    retries=6,  # another writer of the dataset committed meanwhile
+                    sync=self.sync,
+                    recheck=recheck,
+                )
+            except OSError:
+                if self.fence is not None and (latest := self._open()) is not None:
+                    self._check_fence(latest, "committing")  # fenced: it did not land
+                raise
         assert isinstance(new, lance.LanceDataset)
         return new
 
@@ -344,7 +400,7 @@ class LogStore:
         def transaction(ds: lance.LanceDataset) -> lance.Transaction:
             ids, earliest = self._due(ds, stamp.next_offset, older_than_us, keep_bytes)
             plan["earliest"] = earliest
-            props = dataclasses.replace(stamp, earliest=earliest).props()
+            props = self._props(dataclasses.replace(stamp, earliest=earliest))
             delete = lance.LanceOperation.Delete([], ids, f"{OFFSET} < {earliest}")
             return lance.Transaction(ds.version, delete, transaction_properties=props)
 
@@ -527,6 +583,7 @@ class LogStore:
                 return 0
             ds = self._open()  # its own handle: upkeep calls this too
             assert ds is not None
+            self._check_fence(ds, "cleanup")  # a fenced owner removes no version
             lance_commits.move_tag(ds, TAG, stamped)
             stats = ds.cleanup_old_versions(
                 versions=list(range(self._cleaned_below, floor)),
@@ -552,6 +609,7 @@ class LogStore:
         ds = self._open()
         if ds is None:
             return
+        self._check_fence(ds, "upkeep")  # beside the path: compaction keeps every row
         compact = room is None or _small_bytes(ds) <= room
         if not compact:
             log.info("upkeep of %s skips compaction: %s bytes of room left", self.uri, room)
@@ -758,6 +816,11 @@ def directory_bytes(path: Path) -> int:
             with contextlib.suppress(FileNotFoundError):  # removed by a cleanup meanwhile
                 total += os.stat(os.path.join(root, f)).st_size
     return total
+
+
+def _stamp(found: Recovered) -> Stamp:
+    """The stamp that says what ``found`` says is stored."""
+    return Stamp(found.next_offset, found.producers, found.consumers, found.earliest)
 
 
 def _recovered(props: dict[str, str], version: int) -> Recovered:

@@ -12,9 +12,12 @@ failed at once (it acknowledges nothing more). A server that dies holds it one t
 (``PUSHTABLE_LEASE_S``, 30 s by default); one started again on the same host takes it at once
 when the holder's process is gone (the row names its host and pid).
 
-Fencing is by lease, not per commit: a server paused longer than a term (SIGSTOP, a frozen VM)
-may land the group commit it had in flight after another took over, before its next renewal
-tells it.
+The lease says who may serve; the store enforces it per commit. The version at which a
+server took the lease is its *epoch*: every commit of its durable topics carries it, and a
+successor's first act on each topic fences out every commit prepared under an older one
+(:mod:`pushtable.durable.fence`), so a server paused longer than a term (SIGSTOP, a frozen
+VM) lands nothing once it resumes. Beside it, a server whose term ran out without a renewal
+stops committing at once (:meth:`Lease.current`).
 
 Example:
     >>> import tempfile
@@ -41,6 +44,7 @@ import time
 from collections.abc import Callable
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from typing import Any
 
 import lance
 import pyarrow as pa
@@ -56,8 +60,24 @@ log = logging.getLogger(__name__)
 #: the lease's dataset under the data dir (a name no durable topic can have)
 LEASE_NAME = ".pushtable-owner.lance"
 _SCHEMA = pa.schema(
-    [("owner", pa.string()), ("host", pa.string()), ("pid", pa.int64()), ("expires", pa.float64())]
+    [
+        ("owner", pa.string()),
+        ("host", pa.string()),
+        ("pid", pa.int64()),
+        ("expires", pa.float64()),
+        # the holder's PID namespace: a pid names a process only within one (containers
+        # with host networking share a hostname, not their pids)
+        ("pidns", pa.string()),
+    ]
 )
+
+
+def _pid_namespace() -> str:
+    """This process's PID namespace ("pid:[4026531836]"; "" where there is none to read)."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
 
 
 def lease_term() -> float:
@@ -65,13 +85,18 @@ def lease_term() -> float:
     return float(os.environ.get("PUSHTABLE_LEASE_S", "30"))
 
 
-def _dead_here(host: str, pid: int) -> bool:
-    """Whether the holder ran on this host and its process is gone.
+def _dead_here(holder: dict[str, Any]) -> bool:
+    """Whether the holder ran on this host, in this PID namespace, and its process is gone.
 
     Then its lease need not lapse: a server killed and started again on the same machine
-    takes over at once.
+    takes over at once. A holder in another PID namespace (another container on the same
+    host), or one whose row does not name its namespace, waits for the lease to lapse: its
+    pid means nothing here.
     """
-    if host != socket.gethostname():
+    host, pid = holder.get("host"), holder.get("pid")
+    if host != socket.gethostname() or holder.get("pidns") != _pid_namespace():
+        return False
+    if not isinstance(pid, int):
         return False
     try:
         os.kill(pid, 0)
@@ -102,6 +127,13 @@ class Lease:
         self.term = lease_term() if term is None else term
         self._on_lost = on_lost  # told (once) when another server overtook the lease
         self._version: int | None = None
+        #: the lease dataset's version at which this owner took it: its commits' epoch
+        #: (every take commits over the version before: a later owner's is greater)
+        self.epoch: int | None = None
+        #: monotonic time its term runs out unless renewed (from when the last renewal that
+        #: landed started): past it, this owner commits nothing (see :meth:`current`)
+        self._until = 0.0
+        self._lost = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._renewals = 0
@@ -113,6 +145,7 @@ class Lease:
                 "host": [socket.gethostname()],
                 "pid": [os.getpid()],
                 "expires": [expires],
+                "pidns": [_pid_namespace()],
             },
             schema=_SCHEMA,
         )
@@ -129,6 +162,7 @@ class Lease:
     def acquire(self) -> None:
         """Take the lease, or raise :class:`DataDirInUseError` naming who holds it."""
         ds = open_dataset(self.uri, self.options)
+        started = time.monotonic()
         row = self._row(time.time() + self.term)
         if ds is None:
             try:
@@ -144,20 +178,31 @@ class Lease:
                     f"data dir {self.where}: another server took its lease meanwhile ({exc})"
                 ) from exc
         else:
-            held = ds.to_table().to_pylist() if ds.schema.equals(_SCHEMA) else []
-            for holder in held[:1]:
-                mine = holder["owner"] == self.owner
-                lapsed = holder["expires"] <= time.time()
-                if not (mine or lapsed or _dead_here(holder["host"], holder["pid"])):
-                    raise self._refused(holder["owner"], holder["expires"])
+            # every row, whatever columns its writer's version had: an older server's row
+            # (no namespace) is a holder too
+            for holder in ds.to_table().to_pylist()[:1]:
+                mine = holder.get("owner") == self.owner
+                lapsed = float(holder.get("expires") or 0.0) <= time.time()
+                if not (mine or lapsed or _dead_here(holder)):
+                    raise self._refused(str(holder.get("owner")), float(holder["expires"]))
             ds = self._taken(ds.version, row)
             if ds is None:
                 now = open_dataset(self.uri, self.options)
                 taken = now.to_table().to_pylist()[0] if now is not None else {}
                 raise self._refused(taken.get("owner", "another server"), taken.get("expires", 0))
-        self._version = ds.version
+        self._version = self.epoch = ds.version
+        self._until = started + self.term
         self._thread = threading.Thread(target=self._keep, name="pushtable-lease", daemon=True)
         self._thread.start()
+
+    def current(self) -> bool:
+        """Whether this owner holds the lease now: taken, not lost, its term not run out.
+
+        Defence in depth beside the store's fence (:mod:`pushtable.durable.fence`): a server
+        that knows its term ran out without a renewal stops committing at once, without
+        waiting for a successor's fence to refuse it.
+        """
+        return self.epoch is not None and not self._lost and time.monotonic() < self._until
 
     def _swap(self, read_version: int, row: pa.Table) -> lance.LanceDataset | None:
         """Commit ``row`` over ``read_version``; None when another commit overtook it."""
@@ -189,44 +234,64 @@ class Lease:
             ds = self._swap(read_version, row)
         except Exception:
             ds = None
-            mine = self._mine()
+            mine = self._mine(read_version, row)
             if mine is None:
                 raise
             return mine
-        return ds if ds is not None else self._mine()
+        return ds if ds is not None else self._mine(read_version, row)
 
-    def _mine(self) -> lance.LanceDataset | None:
-        """The newest version, if this owner wrote it (a commit of ours that landed)."""
+    def _mine(self, read_version: int, row: pa.Table) -> lance.LanceDataset | None:
+        """The newest version, if it is ``row``'s commit over ``read_version`` that landed.
+
+        Not merely a row of this owner: its previous row (a renewal that wrote nothing) is
+        not a renewal.
+        """
         ds = open_dataset(self.uri, self.options)
-        if ds is None or not ds.schema.equals(_SCHEMA):
+        if ds is None or ds.version <= read_version:
             return None
         rows = ds.to_table().to_pylist()
-        return ds if rows and rows[0]["owner"] == self.owner else None
+        want = row.to_pylist()[0]
+        found = rows[0] if rows else {}
+        landed = found.get("owner") == want["owner"] and found.get("expires") == want["expires"]
+        return ds if landed else None
 
     def renew(self) -> bool:
         """Extend the lease by a term; False when another server overtook it (it is lost)."""
         assert self._version is not None
+        started = time.monotonic()
         ds = self._taken(self._version, self._row(time.time() + self.term))
         if ds is None:
+            self._lost = True
             return False
         self._version = ds.version
+        self._until = started + self.term
         self._renewals += 1
         if self._renewals % 30 == 0:  # its own history: a version every third of a term
             ds.cleanup_old_versions(older_than=timedelta(seconds=self.term))
         return True
 
     def _keep(self) -> None:
-        while not self._stop.wait(self.term / 3):
+        while not self._stop.wait(max(0.0, min(self.term / 3, self._until - time.monotonic()))):
+            if not self.current():  # the term ran out, the renewals failing: it is over
+                self._lose(
+                    f"the lease of data dir {self.where} ran out ({self.term:g}s) without a "
+                    "renewal: the store could not be reached, or this server was paused"
+                )
+                return
             try:
                 kept = self.renew()
             except Exception as exc:  # noqa: BLE001 - the store is away: try again, in term
                 log.warning("could not renew the lease of data dir %s: %s", self.where, exc)
                 continue
             if not kept:
-                log.error("data dir %s: another server took its lease", self.where)
-                if self._on_lost is not None:
-                    self._on_lost(f"another server took the lease of data dir {self.where}")
+                self._lose(f"another server took the lease of data dir {self.where}")
                 return
+
+    def _lose(self, why: str) -> None:
+        self._lost = True
+        log.error("data dir %s: %s", self.where, why)
+        if self._on_lost is not None:
+            self._on_lost(why)
 
     def release(self) -> None:
         """Stop renewing and let the lease lapse now (best effort: else it lapses in a term)."""

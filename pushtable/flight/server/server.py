@@ -28,6 +28,7 @@ import pyarrow.flight as flight
 
 from pushtable import metrics
 from pushtable.context import SessionContext
+from pushtable.durable.fence import Fence
 from pushtable.errors import DataDirInUseError, ServerStoppedError, UnsupportedCallError
 from pushtable.flight.server import actions, sql
 from pushtable.flight.server.auth import BearerAuth, Grant, Tokens, caller
@@ -118,6 +119,8 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
         self.ctx = ctx if ctx is not None else _remote_session(self.limits)
         #: one server at a time serves a data dir (see :mod:`.lease`)
         self._lease: Lease | None = None
+        self._losing = threading.Lock()
+        self._lost = False  # the data dir was lost (its topics failed, once)
         if self.data_dir is not None:
             # unique per server (two in one process are two owners), readable by a person
             owner = (
@@ -141,7 +144,11 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
         tokens: Mapping[str, Grant] | Tokens | None,
         fsync: bool,
     ) -> None:
-        self._tables = Tables(self.ctx, self.usage, self.data_dir, fsync)
+        fence = None
+        if self._lease is not None:
+            assert self._lease.epoch is not None
+            fence = Fence(self._lease.epoch, self._lease.current, self._lost_data_dir)
+        self._tables = Tables(self.ctx, self.usage, self.data_dir, fsync, fence)
         if tls is not None and location.startswith("grpc://"):
             location = "grpc+tls://" + location.removeprefix("grpc://")
         self.tokens = _tokens(token, tokens)
@@ -321,11 +328,21 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
 
         They acknowledge nothing more; their producers and readers hear why.
         """
+        with self._losing:
+            if self._lost:
+                return  # told by each topic its successor fenced: once is enough
+            self._lost = True
         lost = DataDirInUseError(why)
-        for _, producer in self._tables.all():
-            if isinstance(producer, Topic) and producer.durable is not None:
-                producer.durable.abandon(lost)  # nothing pending is committed any more
-                producer.fail(lost)
+        durable = [
+            producer
+            for _, producer in self._tables.all()
+            if isinstance(producer, Topic) and producer.durable is not None
+        ]
+        for producer in durable:  # all at once: nothing pending is committed any more
+            assert producer.durable is not None
+            producer.durable.abandon(lost)
+        for producer in durable:  # then each is failed (its threads joined)
+            producer.fail(lost)
 
     def stop(self, timeout: float = 10.0) -> int:
         """Fail every table, let calls deliver their errors, then shut down. Idempotent.

@@ -24,6 +24,7 @@ import pyarrow as pa
 
 from pushtable import errors
 from pushtable.context import SessionContext
+from pushtable.durable.fence import Fence
 from pushtable.errors import PermissionDeniedError, ResourceLimitError, UnknownTableError
 from pushtable.flight import protocol
 from pushtable.flight.server import actions
@@ -46,8 +47,12 @@ class Tables:
         usage: Usage,
         data_dir: DataDir | None,
         fsync: bool,
+        fence: Fence | None = None,
     ) -> None:
         self._ctx, self._usage = ctx, usage
+        #: the data dir's owner epoch every durable topic's commits carry (see
+        #: :mod:`pushtable.durable.fence`): opening a topic fences out an older owner's
+        self._fence = fence
         self._data_dir, self._fsync = data_dir, fsync
         self._lock = threading.Lock()
         self._tables: dict[str, TableSink | Topic] = {}
@@ -70,6 +75,7 @@ class Tables:
                         name,
                         fsync=fsync,
                         storage_options=data_dir.storage_options,
+                        fence=fence,
                     )
                 )
 
@@ -172,6 +178,7 @@ class Tables:
                 persist=uri,
                 fsync=self._fsync,
                 storage_options=self._data_dir.storage_options,
+                fence=self._fence,
                 **options,
             )
         )

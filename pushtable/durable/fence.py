@@ -1,0 +1,151 @@
+"""A durable topic's owner, fenced by the store: a commit lands only under the current epoch.
+
+A data dir's lease (:mod:`pushtable.flight.server.lease`) says which server serves it, but a
+check of the lease beside a commit cannot stop a server paused (or cut off from the store)
+between the check and the commit: once the pause ends, its commit lands over its successor's.
+So the store itself refuses it. Each owner has an *epoch*, the lease dataset's version at
+which it took the lease (every take is a commit over the previous version: epochs grow), and
+every commit of a topic carries it (``pushtable.epoch`` in its transaction properties).
+
+The successor's first act on each topic is a Lance ``Restore`` of the version it read,
+stamped with its epoch (:func:`fence_topic`). Lance refuses an ``Append``, a ``Delete`` or a
+``merge_insert`` whose read version precedes a ``Restore`` (``CommitConflictError``, not
+retryable; pylance 14.0.2, on a local disk and on S3's conditional PUT alike; see
+docs/deployment.md), so every commit the old owner prepared before the fence fails, however
+long it was paused. The old owner commits with the version it last read as its read version
+and never retries over a newer one without reading its epoch first
+(:func:`check_epoch`): a newer epoch means it was fenced, and it tells its producers
+(:class:`~pushtable.DataDirInUseError`, nothing acknowledged).
+
+A ``Restore`` is blind: a commit that landed between the successor's read and its fence is
+reverted by it. The fence sees that (it did not land at the version after the one it read)
+and restores again the newest version it reverted, until one lands right after its read.
+
+Example:
+    >>> import tempfile, lance, pyarrow as pa
+    >>> uri = tempfile.mkdtemp() + "/t.lance"
+    >>> _ = lance.write_dataset(pa.table({"v": [1]}), uri)
+    >>> fenced = fence_topic(uri, Fence(7), lambda state: {"k": "v"})
+    >>> epoch_of(lance.dataset(uri)), fenced.count_rows()
+    (7, 1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import lance
+
+from pushtable import lance_commits
+from pushtable.errors import DataDirInUseError
+
+__all__ = ["EPOCH_KEY", "Fence", "check_epoch", "epoch_of", "fence_topic"]
+
+#: the transaction property naming the epoch of the owner that made a commit
+EPOCH_KEY = "pushtable.epoch"
+
+#: how many times a fence restores again a commit it reverted before giving up
+FENCE_ROUNDS = 8
+
+
+@dataclass(frozen=True)
+class Fence:
+    """The owner's epoch its commits carry, and whether it may still commit.
+
+    ``current`` (defence in depth, beside the store's fence) answers False once the owner
+    knows it lost the data dir (its lease's term ran out without a renewal, or another
+    server took it); ``lost`` is told when a commit finds itself fenced, so every topic
+    stops at once.
+    """
+
+    epoch: int
+    current: Callable[[], bool] = field(default=lambda: True, compare=False)
+    lost: Callable[[str], None] | None = field(default=None, compare=False)
+
+    def refuse(self, what: str) -> DataDirInUseError:
+        """The error for ``what`` (a commit, a topic's creation) once the owner lost the dir."""
+        return DataDirInUseError(
+            f"{what}: this server no longer holds the data dir's lease (epoch {self.epoch}); "
+            "nothing more is stored or acknowledged here"
+        )
+
+
+def epoch_of(ds: lance.LanceDataset) -> int:
+    """The epoch of the newest commit of ``ds`` that names one (0: none does)."""
+    found = lance_commits.newest_stamp(ds, lambda props: EPOCH_KEY in props)
+    return 0 if found is None else int(found[1][EPOCH_KEY])
+
+
+def check_epoch(ds: lance.LanceDataset, fence: Fence, what: str) -> None:
+    """Raise :class:`~pushtable.DataDirInUseError` if a newer owner fenced ``ds``."""
+    newer = epoch_of(ds)
+    if newer > fence.epoch:
+        raise DataDirInUseError(
+            f"{what}: another server (epoch {newer}, this one {fence.epoch}) took the data "
+            "dir and fenced the topic; nothing more is stored or acknowledged here"
+        )
+
+
+def fence_topic(
+    uri: str,
+    fence: Fence,
+    props: Callable[[lance.LanceDataset], dict[str, str]],
+    storage_options: dict[str, str] | None = None,
+) -> lance.LanceDataset:
+    """Fence the topic at ``uri`` with ``fence``'s epoch: no commit prepared before lands.
+
+    ``props(state)`` are the fence commit's transaction properties besides the epoch: a
+    topic's stamp as of ``state``, the version restored, so a restart reads the same stamp.
+    Returns the fenced dataset (as it was: a ``Restore`` changes no row). Raises
+    :class:`~pushtable.DataDirInUseError` if a newer owner fenced it first.
+    """
+    what = f"fencing durable topic {uri}"
+    ds = _open(uri, storage_options)
+    check_epoch(ds, fence, what)
+    if epoch_of(ds) == fence.epoch:
+        return ds  # fenced already: this owner opened it before
+    keep = read = ds.version  # the state kept (every commit up to it), the version read
+    for _ in range(FENCE_ROUNDS):
+        state = ds if keep == ds.version else _open(uri, storage_options, keep)
+        tx = lance.Transaction(
+            read,
+            lance.LanceOperation.Restore(keep),
+            transaction_properties={**props(state), EPOCH_KEY: str(fence.epoch)},
+        )
+        try:
+            new = lance.LanceDataset.commit(uri, tx, storage_options=storage_options, max_retries=0)
+        except OSError as exc:
+            if not lance_commits.contention(exc):
+                raise
+            ds = _open(uri, storage_options)  # another commit took the version: read again
+            check_epoch(ds, fence, what)
+            keep = read = ds.version
+            continue
+        if new.version == read + 1:
+            return new
+        # Commits landed between the read and the fence, and the Restore reverted them:
+        # the newest of them holds them all; it is restored, over the fence, next round.
+        reverted = _open(uri, storage_options, new.version - 1)
+        if epoch_of(reverted) > fence.epoch:  # a newer owner's fence among them: it stays
+            back = lance.Transaction(
+                new.version,
+                lance.LanceOperation.Restore(reverted.version),
+                transaction_properties={
+                    **props(reverted),
+                    EPOCH_KEY: str(epoch_of(reverted)),
+                },
+            )
+            lance.LanceDataset.commit(uri, back, storage_options=storage_options)
+            check_epoch(reverted, fence, what)
+        ds, keep, read = new, reverted.version, new.version
+    raise DataDirInUseError(f"{what}: other commits kept landing beside the fence")
+
+
+def _open(
+    uri: str, storage_options: dict[str, str] | None, version: int | None = None
+) -> lance.LanceDataset:
+    ds = lance_commits.open_dataset(uri, storage_options, version)
+    if ds is None:
+        raise FileNotFoundError(f"no dataset at {uri}")
+    return ds
