@@ -276,9 +276,7 @@ def test_a_server_paused_past_its_term_lands_nothing_once_resumed(
             client.create_topic("t", SCHEMA, durable=True, commit_interval=4.0)
             a_sink = client.sink("t")
             a_sink.write(rows(0, "a"), timeout=WAIT)
-            wait_until(
-                lambda: client.stats("t").get("pending_batches") == 1, "A to hold the batch"
-            )
+            wait_until(lambda: client.stats("t").get("pending_batches") == 1, "A to hold the batch")
             os.kill(a.pid, signal.SIGSTOP)
             try:
                 started: list[Any] = []
