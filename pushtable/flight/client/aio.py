@@ -140,6 +140,8 @@ class AsyncResult:
         self._max_queued = max_queued
         self._refuse_closed = refuse_closed
         self._result: RemoteResult | None = None
+        #: the query's open, on a thread: shared by the tasks that wait for it (one query)
+        self._opening: asyncio.Future[RemoteResult] | None = None
         self._queue: janus.Queue[pa.RecordBatch | _End] | None = None
         self._exited: asyncio.Future[None] | None = None
         self._done = False
@@ -147,12 +149,17 @@ class AsyncResult:
 
     async def _open(self) -> janus.Queue[pa.RecordBatch | _End]:
         if self._queue is None:
-            if self._refuse_closed is not None:
-                self._refuse_closed()
-            result = await off_loop(self._start)
-            if self._done:  # left (aclose) while the query opened: it stops now
-                with contextlib.suppress(Exception):
-                    result.cancel()
+            if self._opening is None:
+                if self._refuse_closed is not None:
+                    self._refuse_closed()
+                self._opening = asyncio.ensure_future(off_loop(self._start))
+                self._opening.add_done_callback(self._opened)
+            try:  # shielded: a cancelled wait leaves the open to its callback
+                result = await asyncio.shield(self._opening)
+            except asyncio.CancelledError:
+                self._done = True  # the task gave up: so does the query, once open
+                raise
+            if self._done:  # left (aclose) while the query opened: it stopped as it opened
                 raise StopAsyncIteration
             self._result = result
             loop = asyncio.get_running_loop()
@@ -166,6 +173,12 @@ class AsyncResult:
             ).start()
             weakref.finalize(self, _cancel, self._result, self._queue, self._stop)
         return self._queue
+
+    def _opened(self, opening: asyncio.Future[RemoteResult]) -> None:
+        """The query opened: if the result was left meanwhile, it stops now (no task takes it)."""
+        if self._done and not opening.cancelled() and opening.exception() is None:
+            with contextlib.suppress(Exception):  # a closed client: its query is gone already
+                opening.result().cancel()
 
     @property
     def schema(self) -> pa.Schema | None:
@@ -208,6 +221,9 @@ class AsyncResult:
         Waits at most ``timeout`` seconds for the thread to end; never joins it on the loop.
         """
         self._done = True
+        opening = self._opening
+        if self._queue is None and opening is not None and opening.done():
+            self._opened(opening)  # opened, and no task took it: it stops
         if self._queue is not None:
             _cancel(self._result, self._queue, self._stop)
             await self._let_go(timeout)

@@ -45,6 +45,12 @@ _POLL_S = 0.2
 CLOSE_WAIT_S = 5.0
 
 
+def _retrieve(future: asyncio.Future[None]) -> None:
+    """Read the outcome of a write no task waits for (asyncio warns of one never read)."""
+    if not future.cancelled():
+        future.exception()
+
+
 class _Job:
     """An item on its way to the writer thread; a task that stops waiting abandons it."""
 
@@ -335,6 +341,7 @@ class AsyncSink:
             if outcome.done() and not outcome.cancelled() and outcome.exception() is exc:
                 raise  # the batch's own outcome (its stream's end, or never sent)
             sent = self._abandon(jobs)
+            outcome.add_done_callback(_retrieve)  # an outcome no task reads any more
             raise timed_out(
                 f"write to '{self.name}' timed out after {timeout}s waiting for its "
                 "acknowledgement",
@@ -344,6 +351,7 @@ class AsyncSink:
         except BaseException:
             if not outcome.done():  # the task stopped waiting (cancelled): not its outcome
                 self._abandon(jobs)
+                outcome.add_done_callback(_retrieve)
             raise
 
     def _abandon(self, jobs: list[_Job]) -> int:

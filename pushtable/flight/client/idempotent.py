@@ -11,6 +11,7 @@ once, so a batch whose acknowledgement was lost is acknowledged again, not appen
 from __future__ import annotations
 
 import collections
+import copy
 import time
 from typing import Any
 
@@ -233,7 +234,12 @@ class IdempotentSink(RemoteSink):
                 if isinstance(exc, WriteTimeoutError):
                     raise  # every batch stays kept; the next call goes on
                 first = self._first  # the open stream's first sequence, before it is dropped
-                if self._put is not None and (self._put.error is not None or self._put.finished):
+                open_put = self._put
+                # A refusal ends the stream (gRPC's write may raise it before the reader has
+                # seen the end): dropped at once, so no later wait on it meets the refusal
+                # again and lets go of the batch that took the refused one's number.
+                dead = open_put is not None and (open_put.error is not None or open_put.finished)
+                if open_put is not None and (dead or not protocol.retriable(exc)):
                     self._drop_stream()
                 if protocol.reopens(exc):  # refused as it opened: took nothing, all go again
                     try:
@@ -435,9 +441,13 @@ class IdempotentSink(RemoteSink):
                 self._pump(0 if ended else None, deadline)
             except PushTableError as exc:
                 if getattr(exc, "gave_up", False):  # past ``retry``: every item hears it
-                    items, self._items = list(self._items.values()), {}
-                    for item in items:
-                        item.settle(exc)
+                    for item in list(self._items.values()):
+                        own = copy.copy(exc)  # its own: its batch is the one kept
+                        own.batches_written = 1
+                        item.settle(own)
+                        # kept: a later error of its batch (a refusal once the server is
+                        # back) goes to the next flush or close, as no task waits for it
+                        item.hand_over(self._orphaned)
                     raise
                 if protocol.retriable(exc) or isinstance(exc, WriteTimeoutError):
                     raise

@@ -22,7 +22,7 @@ from pushtable.errors import PushTableError
 if TYPE_CHECKING:
     from pushtable.flight.client.put_stream import PutStream
 
-__all__ = ["Opening"]
+__all__ = ["Opening", "end_unused"]
 
 #: how long a stream opened for nobody is given to end cleanly (it carries nothing)
 LET_GO_WAIT_S = 2.0
@@ -41,8 +41,17 @@ class Opening:
         self._error: BaseException | None = None
         self._owned = False  # taken, or let go: the stream (if any) is someone's
         self._let_go = False
+        self._started = False
         self.thread = threading.Thread(target=self._run, name="pushtable-open", daemon=True)
+
+    def start(self) -> bool:
+        """Start the open; False if it was let go first (then it never starts)."""
+        with self._lock:
+            if self._let_go:
+                return False
+            self._started = True
         self.thread.start()
+        return True
 
     def _run(self) -> None:
         try:
@@ -57,7 +66,23 @@ class Opening:
             self._owned |= stray
         self._done.set()
         if stray:
-            _end(put)
+            end_unused(put)
+
+    def usable(self, path: tuple[bytes, ...]) -> bool:
+        """Whether a call needing a stream for ``path`` may take this one now it is done.
+
+        Not when the open failed, when the server ended the stream meanwhile (idle, or
+        gone), or when it was opened for another first batch.
+        """
+        put = self._put
+        if self.path != path or put is None or self._owned:
+            return False
+        return not (put.ended or put.idle)
+
+    @property
+    def done(self) -> bool:
+        """The open returned (a stream, or its error)."""
+        return self._done.is_set()
 
     def wait(self, deadline: float | None) -> bool:
         """Wait until the open returned (or ``deadline``); whether it did."""
@@ -78,17 +103,36 @@ class Opening:
         assert self._put is not None
         return self._put
 
-    def let_go(self) -> None:
-        """Nobody takes this stream: once opened, it ends (now if it is, on its thread if not)."""
+    def let_go(self, deadline: float) -> list[str]:
+        """Nobody takes this stream: once opened it ends, here if it is open already.
+
+        Waits until ``deadline`` for the open (its thread ends a stream it opens once let
+        go) and for the stream's end. Returns what is still held then (empty: nothing: no
+        slot on the server, no thread).
+        """
         with self._lock:
             self._let_go = True
             put = None if self._owned else self._put
             self._owned |= put is not None
+            started = self._started
+        if not started:
+            return []  # it never starts
         if put is not None:
-            threading.Thread(target=_end, args=(put,), name="pushtable-open", daemon=True).start()
+            end_unused(put, deadline)
+        self.thread.join(max(0.0, deadline - time.monotonic()))
+        if self.thread.is_alive():
+            return [f"a stream still opening (thread {self.thread.name})"]
+        put = self._put
+        if put is None:
+            return []  # it never opened
+        for thread in put.threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        held = [] if put.finished else [f"a stream opened for nobody ({put.stream_id})"]
+        return held + [f"thread {t.name}" for t in put.threads]
 
 
-def _end(put: PutStream) -> None:
+def end_unused(put: PutStream, deadline: float | None = None) -> None:
     """End a stream that carried nothing (left, if the server does not end it in time)."""
+    wait = LET_GO_WAIT_S if deadline is None else max(0.001, deadline - time.monotonic()) / 2
     with contextlib.suppress(PushTableError):
-        put.finish(timeout=LET_GO_WAIT_S, leave_for=LET_GO_WAIT_S)
+        put.finish(timeout=wait, leave_for=wait)

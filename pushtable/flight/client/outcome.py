@@ -112,6 +112,12 @@ class Item:
                 self.claimed = True
             return self.claimed
 
+    def hand_over(self, outcome: Callable[[BaseException | None], None]) -> None:
+        """Its writer was told it is kept (settled): its final outcome goes to ``outcome``."""
+        self.settled = False
+        self.error = None
+        self.outcome = outcome
+
     def settle(self, error: BaseException | None) -> None:
         """Record the item's outcome and tell its callback (once)."""
         if self.settled:

@@ -37,7 +37,7 @@ from pushtable.errors import (
     WriteTimeoutError,
 )
 from pushtable.flight import protocol
-from pushtable.flight.client.opening import Opening
+from pushtable.flight.client.opening import Opening, end_unused
 from pushtable.flight.client.outcome import Item, Sent, timed_out
 from pushtable.flight.client.put_stream import LEAVE_WAIT_S, PutStream
 from pushtable.flight.client.transport import Reopening, Transport
@@ -150,10 +150,14 @@ class RemoteSink(ProducerScope):
         of its own and the call raises :class:`~pushtable.WriteTimeoutError` at its deadline;
         the next call takes the stream it opened. Without one, it opens here.
         """
+        path = tuple(descriptor.path)
         opening = self._opening
-        if opening is not None and opening.path != tuple(descriptor.path):
-            self._opening = None  # opened for another first batch: not this call's
-            opening.let_go()
+        if opening is not None and opening.done and not opening.usable(path):
+            # Found done with no use: an open that failed (its error was no call's: none
+            # waited for it), a stream the server ended meanwhile (idle), or one opened for
+            # another first batch. Let go; this call opens anew.
+            self._opening = None
+            opening.let_go(time.monotonic() + LEAVE_WAIT_S if deadline is None else deadline)
             opening = None
         if opening is None:
             if deadline is None:
@@ -163,19 +167,34 @@ class RemoteSink(ProducerScope):
                 functools.partial(
                     PutStream, self._transport, descriptor, self._wire_schema, on_end
                 ),
-                tuple(descriptor.path),
+                path,
             )
+            # ``_end_stream`` sets ``_left``, then lets ``_opening`` go: one of the two sees
+            # the other, and an open let go before it starts never does
+            if self._left or not opening.start():
+                self._opening = None
+                self._refuse_left()
+                raise SinkClosedError(f"remote sink for '{self.name}' was left (its client closed)")
         if not opening.wait(deadline):
             raise self._reopening.timed_out(
                 f"timed out opening a stream to remote table '{self.name}' (gRPC had not "
                 "reached the server: it is paused, or away)"
             )
         self._opening = None
-        put = opening.take()
+        put = opening.take()  # the open's error, raised: this call waited for it
         if put is None:  # let go by the client leaving meanwhile
             self._refuse_left()
             raise SinkClosedError(f"remote sink for '{self.name}' was left (its client closed)")
-        self._opened(put)
+        if opening.path != path:  # waited for, but opened for another first batch
+            end_unused(put, deadline)
+            self._open(descriptor, deadline, on_end)
+            return
+        self._opened(put)  # ended as it opened (refused): this call hears why, as ever
+
+    def _let_go_opening(self, deadline: float) -> list[str]:
+        """Let go of a stream still opening for a call that timed out; what it still holds."""
+        opening, self._opening = self._opening, None
+        return [] if opening is None else opening.let_go(deadline)
 
     def _opened(self, put: PutStream) -> None:
         """Take ``put`` as the open stream, unless the client left meanwhile (then leave it).
@@ -212,16 +231,10 @@ class RemoteSink(ProducerScope):
         and its threads are free).
         """
         deadline = time.monotonic() + timeout
-        self._left = True
-        opening = self._opening
-        if opening is not None:  # a stream still opening for a call that timed out: it ends
-            opening.let_go()
+        self._left = True  # then ``_opening``: a call that sets it looks at this after
         held = self._leave_stream(deadline, timeout)
-        if opening is not None:
-            opening.thread.join(max(0.0, deadline - time.monotonic()))
-            if opening.thread.is_alive():
-                held.append(f"a stream still opening (thread {opening.thread.name})")
-        return held
+        # a stream still opening for a call that timed out: it ends too
+        return held + self._let_go_opening(deadline)
 
     def _leave_stream(self, deadline: float, timeout: float) -> list[str]:
         """:meth:`_end_stream`'s work on the open stream; what it still holds at ``deadline``."""
@@ -590,6 +603,8 @@ class RemoteSink(ProducerScope):
                     put.finish(END_WAIT_S)
                 else:  # half to end, half to leave (every batch is acknowledged: none lost)
                     put.finish(_left(deadline) / 2, leave_for=_left(deadline) / 2)
+            # a stream opened for a write that timed out carries nothing: it ends too
+            self._let_go_opening(time.monotonic() + END_WAIT_S if deadline is None else deadline)
             options = None if deadline is None else self._transport.options(_left(deadline))
             try:
                 self._transport.action("close", {"name": self.name}, options)
@@ -614,12 +629,15 @@ class RemoteSink(ProducerScope):
         with self._lock:
             self._closed = True
             put, self._put = self._put, None
+            opening, self._opening = self._opening, None
         self._transport.action(
             "fail", {"name": self.name, "type": type(exc).__name__, "message": str(exc)}
         )
         if put is not None:
             with contextlib.suppress(PushTableError):
                 put.finish(timeout=5.0)
+        if opening is not None:
+            opening.let_go(time.monotonic() + END_WAIT_S)
 
     @property
     def stats(self) -> RemoteSinkStats:
