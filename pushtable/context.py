@@ -17,7 +17,7 @@ import pyarrow as pa
 
 from pushtable import _native, metrics
 from pushtable.dataframe import DataFrame
-from pushtable.engine import TableSources, plan_live
+from pushtable.engine import TableSources, plan_live, table_key
 from pushtable.explain import LiveExplanation, explain_live
 from pushtable.producer import Late
 from pushtable.sink import TableSink
@@ -246,9 +246,27 @@ class SessionContext(datafusion.SessionContext):
         self.register_table(name, provider)
 
     def deregister_table(self, name: str) -> None:
-        """Remove the table ``name``."""
+        """Remove the table ``name``; a subscription's topic stops waiting for it at once."""
+        close = self._sources.closers.pop(table_key(name), None)
         super().deregister_table(name)
         self._sources.forget(name)
+        if close is not None:
+            close()
+
+    def _let_go_refused(self, query: str) -> None:
+        """A query was refused as it was planned: the subscriptions it names are let go.
+
+        Nothing will read them (a subscription is single-scan and this query will never
+        run), and a subscription nobody reads holds its topic's producers once it is full:
+        one refused panel of a dashboard froze every other panel of the same topic.
+        """
+        try:
+            names = _native.table_references(query)
+        except Exception:  # noqa: BLE001 - a query that does not parse names no table
+            return
+        for name in names:
+            if table_key(name) in self._sources.closers:
+                self.deregister_table(name)
 
     def register_record_batches(self, name: str, partitions: list[list[pa.RecordBatch]]) -> None:
         """Register in-memory record batches as ``name``."""
@@ -313,15 +331,23 @@ class SessionContext(datafusion.SessionContext):
             >>> SessionContext().sql("SELECT 1 AS one").to_pydict()
             {'one': [1]}
         """
-        if not args and not kwargs and (live := self._live(query)) is not None:
-            return live
-        return DataFrame(super().sql(query, *args, **kwargs).df)
+        try:
+            if not args and not kwargs and (live := self._live(query)) is not None:
+                return live
+            return DataFrame(super().sql(query, *args, **kwargs).df)
+        except Exception:
+            self._let_go_refused(query)
+            raise
 
     def sql_with_options(self, query: str, *args: Any, **kwargs: Any) -> DataFrame:
         """Like :meth:`sql`, with ``datafusion.SQLOptions``."""
-        if len(args) + len(kwargs) <= 1 and (live := self._live(query)) is not None:
-            return live  # the engine plans queries only: no DDL, DML or SET
-        return DataFrame(super().sql_with_options(query, *args, **kwargs).df)
+        try:
+            if len(args) + len(kwargs) <= 1 and (live := self._live(query)) is not None:
+                return live  # the engine plans queries only: no DDL, DML or SET
+            return DataFrame(super().sql_with_options(query, *args, **kwargs).df)
+        except Exception:
+            self._let_go_refused(query)
+            raise
 
     def reads_live(self, query: str) -> bool:
         """Whether ``query`` reads a live table (a streaming table or a subscription) here.

@@ -14,6 +14,7 @@ registered, so that the engine can register the same tables when a query needs i
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -147,6 +148,10 @@ class TableSources:
     other: dict[str, str] = field(default_factory=dict)
     #: the session's memory pool (bytes), which the engine's sessions get too
     memory_limit: int | None = None
+    #: what lets a table go once no query will read it: a subscription's ``close`` (its
+    #: topic's producers stop waiting for it), called when the table is deregistered or a
+    #: query reading it is refused
+    closers: dict[str, Callable[[], None]] = field(default_factory=dict)
 
     def forget(self, name: str) -> None:
         """Forget how ``name`` was registered, whichever way it was."""
@@ -155,6 +160,7 @@ class TableSources:
         self.providers.pop(name, None)
         self.memory.discard(name)
         self.other.pop(name, None)
+        self.closers.pop(name, None)
 
     def record(self, name: str, table: Any) -> None:
         """``table`` was registered under ``name`` with ``register_table``."""

@@ -25,6 +25,7 @@ import pyarrow as pa
 
 from pushtable import _native, metrics
 from pushtable.context import (
+    SessionContext,
     Validate,
     check_new_table,
     check_validate,
@@ -34,6 +35,7 @@ from pushtable.context import (
 from pushtable.durable import DurableLog, Start
 from pushtable.durable.fence import Fence
 from pushtable.durable.store import describe
+from pushtable.engine import table_key
 from pushtable.errors import PushTableError
 from pushtable.producer import (
     Late,
@@ -477,6 +479,8 @@ class Topic(_Producer):
             )
         ctx.register_table(name, provider)
         subscription = Subscription(native, name, self, ctx)
+        if isinstance(ctx, SessionContext):  # let go with its table, or a refused query
+            ctx._sources.closers[table_key(name)] = subscription.close
         metrics.track(subscription, session=ctx.session_id())
         return subscription
 

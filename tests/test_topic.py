@@ -20,6 +20,7 @@ from pushtable import (
     SlowSubscriberError,
     StreamFailedError,
     Topic,
+    UnboundedQueryError,
     WriteTimeoutError,
 )
 from tests.conftest import SCHEMA, WAIT, Background, batch, query, wait_until
@@ -413,3 +414,43 @@ def test_a_servers_listing_shows_subscriptions_with_their_topic() -> None:
         client.close()
     finally:
         server.stop()
+
+
+def test_a_query_refused_as_it_is_planned_lets_its_subscriptions_go() -> None:
+    """A dashboard's panels, one subscription each: one panel's query refused at ``ctx.sql``
+    (an unbounded top-n; a misspelled column) held its subscription, which filled and
+    froze the topic's producer, and every other panel with it. The refused query's
+    subscriptions leave the session; the producer and the other panel go on."""
+    topic = Topic("t", SCHEMA)
+    ctx = in_order()
+    top = topic.subscribe(ctx, "top", capacity=2, unbounded=True)
+    typo = topic.subscribe(ctx, "typo", capacity=2)
+    topic.subscribe(ctx, "panel", capacity=2)
+    with pytest.raises(UnboundedQueryError):
+        ctx.sql("SELECT k, count(*) AS n FROM top GROUP BY k ORDER BY n DESC LIMIT 5")
+    with pytest.raises(Exception, match="nope"):
+        ctx.sql("SELECT nope FROM typo")
+    assert not ctx.table_exist("top")
+    assert not ctx.table_exist("typo")
+    reading = query(ctx, "SELECT k FROM panel")
+    for i in range(10):
+        topic.write(batch(1, start=i), timeout=WAIT)  # capacity 2: the refused ones held it
+    topic.close()
+    reading.join()
+    assert ks(reading.result) == list(range(10))
+    assert top.stats.state == typo.stats.state == "finished", (top.stats, typo.stats)
+
+
+def test_deregistering_a_subscription_frees_its_topic_at_once() -> None:
+    """``ctx.deregister_table`` of a subscription nobody reads: the topic's producer stops
+    waiting for it at once, by the subscription's close, not by its provider being
+    collected (a dashboard script saw it freed only by ``gc.collect()``, if at all)."""
+    topic = Topic("t", SCHEMA)
+    ctx = in_order()
+    sub = topic.subscribe(ctx, "gone", capacity=1)
+    ctx.deregister_table("gone")
+    for i in range(5):
+        topic.write(batch(1, start=i), timeout=WAIT)
+    assert topic.stats.waiting_writers == 0
+    assert sub.stats.state == "finished", sub.stats
+    topic.close()

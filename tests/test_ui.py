@@ -339,3 +339,28 @@ def test_the_page_draws_a_window_by_its_start_and_nested_values_as_text() -> Non
     assert _json_value(Decimal("2.25")) == 2.25
     assert _json_value({"a": 1, "b": None}) == "{a: 1, b: None}"
     assert _json_value([1, None]) == "[1, None]"
+
+
+def test_the_table_list_answers_while_a_subscription_exists() -> None:
+    """``GET /api/tables`` with a subscription registered: it answered 502 ("no table named
+    …": the list named the subscription, its stats did not). It lists the subscription as
+    one of its topic, with its own counters, and drops it once its query ended."""
+    server = serve("127.0.0.1", 0, ui_port=0, block=False, say=lambda _: None)
+    try:
+        with connect(server.location, timeout=WAIT) as client:
+            client.create_topic("ev", SCHEMA)
+            client.subscribe("ev", "panel", capacity=4)
+            with urllib.request.urlopen(f"{server.ui_url}api/tables", timeout=WAIT) as reply:
+                listed = {t["name"]: t for t in json.loads(reply.read())}
+            assert set(listed) == {"ev", "panel"}
+            assert listed["ev"]["stats"]["subscribers"] == 1
+            panel = listed["panel"]["stats"]
+            assert panel["subscription_of"] == "ev"
+            assert panel["state"] == "waiting for a query"
+            client.unsubscribe("panel")
+            with urllib.request.urlopen(f"{server.ui_url}api/tables", timeout=WAIT) as reply:
+                listed = {t["name"]: t for t in json.loads(reply.read())}
+            assert set(listed) == {"ev"}
+            assert listed["ev"]["stats"]["subscribers"] == 0
+    finally:
+        server.stop()

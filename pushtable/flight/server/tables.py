@@ -302,7 +302,16 @@ class Tables:
         return {}
 
     def stats(self, req: actions.Named, grant: Grant) -> Any:
-        """``stats``: a table's or topic's counters."""
+        """``stats``: a table's, topic's or subscription's counters.
+
+        A subscription is listed by ``tables`` (``subscription_of`` its topic) until it is
+        dropped, so its counters answer too: what it holds of its topic, and its state.
+        """
+        with self._lock:
+            entry = self._subscriptions.get(req.name)
+        if entry is not None:
+            topic, capacity, subscription = entry
+            return {**asdict(subscription.stats), "subscription_of": topic, "capacity": capacity}
         return asdict(self.get(req.name).stats)
 
     def listing(self, req: actions.Listing, grant: Grant) -> Any:
