@@ -19,6 +19,7 @@ import pyarrow.flight as flight
 import pytest
 
 from pushtable import (
+    InvalidQueryError,
     PermissionDeniedError,
     ReaderGoneError,
     RemoteError,
@@ -969,5 +970,50 @@ def test_other_rows_under_a_sequence_already_stored_are_refused_not_dropped(
         raw.close()
         with connect(server.location, timeout=WAIT) as client:
             assert client.offsets("events")["next"] == 1  # stored once, nothing more
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "SELECT $1$x?$ AS s, * FROM payroll",  # ? numbered into a text that then parses
+        "SELECT $1$x?$ AS s, table_name FROM information_schema.columns",
+        "SELECT k, max(v) FROM payroll GROUP BY k EMIT CHANGES",  # the clause does not parse
+        "SELECT * FROM payroll -- ? \n",
+    ],
+)
+def test_a_text_the_scope_check_cannot_parse_is_refused_not_passed(query: str) -> None:
+    """The scope check read the tables off the text as sent; a text that did not parse named
+    no table and passed, and the server then planned a rewrite of it that did parse (the
+    ``?`` → ``$1`` numbering, blind to dollar quotes; ``EMIT CHANGES`` stripped): a token
+    scoped to ``a`` read ``payroll``. The tables are read off the very text planned, and
+    a text whose tables cannot be resolved is refused (fail closed), on DoGet and on Flight
+    SQL's GetFlightInfo alike."""
+    tokens = {
+        "scoped": Grant("a-reader", roles={"read"}, tables=("a", "a2")),
+        "all": Grant("ops", roles={"admin"}),
+    }
+    server = Server(tokens=tokens)
+    try:
+        with as_(server, "all") as ops:
+            ops.create_table("a", SCHEMA)
+            ops.create_table("payroll", SCHEMA, unbounded=True)
+        with (
+            as_(server, "scoped") as scoped,
+            pytest.raises((PermissionDeniedError, InvalidQueryError)),
+        ):
+            scoped.sql(query).read_all()
+        info = flight.FlightDescriptor.for_command(sql.encode_statement_query(query))
+        raw = flight.FlightClient(server.location)
+        options = flight.FlightCallOptions(headers=[(b"authorization", b"Bearer scoped")])
+        with pytest.raises(flight.FlightError, match=r"may not read|refused"):
+            raw.get_flight_info(info, options)
+        raw.close()
+        payroll = server.table("payroll")
+        assert payroll.stats.closed is False  # nobody consumed the other tenant's table
+        with as_(server, "all") as ops:
+            sink = ops.sink("payroll")
+            sink.write(batch(1), timeout=WAIT)  # its single scan is still there to be read
     finally:
         server.stop()

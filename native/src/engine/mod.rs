@@ -602,15 +602,31 @@ fn threads() -> PyResult<usize> {
 /// The tables `sql` reads (CTEs excluded); empty when it does not parse. A table of the
 /// default catalog and schema (`datafusion.public`) by its name; any other qualified, as
 /// written (`information_schema.columns`): never mistaken for a table of that name.
+///
+/// With `strict`, a text that does not parse, or whose references cannot be resolved, raises
+/// `ValueError` naming why: a caller that authorizes by the tables a text reads refuses what
+/// it cannot check (fail closed) rather than read "no table" into it.
 #[pyfunction]
-fn table_references(sql: &str) -> Vec<String> {
-    let Ok(statements) = datafusion::sql::parser::DFParser::parse_sql(sql) else {
-        return Vec::new();
+#[pyo3(signature = (sql, strict = false))]
+fn table_references(sql: &str, strict: bool) -> PyResult<Vec<String>> {
+    let statements = match datafusion::sql::parser::DFParser::parse_sql(sql) {
+        Ok(statements) => statements,
+        Err(e) if strict => {
+            return Err(PyValueError::new_err(format!(
+                "the query does not parse: {e}"
+            )));
+        }
+        Err(_) => return Ok(Vec::new()),
     };
     let mut names = Vec::new();
     for statement in &statements {
-        if let Ok((tables, _)) = datafusion::sql::resolve::resolve_table_references(statement, true)
-        {
+        let resolved = datafusion::sql::resolve::resolve_table_references(statement, true);
+        if let (Err(e), true) = (&resolved, strict) {
+            return Err(PyValueError::new_err(format!(
+                "the tables the query reads cannot be resolved: {e}"
+            )));
+        }
+        if let Ok((tables, _)) = resolved {
             names.extend(tables.into_iter().map(|t| {
                 let default = t.schema().is_none_or(|s| s == "public")
                     && t.catalog().is_none_or(|c| c == "datafusion");
@@ -623,7 +639,38 @@ fn table_references(sql: &str) -> Vec<String> {
     }
     names.sort();
     names.dedup();
-    names
+    Ok(names)
+}
+
+/// `sql` with each positional `?` placeholder numbered `$1`, `$2`, … in order, found by the
+/// SQL parser's own tokenizer (so a `?` inside a string, a dollar-quoted string, a quoted
+/// identifier or a comment is left alone), and the count numbered. A text the tokenizer
+/// refuses raises `ValueError`: a rewrite it cannot check is not made.
+#[pyfunction]
+fn number_placeholders(sql: &str) -> PyResult<(String, usize)> {
+    use datafusion::sql::sqlparser::dialect::GenericDialect;
+    use datafusion::sql::sqlparser::tokenizer::{Token, Tokenizer};
+    let tokens = Tokenizer::new(&GenericDialect {}, sql)
+        .tokenize()
+        .map_err(|e| PyValueError::new_err(format!("the query does not tokenize: {e}")))?;
+    if !tokens
+        .iter()
+        .any(|t| matches!(t, Token::Placeholder(p) if p == "?"))
+    {
+        return Ok((sql.to_string(), 0)); // nothing to number: the text as it came
+    }
+    let mut out = String::with_capacity(sql.len() + 8);
+    let mut count = 0usize;
+    for token in &tokens {
+        match token {
+            Token::Placeholder(p) if p == "?" => {
+                count += 1;
+                out.push_str(&format!("${count}"));
+            }
+            other => out.push_str(&other.to_string()),
+        }
+    }
+    Ok((out, count))
 }
 
 /// Add the engine's classes to the module.
@@ -643,6 +690,7 @@ fn live_state() -> Vec<(&'static str, i64, i64, i64)> {
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(live_state, m)?)?;
     m.add_function(wrap_pyfunction!(table_references, m)?)?;
+    m.add_function(wrap_pyfunction!(number_placeholders, m)?)?;
     m.add_function(wrap_pyfunction!(threads, m)?)?;
     m.add_class::<PyEngine>()?;
     m.add_class::<PyLivePlan>()?;

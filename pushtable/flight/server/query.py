@@ -27,6 +27,7 @@ import pyarrow.flight as flight
 
 from pushtable import _native, metrics
 from pushtable.context import SessionContext
+from pushtable.engine import split_emit_changes
 from pushtable.errors import (
     InvalidQueryError,
     ResourceLimitError,
@@ -42,12 +43,34 @@ from pushtable.flight.server.tables import Tables
 from pushtable.topic import Topic
 
 
+def _planned(query: str) -> str:
+    """``query`` as it is planned: ``?`` placeholders numbered by the parser's tokenizer.
+
+    Raises ``ValueError`` for a text the tokenizer refuses.
+    """
+    return _native.number_placeholders(query)[0]
+
+
+def _references(query: str, strict: bool = False) -> list[str]:
+    """The tables the planned text of ``query`` reads (``EMIT CHANGES`` stripped, as planned).
+
+    With ``strict``, ``ValueError`` when they cannot be resolved.
+    """
+    try:
+        text = _planned(query)
+    except ValueError:
+        if strict:
+            raise
+        text = query
+    return _native.table_references(split_emit_changes(text)[0], strict=strict)
+
+
 def _readable(context: Any, query: str) -> list[str]:
     """The tables ``query`` names that the caller may read (what its refusal may let go)."""
     grant = caller(context)
     if READ not in grant.roles:
         return []
-    return [name for name in _native.table_references(query) if grant.covers(name)]
+    return [name for name in _references(query) if grant.covers(name)]
 
 
 @dataclass
@@ -82,11 +105,20 @@ class Queries:
         """
         grant = caller(context)
         grant.require(READ, "run SQL")
-        tables = _native.table_references(query)
+        # The tables are read off the very text that is planned (placeholders numbered by
+        # the parser's own tokenizer, ``EMIT CHANGES`` as the engine strips it), and a text
+        # whose tables cannot be resolved is refused: never read as "no table" (fail closed).
+        try:
+            tables = _references(query, strict=True)
+            query = _planned(query)
+        except ValueError as exc:
+            self._calls.usage.refused("statement")
+            raise InvalidQueryError(
+                f"refused: {exc}; the server runs only a query whose tables it can check"
+            ) from None
         grant.require(READ, "read", [t for t in tables if not grant.covers(t)] or ())
         values = parameters.bind(params)
         try:
-            query = parameters.numbered(query)
             if values is None:  # so that the live engine may plan it (it takes no values)
                 return self._ctx.sql_with_options(query, _READ_ONLY)
             return self._ctx.sql_with_options(query, _READ_ONLY, param_values=values)
@@ -182,7 +214,7 @@ class Queries:
             if not isinstance(query, str):
                 raise ValueError(f'a DoGet ticket\'s "sql" is the query text, not {query!r}')
         # the audit line names the tables the query reads (a query may read several)
-        call.record.table = ",".join(_native.table_references(query)) or None
+        call.record.table = ",".join(_references(query)) or None
         # A subscription it reads is let go when the query ends, is refused at planning or
         # refused its slot: a single-scan table nothing can read again must not hold its
         # topic's producers.
@@ -373,7 +405,7 @@ class Queries:
 
         def describe(query: str) -> tuple[pa.Schema, pa.Schema]:
             df = self._plan(context, query)
-            if not parameters.has_placeholders(parameters.numbered(query)):
+            if not parameters.has_placeholders(_planned(query)):
                 return df.schema(), pa.schema([])  # nothing to describe: no walk of the plan
             return df.schema(), parameters.parameter_schema(df)
 
