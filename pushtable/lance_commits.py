@@ -192,6 +192,7 @@ def commit(
     recheck: Callable[[lance.LanceDataset], T | None] | None = None,
     on_conflict: Callable[[OSError], None] | None = None,
     sync: bool = False,
+    lance_retries: int | None = None,
 ) -> lance.LanceDataset | T:
     """Commit ``transaction(ds)``; when it meets a concurrent writer, read again and retry.
 
@@ -199,6 +200,11 @@ def commit(
     on each re-read version first: what it returns (not None) ends the attempt instead (an
     epoch another process committed). With ``sync`` the commit's files are on disk when this
     returns (:func:`sync_commit`).
+
+    ``lance_retries`` bounds Lance's own retries of a lost race for the manifest (its
+    default: 20): 0 makes every lost race come back here, so ``recheck`` sees the version
+    that won before anything is tried again (a fenced store: see
+    :mod:`pushtable.durable.fence`).
 
     Raises :class:`CommitContentionError` when the conflicts outlast ``retries`` or cannot
     be retried; any other error as Lance raised it.
@@ -211,7 +217,12 @@ def commit(
         started = time.time_ns() - 1_000_000  # mtimes can trail the clock slightly
         tx = transaction(ds)
         try:
-            new = lance.LanceDataset.commit(ds, tx, storage_options=storage_options)
+            new = lance.LanceDataset.commit(
+                ds,
+                tx,
+                storage_options=storage_options,
+                max_retries=20 if lance_retries is None else lance_retries,  # 20: Lance's own
+            )
         except OSError as exc:
             if not contention(exc):
                 raise  # storage trouble, not contention
@@ -334,6 +345,7 @@ def upkeep(
     exclude: Callable[[lance.LanceDataset], list[int]] | None = None,
     floor: int | None = None,
     storage_options: dict[str, str] | None = None,
+    check: Callable[[lance.LanceDataset], None] | None = None,
 ) -> None:
     """Compact small fragments, move the tags of ``keep``, then remove old versions and files.
 
@@ -344,11 +356,15 @@ def upkeep(
     deletion of the same fragments) is dropped, and cleanup still runs. ``exclude`` names
     fragments compaction must leave alone (those a retention delete may take meanwhile: the
     files of a compaction that lost to it would stay on disk until Lance's 7-day sweep of
-    unreferenced files).
+    unreferenced files). ``check`` runs on each version read before it is acted on (a
+    fenced store's owner, see :mod:`pushtable.durable.fence`: it raises once another owns
+    the dataset); compaction commits over that version, so a fence after it conflicts.
     """
     ds = open_dataset(uri, storage_options)
     if ds is None:
         return
+    if check is not None:
+        check(ds)
     if compact:
         try:
             ds.optimize.compact_files(
@@ -359,6 +375,8 @@ def upkeep(
                 raise
             log.info("compaction of %s gave way to a concurrent commit: %s", uri, exc)
     ds = open_dataset(uri, storage_options) or ds
+    if check is not None:
+        check(ds)  # again: no tag moved, no version removed, once another owns it
     for tag, version in (keep or {}).items():
         move_tag(ds, tag, version)
     if older_than is None:

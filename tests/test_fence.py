@@ -344,3 +344,115 @@ def test_a_holder_in_another_pid_namespace_is_waited_out(tmp_path: Path) -> None
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(WAIT)
+
+
+def test_a_commit_stalled_past_the_successors_cleanup_never_lands(
+    place: Place, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The old owner's commit stalls inside Lance (a paused process, a partition) while the
+    successor opens the topic, stores the producer's retry and more, and its retention's
+    cleanup removes every version after the old owner's read: Lance then rebased the stalled
+    commit over the successor's and it landed, acknowledged, under the successor's offsets.
+    The newest fence is tagged, so cleanup keeps it and Lance still refuses the commit; the
+    old owner's flush raises ``DataDirInUseError`` and each offset holds one writer's rows."""
+    import lance
+
+    uri = place.uri("t.lance")
+    real = lance.LanceDataset.commit
+    stall, go = threading.Event(), threading.Event()
+
+    def stalled(base: Any, operation: Any, *args: Any, **kwargs: Any) -> Any:
+        mine = threading.current_thread().name.startswith("pushtable-commit-old")
+        if mine and stall.is_set() and isinstance(operation, lance.Transaction):
+            stall.clear()
+            go.wait(WAIT)
+        return real(base, operation, *args, **kwargs)
+
+    monkeypatch.setattr(lance.LanceDataset, "commit", staticmethod(stalled))
+    old = DurableLog(
+        "old",
+        SCHEMA,
+        uri,
+        lambda batch, at: None,
+        commit_interval=0.05,
+        upkeep_interval=None,
+        storage_options=place.options,
+        fence=Fence(1),
+    )
+    old.append(rows(0, "old"), producer="p", sequence=0)
+    old.flush(timeout=WAIT)
+    stall.set()
+    old.append(rows(1, "old"), producer="p", sequence=1)
+    wait_until(lambda: not stall.is_set(), "the old owner's commit to stall")
+    new = DurableLog(
+        "new",
+        SCHEMA,
+        uri,
+        lambda batch, at: None,
+        commit_interval=0.05,
+        upkeep_interval=None,
+        storage_options=place.options,
+        fence=Fence(2),
+        retention_bytes=6000,  # a commit past it deletes the oldest fragments, then cleans up
+    )
+    try:
+        for k in range(1, 5):
+            new.append(rows(k, "new"), producer="p", sequence=k)
+            new.flush(timeout=WAIT)
+        go.set()
+        with pytest.raises(DataDirInUseError):
+            old.flush(timeout=WAIT)
+        new.append(rows(5, "new"), producer="p", sequence=5)
+        new.flush(timeout=WAIT)
+    finally:
+        go.set()
+        new.close(timeout=WAIT)
+        old.abandon()
+    found = writers_by_offset(place, uri)
+    assert 5 in found, found
+    assert all(len(who) == 1 for who in found.values()), found
+    assert all(who == {"new"} for at, who in found.items() if at > 0), found
+
+
+def test_a_fence_cut_short_after_it_reverted_a_commit_puts_it_back_at_the_next_open(
+    place: Place, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fence's first ``Restore`` reverted a commit that slipped in before it, and the
+    fence stopped before its next round (a store error; a crash): the commit was lost for
+    good, as the next open returned "fenced already". The next open, of this owner or a
+    later one, puts it back first."""
+    import lance
+
+    from pushtable.durable import fence as fence_room
+
+    uri = place.uri("t.lance")
+    old = LogStore(uri, SCHEMA, storage_options=place.options, fence=Fence(1))
+    old.append([StoredBatch(0, 0, rows(0, "old"))], Stamp(1, {"p": 0}, {}, 0))
+    real_commit, real_open = lance.LanceDataset.commit, fence_room._open
+    state = {"restores": 0}
+
+    def slipping(base: Any, operation: Any, *args: Any, **kwargs: Any) -> Any:
+        restore = isinstance(operation, lance.Transaction) and isinstance(
+            operation.operation, lance.LanceOperation.Restore
+        )
+        if restore:
+            state["restores"] += 1
+            if state["restores"] == 1:  # the old owner's commit lands just before the fence
+                old.append([StoredBatch(1, 0, rows(1, "old"))], Stamp(2, {"p": 1}, {}, 0))
+        return real_commit(base, operation, *args, **kwargs)
+
+    def failing_after_the_first(uri_: str, options: Any, version: int | None = None) -> Any:
+        if version is not None and state["restores"] == 1:
+            raise OSError("HTTP 503 Slow Down (injected between the fence's rounds)")
+        return real_open(uri_, options, version)
+
+    monkeypatch.setattr(lance.LanceDataset, "commit", staticmethod(slipping))
+    monkeypatch.setattr(fence_room, "_open", failing_after_the_first)
+    with pytest.raises(OSError, match="injected"):
+        LogStore(uri, SCHEMA, storage_options=place.options, fence=Fence(2))
+    monkeypatch.undo()
+    assert writers_by_offset(place, uri) == {0: {"old"}}  # reverted, for now
+    again = LogStore(uri, SCHEMA, storage_options=place.options, fence=Fence(2))
+    assert writers_by_offset(place, uri) == {0: {"old"}, 1: {"old"}}
+    assert again.recover().next_offset == 2
+    assert again.recover().producers == {"p": 1}

@@ -32,6 +32,7 @@ Example:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -40,10 +41,18 @@ import lance
 from pushtable import lance_commits
 from pushtable.errors import DataDirInUseError
 
-__all__ = ["EPOCH_KEY", "Fence", "check_epoch", "epoch_of", "fence_topic"]
+__all__ = ["EPOCH_KEY", "FENCE_TAG", "Fence", "check_epoch", "epoch_of", "fence_topic", "refence"]
+
+log = logging.getLogger(__name__)
 
 #: the transaction property naming the epoch of the owner that made a commit
 EPOCH_KEY = "pushtable.epoch"
+#: a fence's transaction property: the version whose state it restored
+KEEPS_KEY = "pushtable.fence_keeps"
+#: the tag on the newest fence: cleanup keeps it, so Lance still sees it (see :func:`refence`)
+FENCE_TAG = "pushtable-fence"
+#: how often (at most) an owner fences its topic again, at cleanup
+REFENCE_S = 60.0
 
 #: how many times a fence restores again a commit it reverted before giving up
 FENCE_ROUNDS = 8
@@ -62,6 +71,9 @@ class Fence:
     epoch: int
     current: Callable[[], bool] = field(default=lambda: True, compare=False)
     lost: Callable[[str], None] | None = field(default=None, compare=False)
+    #: asked before a topic is created or opened: whether the store still names this owner
+    #: (one read; ``current`` runs on this host's clock, which another host's may not match)
+    held: Callable[[], bool] = field(default=lambda: True, compare=False)
 
     def refuse(self, what: str) -> DataDirInUseError:
         """The error for ``what`` (a commit, a topic's creation) once the owner lost the dir."""
@@ -72,9 +84,18 @@ class Fence:
 
 
 def epoch_of(ds: lance.LanceDataset) -> int:
-    """The epoch of the newest commit of ``ds`` that names one (0: none does)."""
+    """The epoch of the newest commit of ``ds`` that names one (0: none does).
+
+    The walk back from the newest version stops at a version cleanup removed (a
+    compaction's commit names no epoch, and the versions before it may be gone): the newest
+    fence is tagged (``FENCE_TAG``) and read then, so cleanup never hides an epoch.
+    """
     found = lance_commits.newest_stamp(ds, lambda props: EPOCH_KEY in props)
-    return 0 if found is None else int(found[1][EPOCH_KEY])
+    if found is not None:
+        return int(found[1][EPOCH_KEY])
+    tagged = lance_commits.read_tag(ds, FENCE_TAG)
+    props = None if tagged is None else lance_commits.props_at(ds, tagged)
+    return int(props[EPOCH_KEY]) if props is not None and EPOCH_KEY in props else 0
 
 
 def check_epoch(ds: lance.LanceDataset, fence: Fence, what: str) -> None:
@@ -103,15 +124,24 @@ def fence_topic(
     what = f"fencing durable topic {uri}"
     ds = _open(uri, storage_options)
     check_epoch(ds, fence, what)
-    if epoch_of(ds) == fence.epoch:
+    cut_short = _cut_short(ds)
+    if cut_short is not None:  # a fence that reverted commits and stopped before it put
+        keep, read = cut_short  # them back (a crash, a store error): put back first
+        log.warning("%s: a fence reverted versions up to %d: restoring them", what, keep)
+    elif epoch_of(ds) == fence.epoch:
         return ds  # fenced already: this owner opened it before
-    keep = read = ds.version  # the state kept (every commit up to it), the version read
+    else:
+        keep = read = ds.version  # the state kept (every commit up to it), the version read
     for _ in range(FENCE_ROUNDS):
         state = ds if keep == ds.version else _open(uri, storage_options, keep)
         tx = lance.Transaction(
             read,
             lance.LanceOperation.Restore(keep),
-            transaction_properties={**props(state), EPOCH_KEY: str(fence.epoch)},
+            transaction_properties={
+                **props(state),
+                EPOCH_KEY: str(fence.epoch),
+                KEEPS_KEY: str(keep),
+            },
         )
         try:
             new = lance.LanceDataset.commit(uri, tx, storage_options=storage_options, max_retries=0)
@@ -123,6 +153,7 @@ def fence_topic(
             keep = read = ds.version
             continue
         if new.version == read + 1:
+            lance_commits.move_tag(new, FENCE_TAG, new.version)
             return new
         # Commits landed between the read and the fence, and the Restore reverted them:
         # the newest of them holds them all; it is restored, over the fence, next round.
@@ -140,6 +171,58 @@ def fence_topic(
             check_epoch(reverted, fence, what)
         ds, keep, read = new, reverted.version, new.version
     raise DataDirInUseError(f"{what}: other commits kept landing beside the fence")
+
+
+def refence(
+    ds: lance.LanceDataset,
+    fence: Fence,
+    props: dict[str, str],
+    storage_options: dict[str, str] | None = None,
+) -> lance.LanceDataset:
+    """Fence ``ds`` (the newest version, read by its one writer) again, and tag the new fence.
+
+    Lance refuses a commit over an older version only while it can read the ``Restore``
+    between: once cleanup removed every version after the old owner's read, its stalled
+    commit rebased over the successor's and landed. The newest fence is tagged
+    (``FENCE_TAG``), so cleanup keeps it; it pins the files of the version it restored, so
+    the owner fences again now and then (at cleanup, every ``REFENCE_S``), and the older
+    fence goes with the versions cleanup removes.
+    """
+    check_epoch(ds, fence, f"fencing durable topic {ds.uri} again")
+    tx = lance.Transaction(
+        ds.version,
+        lance.LanceOperation.Restore(ds.version),
+        transaction_properties={
+            **props,
+            EPOCH_KEY: str(fence.epoch),
+            KEEPS_KEY: str(ds.version),
+        },
+    )
+    new = lance.LanceDataset.commit(ds, tx, storage_options=storage_options, max_retries=0)
+    if new.version != ds.version + 1:  # another writer's commit came between: reverted
+        raise DataDirInUseError(
+            f"fencing durable topic {ds.uri} again: another writer committed beside it"
+        )
+    lance_commits.move_tag(new, FENCE_TAG, new.version)
+    return new
+
+
+def _cut_short(ds: lance.LanceDataset) -> tuple[int, int] | None:
+    """(keep, read) for the fence to go on with, if the newest one reverted commits for good.
+
+    The newest version is a fence that restored version ``keep`` (its ``KEEPS_KEY``) while
+    versions between ``keep`` and it hold commits other than fences: those were reverted,
+    and the round that puts them back never landed. None when there is none such.
+    """
+    props = lance_commits.props_at(ds, ds.version)
+    if props is None or KEEPS_KEY not in props:
+        return None
+    keeps = int(props[KEEPS_KEY])
+    for version in range(keeps + 1, ds.version):
+        between = lance_commits.props_at(ds, version)
+        if between is None or KEEPS_KEY not in between:  # a commit the fence reverted
+            return ds.version - 1, ds.version
+    return None
 
 
 def _open(

@@ -707,6 +707,12 @@ class DurableLog:
         with self._cond:
             entries = [e for e in self._pending if e.offset < found.next_offset]
         if not entries or entries[-1].offset != found.next_offset - 1:
+            if self.store.fence is not None:  # another owner's commits: this one is fenced
+                raise DataDirInUseError(
+                    f"durable topic '{self.name}': the newest stamp stores offsets to "
+                    f"{found.next_offset}, which this server did not write: another server "
+                    "took the data dir"
+                )
             raise AssertionError(
                 f"durable topic '{self.name}': the newest stamp stores offsets to "
                 f"{found.next_offset}, beyond what was written ({committed}..)"

@@ -29,8 +29,15 @@ import numpy as np
 import pyarrow as pa
 
 from pushtable import lance_commits
-from pushtable.durable.fence import EPOCH_KEY, Fence, check_epoch, fence_topic
-from pushtable.errors import OffsetOutOfRangeError
+from pushtable.durable.fence import (
+    EPOCH_KEY,
+    REFENCE_S,
+    Fence,
+    check_epoch,
+    fence_topic,
+    refence,
+)
+from pushtable.errors import DataDirInUseError, OffsetOutOfRangeError
 from pushtable.lance_commits import open_dataset
 from pushtable.lance_epochs import write_fragments
 
@@ -173,7 +180,7 @@ class LogStore:
                     "dataset uses it for each row's offset and arrival time"
                 )
         self.uri = str(uri)
-        if fence is not None and not fence.current():  # an owner that lost its data dir
+        if fence is not None and not (fence.current() and fence.held()):  # lost its data dir
             raise fence.refuse(f"opening durable topic {self.uri}")
         self.schema = schema.remove_metadata()
         self.storage_options = storage_options
@@ -227,6 +234,8 @@ class LogStore:
                 storage_options,
             )
         self._ds: lance.LanceDataset = ds
+        #: when this owner last fenced the topic (monotonic; see :meth:`_refence_if_due`)
+        self._fenced_at = time.monotonic()
         #: the stored schema (the topic's columns and the two per row): fixed for its life
         self._schema: pa.Schema = ds.schema
 
@@ -374,13 +383,51 @@ class LogStore:
                     retries=6,  # another writer of the dataset committed meanwhile
                     sync=self.sync,
                     recheck=recheck,
+                    # fenced: a lost race comes back to ``recheck``, never rebased by Lance
+                    lance_retries=None if self.fence is None else 0,
                 )
             except OSError:
                 if self.fence is not None and (latest := self._open()) is not None:
                     self._check_fence(latest, "committing")  # fenced: it did not land
                 raise
-        assert isinstance(new, lance.LanceDataset)
+            assert isinstance(new, lance.LanceDataset)
+            if self.fence is not None:
+                self._landed_on_top(new)
         return new
+
+    def _refence_if_due(self, ds: lance.LanceDataset) -> lance.LanceDataset:
+        """Fence the topic again before cleanup, at most every ``REFENCE_S``.
+
+        The caller holds ``_committing``; ``ds`` is the newest version, checked. Cleanup
+        keeps the newest fence (tagged), which Lance needs to refuse an old owner's commit
+        once the versions after its read are gone; fencing again now and then lets the
+        files of the older fence go (a tagged version pins them).
+        """
+        if self.fence is None or time.monotonic() - self._fenced_at < REFENCE_S:
+            return ds
+        new = refence(ds, self.fence, _stamp(stamp_of(ds)).props(), self.storage_options)
+        self._fenced_at = time.monotonic()
+        self._ds = new
+        return new
+
+    def _landed_on_top(self, new: lance.LanceDataset) -> None:
+        """Raise :class:`~pushtable.DataDirInUseError` unless ``new`` is the newest version.
+
+        This store is its dataset's one writer while its fence holds (commits and upkeep
+        take ``_committing``), so a newer version is another owner's. A commit stalled
+        inside Lance past its successor's cleanup (a paused process, a partition) can write
+        a manifest number that cleanup freed, below the successor's newest: it "lands" in
+        no version the topic reads. It is not acknowledged.
+        """
+        latest = self._open()
+        if latest is not None and latest.version != new.version:
+            assert self.fence is not None
+            self._check_fence(latest, "committing")
+            raise DataDirInUseError(
+                f"committing to {self.uri}: version {new.version} is not the newest "
+                f"({latest.version}): another writer committed meanwhile; nothing more is "
+                "stored or acknowledged here"
+            )
 
     # -- retention ----------------------------------------------------------------------
 
@@ -584,6 +631,7 @@ class LogStore:
             ds = self._open()  # its own handle: upkeep calls this too
             assert ds is not None
             self._check_fence(ds, "cleanup")  # a fenced owner removes no version
+            ds = self._refence_if_due(ds)
             lance_commits.move_tag(ds, TAG, stamped)
             stats = ds.cleanup_old_versions(
                 versions=list(range(self._cleaned_below, floor)),
@@ -609,11 +657,13 @@ class LogStore:
         ds = self._open()
         if ds is None:
             return
-        self._check_fence(ds, "upkeep")  # beside the path: compaction keeps every row
         compact = room is None or _small_bytes(ds) <= room
         if not compact:
             log.info("upkeep of %s skips compaction: %s bytes of room left", self.uri, room)
         with self._committing:  # no commit while compaction is in flight (see __init__)
+            if self.fence is not None and (latest := self._open()) is not None:
+                self._check_fence(latest, "upkeep")
+                self._refence_if_due(latest)
             lance_commits.upkeep(
                 self.uri,
                 compact=compact,
@@ -622,6 +672,8 @@ class LogStore:
                 older_than=keep_versions,
                 floor=self.oldest_pinned(),
                 storage_options=self.storage_options,
+                # under ``_committing``, on the very versions it compacts and cleans
+                check=None if self.fence is None else lambda d: self._check_fence(d, "upkeep"),
             )
 
     def disk_bytes(self) -> int:

@@ -195,6 +195,20 @@ class Lease:
         self._thread = threading.Thread(target=self._keep, name="pushtable-lease", daemon=True)
         self._thread.start()
 
+    def held(self) -> bool:
+        """Whether the lease's newest row is still this owner's (one read of the store).
+
+        Beside :meth:`current`, which runs on this host's clock: a successor whose clock is
+        ahead may take a lease this owner still counts as current. Asked before a durable
+        topic is created or opened (its commits are fenced by the store; a topic nobody
+        else has opened has no fence yet).
+        """
+        if not self.current():
+            return False
+        ds = open_dataset(self.uri, self.options)
+        rows = [] if ds is None else ds.to_table().to_pylist()
+        return bool(rows) and rows[0].get("owner") == self.owner
+
     def current(self) -> bool:
         """Whether this owner holds the lease now: taken, not lost, its term not run out.
 

@@ -145,9 +145,9 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
         fsync: bool,
     ) -> None:
         fence = None
-        if self._lease is not None:
-            assert self._lease.epoch is not None
-            fence = Fence(self._lease.epoch, self._lease.current, self._lost_data_dir)
+        if (lease := self._lease) is not None:
+            assert lease.epoch is not None
+            fence = Fence(lease.epoch, lease.current, self._lost_data_dir, lease.held)
         self._tables = Tables(self.ctx, self.usage, self.data_dir, fsync, fence)
         if tls is not None and location.startswith("grpc://"):
             location = "grpc+tls://" + location.removeprefix("grpc://")
