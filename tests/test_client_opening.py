@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from pushtable.errors import PushTableError as PushTableErrorType
 from pushtable.errors import (
     ResourceLimitError,
     ServerUnavailableError,
@@ -284,6 +285,12 @@ async def test_a_result_whose_task_gave_up_while_it_opened_stops_its_query(
     await no_aio_threads()
 
 
+def _stat(location: str, table: str, key: str) -> Any:
+    """One counter of ``table``, asked on a connection of its own."""
+    with connect(location, timeout=WAIT) as other:
+        return other.stats(table)[key]
+
+
 def _reaches(client: Any) -> bool:
     """Whether a call of ``client`` reaches its server (gRPC fails calls at once, with the
     last connect's error, until its backoff after a restart is over)."""
@@ -308,3 +315,112 @@ class _Reading:
     def result(self, timeout: float) -> dict[int, int] | None:
         self._thread.join(timeout)
         return self._got
+
+
+@pytest.mark.asyncio
+async def test_a_batch_queued_when_its_producer_leaves_is_acknowledged_not_told_lost(
+    tmp_path: Path,
+) -> None:
+    """A table of capacity 1 nobody reads: A's batch is queued (its acknowledgement not yet
+    sent), B's waits for room, and the producer leaves (``aclose``). A was told "may not be
+    stored" and the table held it; the server now acknowledges what it queued before it
+    gives up, so A's write succeeds and B's raises, and the table holds A only."""
+    with serve_process({}, tmp_path) as (_, location):
+        client = await AsyncClient.connect(location, timeout=WAIT)
+        await client.create_table("t", SCHEMA, capacity=1)
+        sink = await client.sink("t")
+        first = await sink.send(rows(1), timeout=WAIT)
+        second = await sink.send(rows(2), timeout=WAIT)
+        await asyncio.to_thread(
+            wait_until,
+            lambda: _stat(location, "t", "queued_batches") == 1,
+            "the first batch to be queued",
+        )
+        await sink.aclose(timeout=WAIT)
+        await asyncio.wait_for(first, WAIT)
+        with pytest.raises(SinkClosedError):
+            await asyncio.wait_for(second, WAIT)
+        with connect(location) as other:
+            assert other.stats("t")["batches"] == 1
+        await client.aclose(timeout=WAIT)
+    await no_aio_threads()
+
+
+def test_fail_frees_the_stream_even_when_its_action_fails(tmp_path: Path) -> None:
+    """``fail()`` against a paused server: its action times out, and the sink's stream (and
+    an open in flight) stayed open for good, taking the client's one stream slot. They end
+    once the server is back; the client's next sink writes."""
+    with serve_process(ONE_STREAM, tmp_path) as (proc, location):
+        client = connect(location, timeout=2.0)
+        client.create_table("t", SCHEMA, capacity=4)
+        client.create_table("u", SCHEMA, capacity=4)
+        sink = client.sink("t")
+        sink.write(rows(1), timeout=WAIT)
+        sink.flush(timeout=WAIT)
+        with paused(proc), pytest.raises(WriteTimeoutError):
+            sink.fail(RuntimeError("the producer broke"))
+        wait_until(lambda: not stream_threads(), "the failed sink's stream to end")
+        other = client.sink("u")
+        reading = _Reading(location, "u")
+        other.write(rows(2), timeout=WAIT)
+        other.close(timeout=WAIT)
+        assert reading.result(WAIT) == {2: 1}
+        client.close()
+
+
+def test_an_idempotent_sink_closed_opens_no_stream_again(tmp_path: Path) -> None:
+    """A second ``close()`` or a ``flush()`` after ``close()`` of an idempotent sink opened a
+    fresh stream that held the client's one stream slot until the client closed."""
+    data = str(tmp_path / "data")
+    with serve_process(ONE_STREAM, tmp_path, "--data-dir", data) as (_, location):
+        client = connect(location, timeout=WAIT)
+        client.create_topic("d", SCHEMA, durable=True)
+        client.create_table("u", SCHEMA, capacity=4)
+        sink = client.sink("d", producer_id="p")
+        sink.write(rows(1), timeout=WAIT)
+        sink.close(timeout=WAIT)
+        sink.close(timeout=WAIT)
+        sink.flush(timeout=WAIT)
+        assert sink._put is None
+        assert not stream_threads(), stream_threads()
+        other = client.sink("u")
+        reading = _Reading(location, "u")
+        other.write(rows(2), timeout=WAIT)
+        other.close(timeout=WAIT)
+        assert reading.result(WAIT) == {2: 1}
+        client.close()
+
+
+def test_client_close_against_a_paused_server_frees_a_blocked_writer_and_the_slot(
+    tmp_path: Path,
+) -> None:
+    """A write with no timeout waits for room in a full table; the server is paused and
+    ``Client.close()`` leaves: the writer stayed blocked for good and the stream held the
+    server's slot after it resumed (the repeated ``leave`` stopped as the connection
+    closed). The writer hears ``SinkClosedError``; once the server resumes the stream ends
+    (the connection stays open, in the background, until it has)."""
+    with serve_process({}, tmp_path) as (proc, location):
+        client = connect(location, timeout=WAIT)
+        client.create_table("t", SCHEMA, capacity=1)
+        sink = client.sink("t")
+        errors: list[BaseException] = []
+
+        def writer() -> None:
+            for k in range(100):
+                try:
+                    sink.write(rows(k))
+                except PushTableErrorType as exc:
+                    errors.append(exc)
+                    return
+
+        thread = threading.Thread(target=writer, daemon=True)
+        thread.start()
+        wait_until(lambda: _stat(location, "t", "waiting_writers") == 1, "a full table")
+        with paused(proc):
+            client.close()
+            thread.join(WAIT)
+            assert not thread.is_alive()
+            assert isinstance(errors[0], SinkClosedError), errors
+        wait_until(lambda: not stream_threads(), "the left stream to end once the server is back")
+        with connect(location) as other:
+            assert other.stats("t")["waiting_writers"] == 0

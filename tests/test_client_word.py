@@ -646,3 +646,59 @@ def test_a_batch_kept_past_retry_then_refused_reaches_the_next_flush(tmp_path: P
         await no_aio_threads()
 
     asyncio.run(asyncio.wait_for(main(), 8 * WAIT))
+
+
+def test_a_batch_given_up_before_it_was_sent_hears_its_later_refusal_at_a_flush(
+    tmp_path: Path,
+) -> None:
+    """Window 1, ``retry=2``, the server killed: A's batch holds the window, B's (refused
+    once sent: a NULL in a NOT NULL column) waits for room and is given up before it is
+    sent: ``ServerUnavailableError`` with ``kept=True`` and ``batches_written=1`` (it said
+    0). Once the server is back B is sent and refused: a ``flush`` raises it (nobody heard
+    it), and the topic holds A's batch and the one after, not B's."""
+    port, data = _free_port(), str(tmp_path / "data")
+
+    async def outcome_of(future: Any) -> BaseException | None:
+        try:
+            await asyncio.wait_for(future, WAIT)
+        except PushTableError as exc:
+            return exc
+        return None
+
+    async def main() -> None:
+        with serve_process({}, tmp_path, "--data-dir", data, port=port) as (proc, location):
+            client = await AsyncClient.connect(location, timeout=WAIT)
+            await client.create_topic("d", SCHEMA, durable=True)
+            sink = await client.sink("d", producer_id="p", retry=2.0, window=1)
+            await sink.write(rows(0), timeout=WAIT)
+            proc.kill()
+            proc.wait(WAIT)
+            a = await sink.send(rows(1))
+            b = await sink.send(rows(None))
+            gave_up = await outcome_of(b)
+        assert isinstance(gave_up, ServerUnavailableError), gave_up
+        assert getattr(gave_up, "kept", False)
+        assert getattr(gave_up, "batches_written", None) == 1
+        with serve_process({}, tmp_path, "--data-dir", data, port=port):
+            await outcome_of(a)
+            deadline = time.monotonic() + WAIT
+            refused = None
+            while refused is None:  # B goes again as the sink reaches the new server
+                try:
+                    await sink.flush(timeout=WAIT)
+                except SchemaMismatchError as exc:
+                    refused = exc
+                except ServerUnavailableError:
+                    pass  # not reached yet: gRPC's backoff after the restart
+                assert time.monotonic() < deadline, "B's refusal reached no flush"
+                if refused is None:
+                    await asyncio.sleep(0.05)
+            await sink.write(rows(2), timeout=WAIT)
+            await sink.flush(timeout=WAIT)
+            got = await client.read("d", 0, (await client.offsets("d"))["next"]).read_all()
+            assert sorted(got["k"].to_pylist()) == [0, 1, 2]
+            await sink.aclose(timeout=WAIT)
+            await client.aclose(timeout=WAIT)
+        await no_aio_threads()
+
+    asyncio.run(asyncio.wait_for(main(), 8 * WAIT))

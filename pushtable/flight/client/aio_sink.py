@@ -183,7 +183,11 @@ class _Writer:
                 if getattr(exc, "refused_sequence", None) is not None and not job.item.settled:
                     continue  # the server refused an earlier item (told already); this one goes
                 if getattr(exc, "gave_up", False):  # the sink's own ``retry`` ran out
-                    job.item.settle(exc)
+                    gave_up = getattr(self.sync, "gave_up", None)
+                    if gave_up is not None:  # kept: told so, its later error goes on
+                        gave_up(job.item, exc)
+                    else:
+                        job.item.settle(exc)
                     return
                 if retry is not _PLAIN and protocol.retriable(exc):
                     if outage_ends is None and isinstance(retry, (int, float)):

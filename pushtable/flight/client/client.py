@@ -21,6 +21,7 @@ from pushtable.errors import (
 )
 from pushtable.flight import protocol
 from pushtable.flight.client.idempotent import DURABLE_WINDOW, DURABLE_WINDOW_BYTES, IdempotentSink
+from pushtable.flight.client.put_stream import LEAVE_AGAIN_FOR_S
 from pushtable.flight.client.remote_sink import END_WAIT_S, WINDOW_BYTES, RemoteSink
 from pushtable.flight.client.stager import Stager
 from pushtable.flight.client.transport import Transport
@@ -378,7 +379,13 @@ class Client:
             thread.join(max(0.0, deadline - time.monotonic()))
         for result in list(self._results):
             result.cancel()
-        self._transport.close()
+        # a stream left on a server that did not answer ends once a leave reaches it: the
+        # connection stays open (in the background, new calls refused) until then
+        held = list(self._transport.unended)
+        if held:
+            self._transport.close_after([put.wait_finished for put in held], LEAVE_AGAIN_FOR_S)
+        else:
+            self._transport.close()
 
     def __enter__(self) -> Client:
         return self

@@ -307,6 +307,20 @@ class IdempotentSink(RemoteSink):
         exc.refused_sequence = sequence  # type: ignore[attr-defined]
         return told
 
+    def gave_up(self, item: Item, exc: BaseException) -> None:
+        """Tell ``item``'s writer the outage outlasted ``retry``: its batch is kept (once).
+
+        Its own error says so (``kept=True``, ``batches_written=1``: its batch is the one
+        kept); a later error of its batch (a refusal once the server is back) goes to the
+        next ``flush`` or ``close``, as no task waits for it any more.
+        """
+        if item.handed:
+            return  # told already, at an earlier give-up
+        own = copy.copy(exc)
+        own.batches_written = 1  # type: ignore[attr-defined]
+        item.settle(own)
+        item.hand_over(self._orphaned)
+
     def _drop_stream(self) -> None:
         self._trim()
         super()._drop_stream()
@@ -442,12 +456,7 @@ class IdempotentSink(RemoteSink):
             except PushTableError as exc:
                 if getattr(exc, "gave_up", False):  # past ``retry``: every item hears it
                     for item in list(self._items.values()):
-                        own = copy.copy(exc)  # its own: its batch is the one kept
-                        own.batches_written = 1
-                        item.settle(own)
-                        # kept: a later error of its batch (a refusal once the server is
-                        # back) goes to the next flush or close, as no task waits for it
-                        item.hand_over(self._orphaned)
+                        self.gave_up(item, exc)
                     raise
                 if protocol.retriable(exc) or isinstance(exc, WriteTimeoutError):
                     raise
@@ -468,6 +477,9 @@ class IdempotentSink(RemoteSink):
         timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
+            if self._closed and not self._unacked:  # all stored by the close: no new stream
+                self._raise_unreported()
+                return
             while True:
                 try:
                     self._pump(0, deadline)
@@ -484,6 +496,8 @@ class IdempotentSink(RemoteSink):
         """
         timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
+        if self._closed:
+            return  # closed already: no stream is opened for it again
         self.flush(timeout)
         super().close(None if deadline is None else max(0.0, deadline - time.monotonic()))
 

@@ -70,6 +70,7 @@ class Item:
         "batch",
         "claimed",
         "error",
+        "handed",
         "metadata",
         "nbytes",
         "outcome",
@@ -97,6 +98,8 @@ class Item:
         self.claimed = False
         #: the bytes it references: what it weighs in a window bounded in bytes
         self.nbytes = batch_bytes(batch)
+        #: its writer was told it is kept (:meth:`hand_over`): told once
+        self.handed = False
 
     def withdraw(self) -> bool:
         """Its writer stops waiting: True if it is never sent, False if it was sent already."""
@@ -114,6 +117,7 @@ class Item:
 
     def hand_over(self, outcome: Callable[[BaseException | None], None]) -> None:
         """Its writer was told it is kept (settled): its final outcome goes to ``outcome``."""
+        self.handed = True
         self.settled = False
         self.error = None
         self.outcome = outcome

@@ -226,13 +226,17 @@ class PutStream:
         """
         with self.changed:
             first, self.left = not self.left, True
+            self.changed.notify_all()  # a call waiting for room stops waiting (see wait)
         left = None if deadline is None else max(0.001, deadline - time.monotonic())
         if not self.finished:
             with contextlib.suppress(PushTableError):
                 options = self._transport.options(left if left is not None else LEAVE_WAIT_S)
-                self._transport.action("leave", {"stream": self.stream_id}, options)
+                self._transport.action("leave", {"stream": self.stream_id}, options, leaving=True)
         ended = self._wait_finished(deadline)
         if not ended and first:  # a server that did not answer (paused): tell it again later
+            self._transport.unended.add(self)  # its connection stays open until it ends
+            if self.finished:  # ended meanwhile (its reader forgets it as it ends)
+                self._transport.unended.discard(self)
             threading.Thread(target=self._leave_again, name="pushtable-leave", daemon=True).start()
         return ended
 
@@ -247,7 +251,7 @@ class PutStream:
         while not self.finished and time.monotonic() < until:
             try:
                 options = self._transport.options(LEAVE_WAIT_S)
-                self._transport.action("leave", {"stream": self.stream_id}, options)
+                self._transport.action("leave", {"stream": self.stream_id}, options, leaving=True)
             except ClientClosedError:
                 return  # the connection is closed: its calls, this stream's too, are over
             except PushTableError:
@@ -298,6 +302,7 @@ class PutStream:
             with self.changed:
                 self.finished = True
                 self.changed.notify_all()
+            self._transport.unended.discard(self)
             if self._on_end is not None:
                 self._on_end()
 
@@ -324,11 +329,15 @@ class PutStream:
         ):
             self.sync(deadline)
         with self.changed:
-            while over() and not self.finished:
+            while over() and not self.finished and not self.left:
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     return False
                 self.changed.wait(left)
+            if self.left and over() and not self.finished and self.error is None:
+                # its producer left it (a client closing, a paused server that may never
+                # answer the leave): no room comes on it, and its end is not waited for here
+                raise StreamEndedError("the producer left this stream: no more room on it")
             if self.error is None and over():
                 self.error = self._verdict()
             if self.error is not None:
@@ -371,6 +380,10 @@ class PutStream:
         self._ack_reader.join(timeout)  # it set ``finished`` last: it is ending
         with self.io, contextlib.suppress(flight.FlightError, pa.ArrowException, OSError):
             self.writer.close()
+
+    def wait_finished(self, deadline: float | None) -> bool:
+        """Wait until the server ended the stream (or ``deadline``); whether it did."""
+        return self._wait_finished(deadline)
 
     def _wait_finished(self, deadline: float | None) -> bool:
         """Wait until the server ended the stream (or ``deadline``); whether it did."""

@@ -346,7 +346,11 @@ class RemoteSink(ProducerScope):
             self._orphaned(item.error)
 
     def _orphaned(self, error: BaseException | None) -> None:
-        if error is not None and self._orphan_error is None:
+        # A batch's final outcome only: an outage is no outcome (the batch stays kept and
+        # goes again), so it takes no slot a later refusal of the batch would need.
+        if error is None or protocol.retriable(error) or getattr(error, "gave_up", False):
+            return
+        if self._orphan_error is None:
             self._orphan_error = error  # its own slot: no other call takes it for its own
 
     def _settle(self, item: Item, error: BaseException) -> None:
@@ -630,14 +634,16 @@ class RemoteSink(ProducerScope):
             self._closed = True
             put, self._put = self._put, None
             opening, self._opening = self._opening, None
-        self._transport.action(
-            "fail", {"name": self.name, "type": type(exc).__name__, "message": str(exc)}
-        )
-        if put is not None:
-            with contextlib.suppress(PushTableError):
-                put.finish(timeout=5.0)
-        if opening is not None:
-            opening.let_go(time.monotonic() + END_WAIT_S)
+        try:
+            self._transport.action(
+                "fail", {"name": self.name, "type": type(exc).__name__, "message": str(exc)}
+            )
+        finally:  # the action failed or not, the stream and an open in flight end
+            if put is not None:
+                with contextlib.suppress(PushTableError):
+                    put.finish(timeout=5.0)
+            if opening is not None:
+                opening.let_go(time.monotonic() + END_WAIT_S)
 
     @property
     def stats(self) -> RemoteSinkStats:

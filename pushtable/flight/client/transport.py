@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import json
 import random
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from pushtable.errors import PushTableError, WriteTimeoutError
+from pushtable.errors import ClientClosedError, PushTableError, WriteTimeoutError
 from pushtable.flight import protocol
 
 __all__ = ["REOPEN_FOR_S", "Reopening", "Transport"]
@@ -127,6 +129,12 @@ class Transport:
         #: options of a stream's call: no timeout (a stream lasts as long as its data)
         self.stream_options = flight.FlightCallOptions(headers=self._headers)
         self._control_options = flight.FlightCallOptions(headers=self._headers, timeout=timeout)
+        #: closed by its client: no new call goes, but a stream it left is still told to end
+        #: until it has (see :meth:`close_after`)
+        self.closed = False
+        #: streams left on a server that did not answer, until they end (the connection
+        #: stays open for their ``leave``; see :meth:`close_after`)
+        self.unended: set[Any] = set()
 
     def options(self, timeout: float | None) -> Any:
         """Call options with ``timeout`` (None: a stream's, with no timeout)."""
@@ -134,8 +142,25 @@ class Transport:
             return self.stream_options
         return flight.FlightCallOptions(headers=self._headers, timeout=timeout)
 
-    def action(self, name: str, body: dict[str, Any] | None = None, options: Any = None) -> Any:
-        """Run action ``name`` with a JSON ``body``; its JSON answer (None: no answer)."""
+    def _refuse_closed(self) -> None:
+        if self.closed:
+            raise ClientClosedError(f"the client of {self.uri} is closed")
+
+    def action(
+        self,
+        name: str,
+        body: dict[str, Any] | None = None,
+        options: Any = None,
+        *,
+        leaving: bool = False,
+    ) -> Any:
+        """Run action ``name`` with a JSON ``body``; its JSON answer (None: no answer).
+
+        ``leaving``: a stream's ``leave``, sent also once the client is closed (until the
+        connection is, see :meth:`close_after`).
+        """
+        if not leaving:
+            self._refuse_closed()
         options = self._control_options if options is None else options
         results = protocol.call(
             lambda: list(self._flight.do_action(protocol.action(name, body), options))
@@ -144,6 +169,7 @@ class Transport:
 
     def do_put(self, descriptor: Any, schema: pa.Schema, stream: str) -> tuple[Any, Any]:
         """Open a DoPut stream with id ``stream``: (writer, acknowledgement reader)."""
+        self._refuse_closed()
         headers = [*self._headers, (protocol.STREAM_HEADER.encode(), stream.encode())]
         options = flight.FlightCallOptions(headers=headers)
         writer, reader = protocol.call(self._flight.do_put, descriptor, schema, options)
@@ -156,6 +182,7 @@ class Transport:
         came. A refusal as it opened that frees by itself is met by opening it again (see
         :class:`Reopening`): the server ran nothing for it.
         """
+        self._refuse_closed()
         reopening = Reopening(f"the server at {self.uri}")
         body = flight.Ticket(json.dumps(ticket).encode())
         while True:
@@ -168,4 +195,23 @@ class Transport:
 
     def close(self) -> None:
         """Close the connection (its open streams end)."""
+        self.closed = True
         self._flight.close()
+
+    def close_after(self, ended: list[Callable[[float], bool]], within: float) -> None:
+        """Refuse new calls now; close the connection once each of ``ended`` says so.
+
+        Each is a stream's wait for its end (given a deadline). A stream its client left
+        on a server that did not answer (paused) ends only once a ``leave`` reaches it:
+        the connection stays open, in the background, until then (``within`` seconds at
+        most), so the stream's slot on the server is freed when the server resumes.
+        """
+        self.closed = True
+
+        def wait_then_close() -> None:
+            deadline = time.monotonic() + within
+            for wait in ended:
+                wait(deadline)
+            self._flight.close()
+
+        threading.Thread(target=wait_then_close, name="pushtable-close", daemon=True).start()

@@ -7,6 +7,7 @@ task attempts' shares handed to :mod:`pushtable.flight.server.staging`; idle str
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any
@@ -162,6 +163,14 @@ class Ingest:
                 # Every batch before this one is queued; the client sends again those it sent
                 # after it, which nobody took.
                 protocol.refusing(exc, count)
+                raise
+            except WriteTimeoutError:
+                # Given up waiting for room (the client left, the server stops): every batch
+                # before this one is queued, and acknowledged now, so the client knows which
+                # of its batches are in the table (it told them "may not be stored").
+                if count - 1 > acked:
+                    with contextlib.suppress(Exception):  # the stream may be gone already
+                        acked = writer.send(count - 1)
                 raise
             finally:
                 writer.done()
