@@ -92,11 +92,7 @@ def test_close_lets_a_stream_opened_for_a_timed_out_write_go(tmp_path: Path) -> 
         sink.close(timeout=WAIT)
         assert sink._opening is None
         assert not stream_threads(), stream_threads()
-        other = client.sink("u")
-        reading = _Reading(location, "u")
-        other.write(rows(2), timeout=WAIT)
-        other.close(timeout=WAIT)
-        assert reading.result(WAIT) == {2: 1}
+        _next_sink_writes(client, location)
         client.close()
     finally:
         server.__exit__(None, None, None)
@@ -207,11 +203,7 @@ async def test_aclose_frees_a_stream_that_starts_opening_as_it_runs(
         assert sink.sync._opening is None
         assert not stream_threads(), stream_threads()
         monkeypatch.undo()
-        other = await client.sink("u")
-        result = client.sql("SELECT k FROM u")
-        await other.write(rows(2), timeout=WAIT)
-        await other.close(timeout=WAIT)
-        assert (await asyncio.wait_for(result.read_all(), WAIT))["k"].to_pylist() == [2]
+        await _next_async_sink_writes(client)
         await client.aclose(timeout=WAIT)
     finally:
         server.__exit__(None, None, None)
@@ -241,11 +233,7 @@ async def test_aclose_returns_once_a_let_go_stream_has_ended(tmp_path: Path) -> 
         )
         await sink.aclose(timeout=WAIT)
         assert not stream_threads(), stream_threads()
-        other = await client.sink("u")
-        result = client.sql("SELECT k FROM u")
-        await other.write(rows(2), timeout=WAIT)
-        await other.close(timeout=WAIT)
-        assert (await asyncio.wait_for(result.read_all(), WAIT))["k"].to_pylist() == [2]
+        await _next_async_sink_writes(client)
         await client.aclose(timeout=WAIT)
     finally:
         server.__exit__(None, None, None)
@@ -283,6 +271,24 @@ async def test_a_result_whose_task_gave_up_while_it_opened_stops_its_query(
                     await asyncio.sleep(0.05)
             assert got["k"].to_pylist() == [3]
     await no_aio_threads()
+
+
+def _next_sink_writes(client: Any, location: str) -> None:
+    """The client's next sink (of table ``u``) writes and is read: its slot was free."""
+    other = client.sink("u")
+    reading = _Reading(location, "u")
+    other.write(rows(2), timeout=WAIT)
+    other.close(timeout=WAIT)
+    assert reading.result(WAIT) == {2: 1}
+
+
+async def _next_async_sink_writes(client: Any) -> None:
+    """The asyncio face of :func:`_next_sink_writes`."""
+    other = await client.sink("u")
+    result = client.sql("SELECT k FROM u")
+    await other.write(rows(2), timeout=WAIT)
+    await other.close(timeout=WAIT)
+    assert (await asyncio.wait_for(result.read_all(), WAIT))["k"].to_pylist() == [2]
 
 
 def _stat(location: str, table: str, key: str) -> Any:
@@ -360,11 +366,7 @@ def test_fail_frees_the_stream_even_when_its_action_fails(tmp_path: Path) -> Non
         with paused(proc), pytest.raises(WriteTimeoutError):
             sink.fail(RuntimeError("the producer broke"))
         wait_until(lambda: not stream_threads(), "the failed sink's stream to end")
-        other = client.sink("u")
-        reading = _Reading(location, "u")
-        other.write(rows(2), timeout=WAIT)
-        other.close(timeout=WAIT)
-        assert reading.result(WAIT) == {2: 1}
+        _next_sink_writes(client, location)
         client.close()
 
 
@@ -383,11 +385,7 @@ def test_an_idempotent_sink_closed_opens_no_stream_again(tmp_path: Path) -> None
         sink.flush(timeout=WAIT)
         assert sink._put is None
         assert not stream_threads(), stream_threads()
-        other = client.sink("u")
-        reading = _Reading(location, "u")
-        other.write(rows(2), timeout=WAIT)
-        other.close(timeout=WAIT)
-        assert reading.result(WAIT) == {2: 1}
+        _next_sink_writes(client, location)
         client.close()
 
 

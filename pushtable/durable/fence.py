@@ -199,12 +199,34 @@ def refence(
         },
     )
     new = lance.LanceDataset.commit(ds, tx, storage_options=storage_options, max_retries=0)
-    if new.version != ds.version + 1:  # another writer's commit came between: reverted
-        raise DataDirInUseError(
-            f"fencing durable topic {ds.uri} again: another writer committed beside it"
+    if new.version != ds.version + 1:
+        # Another writer's commits came between (a successor, while this owner was paused
+        # after its check): the Restore reverted them. They are put back, stamped as they
+        # were, before this owner stops.
+        reverted = _open(ds.uri, storage_options, new.version - 1)
+        newer = epoch_of(reverted)
+        back = lance.Transaction(
+            new.version,
+            lance.LanceOperation.Restore(reverted.version),
+            transaction_properties={
+                **_stamp_props(reverted),
+                EPOCH_KEY: str(newer),
+                KEEPS_KEY: str(reverted.version),
+            },
         )
-    lance_commits.move_tag(new, FENCE_TAG, new.version)
+        lance.LanceDataset.commit(ds.uri, back, storage_options=storage_options)
+        raise DataDirInUseError(
+            f"fencing durable topic {ds.uri} again: another server (epoch {newer}) committed "
+            "beside it; its commits are kept, nothing more is stored or acknowledged here"
+        )
+    lance_commits.move_tag(new, FENCE_TAG, new.version)  # the older fence: cleanup's now
     return new
+
+
+def _stamp_props(ds: lance.LanceDataset) -> dict[str, str]:
+    """The properties of the newest commit of ``ds`` that carries a stamp (or none)."""
+    found = lance_commits.newest_stamp(ds, lambda props: "pushtable.next_offset" in props)
+    return {} if found is None else dict(found[1])
 
 
 def _cut_short(ds: lance.LanceDataset) -> tuple[int, int] | None:

@@ -825,6 +825,8 @@ class DurableLog:
         floor = stamped if pinned is None else min(pinned, stamped)
         try:
             self.store.release(floor, stamped)
+        except DataDirInUseError as exc:  # another owner: this one stops at once
+            self._fenced(exc)
         except Exception as exc:  # noqa: BLE001
             log.warning("cleanup of durable topic '%s' failed: %s", self.name, exc)
 
@@ -912,6 +914,9 @@ class DurableLog:
         while not self._upkeep_stop.wait(interval):
             try:
                 self.upkeep()
+            except DataDirInUseError as exc:  # another owner: this one stops at once
+                self._fenced(exc)
+                return
             except Exception as exc:  # noqa: BLE001 (best effort: the next round tries again)
                 log.warning("upkeep of durable topic '%s' failed: %s", self.name, exc)
 

@@ -31,6 +31,7 @@ import pyarrow as pa
 from pushtable import lance_commits
 from pushtable.durable.fence import (
     EPOCH_KEY,
+    FENCE_TAG,
     REFENCE_S,
     Fence,
     check_epoch,
@@ -234,8 +235,12 @@ class LogStore:
                 storage_options,
             )
         self._ds: lance.LanceDataset = ds
-        #: when this owner last fenced the topic (monotonic; see :meth:`_refence_if_due`)
-        self._fenced_at = time.monotonic()
+        #: when this owner last fenced the topic (monotonic; see :meth:`_refence_if_due`):
+        #: never, as far as cleanup goes, so its first cleanup fences again at once and the
+        #: open's fence (which pins the history from before the open) goes with it
+        self._fenced_at = -REFENCE_S
+        #: versions of this owner's older fences (untagged): the next cleanup removes them
+        self._old_fences: set[int] = set()
         #: the stored schema (the topic's columns and the two per row): fixed for its life
         self._schema: pa.Schema = ds.schema
 
@@ -291,7 +296,7 @@ class LogStore:
         anything is committed again.
         """
         props = self._props(stamp)
-        self._ds = self._commit(
+        self._commit(
             lambda ds: lance.Transaction(
                 ds.version,
                 lance.LanceOperation.Append(written.fragments),
@@ -375,24 +380,33 @@ class LogStore:
                 self._check_fence(ds, "committing")
 
         with self._committing:
-            try:
-                new = lance_commits.commit(
-                    self._ds,
-                    transaction,
-                    storage_options=self.storage_options,
-                    retries=6,  # another writer of the dataset committed meanwhile
-                    sync=self.sync,
-                    recheck=recheck,
-                    # fenced: a lost race comes back to ``recheck``, never rebased by Lance
-                    lance_retries=None if self.fence is None else 0,
-                )
-            except OSError:
-                if self.fence is not None and (latest := self._open()) is not None:
+            for attempt in range(2):
+                try:
+                    new = lance_commits.commit(
+                        self._ds,
+                        transaction,
+                        storage_options=self.storage_options,
+                        retries=6,  # another writer of the dataset committed meanwhile
+                        sync=self.sync,
+                        recheck=recheck,
+                        # fenced: a lost race comes back to ``recheck``, never rebased by Lance
+                        lance_retries=None if self.fence is None else 0,
+                    )
+                    break
+                except OSError:
+                    if self.fence is None or (latest := self._open()) is None:
+                        raise
                     self._check_fence(latest, "committing")  # fenced: it did not land
-                raise
+                    if attempt or latest.version == self._ds.version:
+                        raise
+                    # Not fenced: the conflict was with a version this handle did not know
+                    # (a successor's fence that this owner restored back, its own fence
+                    # again): once more, over the newest, its epoch checked.
+                    self._ds = latest
             assert isinstance(new, lance.LanceDataset)
             if self.fence is not None:
                 self._landed_on_top(new)
+            self._ds = new  # under the lock: upkeep's fence, made under it too, is not undone
         return new
 
     def _refence_if_due(self, ds: lance.LanceDataset) -> lance.LanceDataset:
@@ -405,10 +419,18 @@ class LogStore:
         """
         if self.fence is None or time.monotonic() - self._fenced_at < REFENCE_S:
             return ds
+        previous = lance_commits.read_tag(ds, FENCE_TAG)
         new = refence(ds, self.fence, _stamp(stamp_of(ds)).props(), self.storage_options)
         self._fenced_at = time.monotonic()
         self._ds = new
+        if previous is not None:  # untagged now: the next cleanup below it removes it
+            self._old_fences.add(previous)
         return new
+
+    @property
+    def fenced_at(self) -> float:
+        """When this owner last fenced the topic (monotonic seconds)."""
+        return self._fenced_at
 
     def _landed_on_top(self, new: lance.LanceDataset) -> None:
         """Raise :class:`~pushtable.DataDirInUseError` unless ``new`` is the newest version.
@@ -454,7 +476,7 @@ class LogStore:
         ids, _ = self._due(self._ds, stamp.next_offset, older_than_us, keep_bytes)
         if not ids:
             return None
-        self._ds = self._commit(transaction)
+        self._commit(transaction)
         live = {fragment.metadata.files[0].path for fragment in self._ds.get_fragments()}
         self._bounds = {k: v for k, v in self._bounds.items() if k in live}
         return int(plan["earliest"]), int(self._ds.version)
@@ -633,11 +655,14 @@ class LogStore:
             self._check_fence(ds, "cleanup")  # a fenced owner removes no version
             ds = self._refence_if_due(ds)
             lance_commits.move_tag(ds, TAG, stamped)
+            # and the older fences below it: tagged when an earlier cleanup passed them
+            old_fences = {v for v in self._old_fences if v < floor}
             stats = ds.cleanup_old_versions(
-                versions=list(range(self._cleaned_below, floor)),
+                versions=sorted(set(range(self._cleaned_below, floor)) | old_fences),
                 error_if_tagged_old_versions=False,
             )
             self._cleaned_below = floor
+            self._old_fences -= old_fences
         return int(stats.bytes_removed)
 
     def upkeep(

@@ -321,6 +321,13 @@ class IdempotentSink(RemoteSink):
         item.settle(own)
         item.hand_over(self._orphaned)
 
+    def _orphaned(self, error: BaseException | None) -> None:
+        # A batch's final outcome only: an outage is none here (the batch stays kept and
+        # goes again), so it takes no slot a later refusal of the batch would need.
+        if error is None or protocol.retriable(error) or getattr(error, "gave_up", False):
+            return
+        super()._orphaned(error)
+
     def _drop_stream(self) -> None:
         self._trim()
         super()._drop_stream()
@@ -477,7 +484,7 @@ class IdempotentSink(RemoteSink):
         timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            if self._closed and not self._unacked:  # all stored by the close: no new stream
+            if self._closed:  # stored by its close, or failed: no new stream for it
                 self._raise_unreported()
                 return
             while True:

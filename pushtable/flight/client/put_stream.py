@@ -227,6 +227,10 @@ class PutStream:
         with self.changed:
             first, self.left = not self.left, True
             self.changed.notify_all()  # a call waiting for room stops waiting (see wait)
+        if not self.finished:  # its connection stays open until it ends (its reader forgets it)
+            self._transport.unended.add(self)
+            if self.finished:
+                self._transport.unended.discard(self)
         left = None if deadline is None else max(0.001, deadline - time.monotonic())
         if not self.finished:
             with contextlib.suppress(PushTableError):
@@ -234,9 +238,6 @@ class PutStream:
                 self._transport.action("leave", {"stream": self.stream_id}, options, leaving=True)
         ended = self._wait_finished(deadline)
         if not ended and first:  # a server that did not answer (paused): tell it again later
-            self._transport.unended.add(self)  # its connection stays open until it ends
-            if self.finished:  # ended meanwhile (its reader forgets it as it ends)
-                self._transport.unended.discard(self)
             threading.Thread(target=self._leave_again, name="pushtable-leave", daemon=True).start()
         return ended
 

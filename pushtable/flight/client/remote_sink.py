@@ -281,13 +281,14 @@ class RemoteSink(ProducerScope):
         with put.changed:
             unsettled = [item for item in put.inflight if not item.settled]
         for item in unsettled:
-            self._settle(
-                item,
-                SinkClosedError(
-                    f"the producer of '{self.name}' left its stream before the server "
-                    "acknowledged this batch: it may not be stored"
-                ),
+            error = SinkClosedError(
+                f"the producer of '{self.name}' left its stream before the server "
+                "acknowledged this batch: it may be stored or not (the server may have "
+                "queued it), so do not count it either way"
             )
+            error.batches_written = 1  # sent: its outcome is unknown, not "not sent"
+            error.kept = True  # type: ignore[attr-defined]
+            self._settle(item, error)
 
     def write(self, data: Any, timeout: float | None = None) -> None:
         """Send a batch (or every batch of a table / stream), at most ``window`` unacknowledged.
@@ -346,11 +347,7 @@ class RemoteSink(ProducerScope):
             self._orphaned(item.error)
 
     def _orphaned(self, error: BaseException | None) -> None:
-        # A batch's final outcome only: an outage is no outcome (the batch stays kept and
-        # goes again), so it takes no slot a later refusal of the batch would need.
-        if error is None or protocol.retriable(error) or getattr(error, "gave_up", False):
-            return
-        if self._orphan_error is None:
+        if error is not None and self._orphan_error is None:
             self._orphan_error = error  # its own slot: no other call takes it for its own
 
     def _settle(self, item: Item, error: BaseException) -> None:

@@ -221,7 +221,11 @@ class Lease:
     def _swap(self, read_version: int, row: pa.Table) -> lance.LanceDataset | None:
         """Commit ``row`` over ``read_version``; None when another commit overtook it."""
         fragments = lance.fragment.write_fragments(
-            row, self.uri, schema=_SCHEMA, storage_options=self.options
+            row,
+            self.uri,
+            schema=_SCHEMA,
+            storage_options=self.options,
+            mode="overwrite",  # its own schema: a row an older server wrote may lack a column
         )
         try:
             return lance.LanceDataset.commit(
