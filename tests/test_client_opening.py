@@ -16,8 +16,10 @@ the next one's refusal.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ from pushtable.flight import connect
 from pushtable.flight.client import opening as opening_room
 from pushtable.flight.client.aio import AsyncClient
 from pushtable.flight.client.remote_sink import RemoteSink
+from pushtable.flight.client.transport import Transport
 from tests.conftest import WAIT, Background, no_aio_threads, serve_process, wait_until
 from tests.test_client_word import SCHEMA, _free_port, counts, paused, rows, stream_threads
 
@@ -68,14 +71,37 @@ def _write_while_opening(sink: RemoteSink) -> None:
         assert time.monotonic() < deadline, error
 
 
-def _timed_out_open(sink: RemoteSink, proc: Any) -> None:
+@contextlib.contextmanager
+def _opens_held(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Streams open only once the block ends: held where gRPC holds an open while it
+    reconnects to a restarted, paused server. (With the pause alone, whether gRPC had
+    reconnected in the background first is a race: under load the write then went at once,
+    and the open these tests are about never waited.)"""
+    release = threading.Event()
+    real = Transport.do_put
+
+    def held(self: Any, *args: Any, **kwargs: Any) -> Any:
+        release.wait(WAIT)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Transport, "do_put", held)
+    try:
+        yield
+    finally:
+        release.set()
+        monkeypatch.setattr(Transport, "do_put", real)
+
+
+def _timed_out_open(sink: RemoteSink, proc: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A write whose stream's open outlives its timeout: the server paused, then resumed."""
-    with paused(proc):
+    with paused(proc), _opens_held(monkeypatch):
         _write_while_opening(sink)
     wait_until(lambda: sink._opening is not None and sink._opening.done, "the open to return")
 
 
-def test_close_lets_a_stream_opened_for_a_timed_out_write_go(tmp_path: Path) -> None:
+def test_close_lets_a_stream_opened_for_a_timed_out_write_go(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The stream a timed-out write's open got is ended by the sink's ``close``: the
     client's one stream slot is free for its next sink (it stayed taken until the client
     closed)."""
@@ -88,7 +114,7 @@ def test_close_lets_a_stream_opened_for_a_timed_out_write_go(tmp_path: Path) -> 
         proc.wait(WAIT)
     server, proc, location = _restarted(tmp_path, ONE_STREAM, port, "t", "u")
     try:
-        _timed_out_open(sink, proc)
+        _timed_out_open(sink, proc, monkeypatch)
         sink.close(timeout=WAIT)
         assert sink._opening is None
         assert not stream_threads(), stream_threads()
@@ -98,7 +124,9 @@ def test_close_lets_a_stream_opened_for_a_timed_out_write_go(tmp_path: Path) -> 
         server.__exit__(None, None, None)
 
 
-def test_the_next_write_takes_only_a_stream_it_can_use(tmp_path: Path) -> None:
+def test_the_next_write_takes_only_a_stream_it_can_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A timed-out write's open returned a stream the server then ended for idleness
     (``idle_timeout`` 2 s): the next write failed on it. It opens another, and the table
     holds what the writes that returned said they wrote, once each."""
@@ -112,7 +140,7 @@ def test_the_next_write_takes_only_a_stream_it_can_use(tmp_path: Path) -> None:
         proc.wait(WAIT)
     server, proc, location = _restarted(tmp_path, config, port, "t")
     try:
-        _timed_out_open(sink, proc)
+        _timed_out_open(sink, proc, monkeypatch)
         opened = sink._opening
         assert opened is not None
         assert opened._put is not None
@@ -129,7 +157,7 @@ def test_the_next_write_takes_only_a_stream_it_can_use(tmp_path: Path) -> None:
 
 
 def test_an_open_that_failed_with_no_call_waiting_is_not_the_next_calls_error(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The paused server is killed while a timed-out write's stream opens (the open
     fails), and a server starts again on the port: the next write raised the dead server's
@@ -142,7 +170,7 @@ def test_an_open_that_failed_with_no_call_waiting_is_not_the_next_calls_error(
         proc.kill()
         proc.wait(WAIT)
     server, proc, location = _restarted(tmp_path, {}, port, "t")
-    with paused(proc):
+    with paused(proc), _opens_held(monkeypatch):
         _write_while_opening(sink)
         proc.kill()  # killed while stopped: the open in flight fails
         proc.wait(WAIT)
@@ -211,7 +239,9 @@ async def test_aclose_frees_a_stream_that_starts_opening_as_it_runs(
 
 
 @pytest.mark.asyncio
-async def test_aclose_returns_once_a_let_go_stream_has_ended(tmp_path: Path) -> None:
+async def test_aclose_returns_once_a_let_go_stream_has_ended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A timed-out write's open returned a stream once the server resumed; ``aclose``
     returned in 1 ms with that stream still open (its threads alive, the slot taken). It
     returns once the stream ended: no stream thread is left, and the next sink writes."""
@@ -224,7 +254,7 @@ async def test_aclose_returns_once_a_let_go_stream_has_ended(tmp_path: Path) -> 
         proc.wait(WAIT)
     server, proc, location = _restarted(tmp_path, ONE_STREAM, port, "t", "u")
     try:
-        with paused(proc), pytest.raises(WriteTimeoutError):
+        with paused(proc), _opens_held(monkeypatch), pytest.raises(WriteTimeoutError):
             await sink.write(rows(1), timeout=1.0)
         await asyncio.to_thread(
             wait_until,

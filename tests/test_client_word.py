@@ -491,9 +491,12 @@ def test_a_first_stream_to_a_restarted_paused_server_is_bounded(tmp_path: Path) 
             for name, sink in (("t", plain), ("d", durable)):
                 took, error = timed(lambda sink=sink: sink.write(rows(1), timeout=2.0))
                 assert took < 2.0 + MARGIN_S, (name, took)
+                if error is None:  # gRPC had reconnected in the background: it went at once
+                    outcomes[name] = "sent"
+                    continue
                 assert isinstance(error, WriteTimeoutError | ServerUnavailableError), error
                 outcomes[name] = "kept" if getattr(error, "kept", False) else "not sent"
-        assert outcomes["t"] == "not sent", outcomes  # a plain sink keeps nothing unsent
+        assert outcomes["t"] in ("not sent", "sent"), outcomes  # a plain sink keeps nothing
         for name, sink in (("t", plain), ("d", durable)):
             if outcomes[name] == "not sent":
                 sink.write(rows(1), timeout=WAIT)  # the stream its open got, taken now
