@@ -346,6 +346,21 @@ def test_a_holder_in_another_pid_namespace_is_waited_out(tmp_path: Path) -> None
             proc.wait(WAIT)
 
 
+def _log(name: str, place: Place, uri: str, fence: Fence, **options: Any) -> DurableLog:
+    """A durable log of ``uri`` owned under ``fence``, committing every 50 ms, no upkeep."""
+    return DurableLog(
+        name,
+        SCHEMA,
+        uri,
+        lambda batch, at: None,
+        commit_interval=0.05,
+        upkeep_interval=None,
+        storage_options=place.options,
+        fence=fence,
+        **options,
+    )
+
+
 def test_a_commit_stalled_past_the_successors_cleanup_never_lands(
     place: Place, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -369,32 +384,14 @@ def test_a_commit_stalled_past_the_successors_cleanup_never_lands(
         return real(base, operation, *args, **kwargs)
 
     monkeypatch.setattr(lance.LanceDataset, "commit", staticmethod(stalled))
-    old = DurableLog(
-        "old",
-        SCHEMA,
-        uri,
-        lambda batch, at: None,
-        commit_interval=0.05,
-        upkeep_interval=None,
-        storage_options=place.options,
-        fence=Fence(1),
-    )
+    old = _log("old", place, uri, Fence(1))
     old.append(rows(0, "old"), producer="p", sequence=0)
     old.flush(timeout=WAIT)
     stall.set()
     old.append(rows(1, "old"), producer="p", sequence=1)
     wait_until(lambda: not stall.is_set(), "the old owner's commit to stall")
-    new = DurableLog(
-        "new",
-        SCHEMA,
-        uri,
-        lambda batch, at: None,
-        commit_interval=0.05,
-        upkeep_interval=None,
-        storage_options=place.options,
-        fence=Fence(2),
-        retention_bytes=6000,  # a commit past it deletes the oldest fragments, then cleans up
-    )
+    # retention: a commit past it deletes the oldest fragments, then cleans up
+    new = _log("new", place, uri, Fence(2), retention_bytes=6000)
     try:
         for k in range(1, 5):
             new.append(rows(k, "new"), producer="p", sequence=k)

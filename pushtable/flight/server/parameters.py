@@ -18,7 +18,7 @@ from typing import Any
 import datafusion
 import pyarrow as pa
 
-__all__ = ["bind", "has_placeholders", "numbered", "parameter_schema"]
+__all__ = ["bind", "has_placeholders", "parameter_schema"]
 
 #: bound parameters are carried in the statement's handle through the client: kept small
 MAX_BYTES = 1 << 20
@@ -61,30 +61,11 @@ def _segments(query: str) -> Iterator[tuple[str, bool]]:
             i = end
 
 
-def numbered(query: str) -> str:
-    """``query`` with each positional ``?`` replaced by ``$1``, ``$2`` and so on.
-
-    String literals, quoted identifiers and comments are left as they are.
-    """
-    out: list[str] = []
-    count = 0
-    for text, code in _segments(query):
-        if not code:
-            out.append(text)
-            continue
-        for ch in text:
-            if ch == "?":
-                count += 1
-                out.append(f"${count}")
-            else:
-                out.append(ch)
-    return "".join(out)
-
-
 def has_placeholders(query: str) -> bool:
-    """Whether ``query`` (numbered) holds a ``$n`` placeholder outside literals and comments.
+    """Whether ``query`` holds a ``$n`` placeholder outside literals and comments.
 
-    Only then is its plan walked for them: an ordinary query has none to describe.
+    ``query`` has its ``?`` numbered already (``_native.number_placeholders``). Only then
+    is its plan walked for them: an ordinary query has none to describe.
     """
     return any(code and _PLACEHOLDER.search(text) for text, code in _segments(query))
 
