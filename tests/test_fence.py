@@ -453,3 +453,38 @@ def test_a_fence_cut_short_after_it_reverted_a_commit_puts_it_back_at_the_next_o
     assert writers_by_offset(place, uri) == {0: {"old"}, 1: {"old"}}
     assert again.recover().next_offset == 2
     assert again.recover().producers == {"p": 1}
+
+
+def test_commits_that_land_then_raise_are_stored_once_under_a_fence(
+    place: Place, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every Lance commit (the fence's ``Restore`` and each group commit) lands and then
+    raises, as a late fsync error or an object store's lost reply would: the topic still
+    opens (its fence read back and adopted), each batch is acknowledged and stored once
+    (a fenced commit that raised was committed again over its own landed version, storing
+    it twice: CI's land-then-raise crash sweep, 10 of 10)."""
+    import lance
+
+    uri = place.uri("t.lance")
+    real = lance.LanceDataset.commit
+    raised = {"n": 0}
+
+    def landing_then_raising(*args: Any, **kwargs: Any) -> Any:
+        real(*args, **kwargs)
+        raised["n"] += 1
+        raise OSError(5, "Input/output error (injected after the call landed)")
+
+    LogStore(uri, SCHEMA, storage_options=place.options)  # created unfenced, as on upgrade
+    monkeypatch.setattr(lance.LanceDataset, "commit", staticmethod(landing_then_raising))
+    log = _log("owner", place, uri, Fence(3))
+    try:
+        for k in range(4):
+            log.append(rows(k, "owner"), producer="p", sequence=k)
+            log.flush(timeout=WAIT)
+    finally:
+        log.close(timeout=WAIT)
+    monkeypatch.undo()
+    assert raised["n"] >= 5, raised  # the fence and four group commits each raised
+    found = place.dataset(uri).to_table(columns=["_offset", "k"]).to_pylist()
+    assert sorted((r["_offset"], r["k"]) for r in found) == [(k, k) for k in range(4)]
+    assert epoch_of(place.dataset(uri)) == 3

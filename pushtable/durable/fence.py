@@ -144,7 +144,7 @@ def fence_topic(
             },
         )
         try:
-            new = lance.LanceDataset.commit(uri, tx, storage_options=storage_options, max_retries=0)
+            new = _commit(uri, tx, storage_options)
         except OSError as exc:
             if not lance_commits.contention(exc):
                 raise
@@ -167,7 +167,7 @@ def fence_topic(
                     EPOCH_KEY: str(epoch_of(reverted)),
                 },
             )
-            lance.LanceDataset.commit(uri, back, storage_options=storage_options)
+            _commit(uri, back, storage_options, max_retries=20)
             check_epoch(reverted, fence, what)
         ds, keep, read = new, reverted.version, new.version
     raise DataDirInUseError(f"{what}: other commits kept landing beside the fence")
@@ -198,7 +198,7 @@ def refence(
             KEEPS_KEY: str(ds.version),
         },
     )
-    new = lance.LanceDataset.commit(ds, tx, storage_options=storage_options, max_retries=0)
+    new = _commit(ds.uri, tx, storage_options)
     if new.version != ds.version + 1:
         # Another writer's commits came between (a successor, while this owner was paused
         # after its check): the Restore reverted them. They are put back, stamped as they
@@ -214,13 +214,45 @@ def refence(
                 KEEPS_KEY: str(reverted.version),
             },
         )
-        lance.LanceDataset.commit(ds.uri, back, storage_options=storage_options)
+        _commit(ds.uri, back, storage_options, max_retries=20)
         raise DataDirInUseError(
             f"fencing durable topic {ds.uri} again: another server (epoch {newer}) committed "
             "beside it; its commits are kept, nothing more is stored or acknowledged here"
         )
     lance_commits.move_tag(new, FENCE_TAG, new.version)  # the older fence: cleanup's now
     return new
+
+
+def _commit(
+    uri: str,
+    tx: lance.Transaction,
+    storage_options: dict[str, str] | None,
+    max_retries: int = 0,
+) -> lance.LanceDataset:
+    """Commit a fence's ``tx`` (by default once: a lost race comes back to the caller).
+
+    A commit can raise after it landed (a late sync, an object store's lost reply): then the
+    newest version, read back, is this very transaction (its properties name the epoch and
+    the version kept) and is returned; otherwise the error is raised. A contention error is
+    raised as it is (nothing landed).
+    """
+    try:
+        return lance.LanceDataset.commit(
+            uri, tx, storage_options=storage_options, max_retries=max_retries
+        )
+    except OSError as exc:
+        if lance_commits.contention(exc):
+            raise
+        newest = lance_commits.open_dataset(uri, storage_options)
+        props = tx.transaction_properties or {}
+        if (
+            newest is not None
+            and newest.version > tx.read_version
+            and lance_commits.props_at(newest, newest.version) == props
+        ):
+            log.warning("fencing %s: the commit landed and then raised (%s)", uri, exc)
+            return newest
+        raise
 
 
 def _stamp_props(ds: lance.LanceDataset) -> dict[str, str]:

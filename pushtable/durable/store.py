@@ -393,15 +393,20 @@ class LogStore:
                         lance_retries=None if self.fence is None else 0,
                     )
                     break
-                except OSError:
+                except OSError as exc:
                     if self.fence is None or (latest := self._open()) is None:
                         raise
                     self._check_fence(latest, "committing")  # fenced: it did not land
-                    if attempt or latest.version == self._ds.version:
+                    refused = isinstance(exc, lance_commits.CommitContentionError)
+                    # Any other error may have come after the commit landed (a late sync, a
+                    # lost reply): the caller reads the stamp back (:meth:`landed`) before
+                    # anything is committed again. Committing it again here would store it
+                    # twice.
+                    if not refused or attempt or latest.version == self._ds.version:
                         raise
-                    # Not fenced: the conflict was with a version this handle did not know
-                    # (a successor's fence that this owner restored back, its own fence
-                    # again): once more, over the newest, its epoch checked.
+                    # Refused, not fenced: the conflict was with a version this handle did
+                    # not know (a successor's fence that this owner restored back, its own
+                    # fence again): once more, over the newest, its epoch checked.
                     self._ds = latest
             assert isinstance(new, lance.LanceDataset)
             if self.fence is not None:
