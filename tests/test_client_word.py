@@ -705,3 +705,81 @@ def test_a_batch_given_up_before_it_was_sent_hears_its_later_refusal_at_a_flush(
         await no_aio_threads()
 
     asyncio.run(asyncio.wait_for(main(), 8 * WAIT))
+
+
+def test_an_async_clients_aclose_names_the_sinks_it_could_not_free(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """When a sink's ``aclose`` could not free its stream or thread by its timeout (a server
+    that does not answer: whether gRPC's cancel ends the call at once depends on timing, so
+    the sink's report is forced here), the client's ``aclose`` still lets everything else
+    go (the other sink's stream ends, its slot is free) and then raises
+    ``WriteTimeoutError`` naming the sink. It returned as if all were free. ``async with``
+    whose body raised lets the body's error through and logs what was not freed."""
+    from pushtable.flight.client.aio_sink import AsyncSink
+
+    real = AsyncSink.aclose
+
+    async def reporting(self: AsyncSink, *, timeout: float | None = 5.0) -> None:
+        await real(self, timeout=timeout)
+        if self.name.startswith("held"):
+            raise WriteTimeoutError(f"aclose of '{self.name}' timed out with thread x still held")
+
+    monkeypatch.setattr(AsyncSink, "aclose", reporting)
+
+    async def main(location: str) -> None:
+        client = await AsyncClient.connect(location, timeout=WAIT)
+        kept = []  # a client closes the sinks it still has (it holds them weakly)
+        for name in ("held_here", "free"):
+            await client.create_table(name, SCHEMA, capacity=4)
+            kept.append(await client.sink(name))
+            await kept[-1].write(rows(1), timeout=WAIT)
+        with pytest.raises(WriteTimeoutError, match=r"1 sink\(s\) not freed.*'held_here'"):
+            await asyncio.wait_for(client.aclose(timeout=1.0), WAIT)
+        with pytest.raises(ValueError, match="the body's"):
+            async with await AsyncClient.connect(location, timeout=WAIT) as other:
+                await other.create_table("held_too", SCHEMA, capacity=4)
+                kept.append(await other.sink("held_too"))
+                await kept[-1].write(rows(2), timeout=WAIT)
+                raise ValueError("the body's error")
+        assert "'held_too'" in caplog.text
+
+    config = {"limits": {"max_streams_per_client": 2}}
+    with serve_process(config, tmp_path) as (_, location):
+        asyncio.run(asyncio.wait_for(main(location), 4 * WAIT))
+        with connect(location) as after:  # every stream ended: both slots free
+            sinks = [after.sink(name) for name in ("held_here", "free")]
+            for sink in sinks:
+                sink.write(rows(3), timeout=WAIT)
+                sink.flush(timeout=WAIT)
+            for sink in sinks:
+                sink.close(timeout=WAIT)
+
+
+def test_an_idempotent_write_with_no_timeout_gives_up_within_its_retry(tmp_path: Path) -> None:
+    """A producer with ``retry=2`` and no timeout, its server restarted on the same port and
+    paused: the write's open waited for gRPC's connection for 20 s, then said "unreachable
+    for 2.0s". It gives up within ``retry`` (plus the margin), the batch kept; once the
+    server resumes, the next flush stores it once."""
+    port, data = _free_port(), str(tmp_path / "data")
+    with serve_process({}, tmp_path, "--data-dir", data, port=port) as (proc, location):
+        client = connect(location)
+        client.create_topic("d", SCHEMA, durable=True)
+        sink = client.sink("d", producer_id="p", retry=2.0)
+        sink.write(rows(0))
+        sink.flush(timeout=WAIT)
+        proc.kill()
+        proc.wait(WAIT)
+    with serve_process({}, tmp_path, "--data-dir", data, port=port) as (proc, location):
+        with paused(proc):
+            took, error = timed(lambda: sink.write(rows(1)))
+            # (gRPC may have reconnected in the background: then the open went at once and
+            # the write waits for nothing; either way it is bounded by ``retry``)
+            assert took < 2.0 + MARGIN_S, took
+            if error is not None:
+                assert isinstance(error, ServerUnavailableError), error
+                assert "unreachable for 2.0s" in str(error), error
+                assert getattr(error, "kept", False), error
+        sink.flush(timeout=WAIT)
+        assert client.read("d", 0, 2).read_all()["k"].to_pylist() == [0, 1]
+        client.close()

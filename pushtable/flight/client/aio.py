@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import threading
 import weakref
 from collections.abc import Callable, Coroutine, Generator
@@ -63,6 +64,8 @@ from pushtable.flight.client.client import Client, RemoteResult, connect
 from pushtable.producer import OnSlow
 
 __all__ = ["SINK_QUEUED", "AsyncClient", "AsyncResult", "AsyncSink", "AsyncSubscription"]
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -444,7 +447,10 @@ class AsyncClient:
         The subscriptions it made that are still held are dropped; the sinks' tables are not
         ended (as a producer leaving). Bounded by ``timeout`` (each
         thread is waited for at most that long, never joined on the loop); later calls raise
-        :class:`~pushtable.ClientClosedError`.
+        :class:`~pushtable.ClientClosedError`. Everything is let go first; then, if a sink's
+        stream or thread was still held (a server that does not answer), it raises
+        :class:`~pushtable.WriteTimeoutError` naming them (``async with`` logs it instead
+        when its body raised, so the body's error is the one that propagates).
         """
         if self._closed:
             return
@@ -452,14 +458,23 @@ class AsyncClient:
         with contextlib.suppress(WriteTimeoutError):
             await within(asyncio.gather(*leaving, return_exceptions=True), timeout, "aclose")
         self._closed = True
-        leaving = [r.aclose(timeout=timeout) for r in list(self._results)]
-        leaving += [s.aclose(timeout=timeout) for s in list(self._sinks)]
-        await asyncio.gather(*leaving, return_exceptions=True)
+        results = [r.aclose(timeout=timeout) for r in list(self._results)]
+        sinks = [s.aclose(timeout=timeout) for s in list(self._sinks)]
+        outcomes = await asyncio.gather(*results, *sinks, return_exceptions=True)
         with contextlib.suppress(Exception):
             await within(off_loop(self.sync.close), timeout, "aclose")
+        held = [str(o) for o in outcomes[len(results) :] if isinstance(o, WriteTimeoutError)]
+        if held:
+            raise WriteTimeoutError(f"aclose: {len(held)} sink(s) not freed: {'; '.join(held)}")
 
     async def __aenter__(self) -> AsyncClient:
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
+    async def __aexit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is None:
+            await self.aclose()
+            return
+        try:  # the body's error is the one that propagates
+            await self.aclose()
+        except WriteTimeoutError as unfreed:
+            log.warning("leaving after %r: %s", exc, unfreed)

@@ -194,7 +194,7 @@ class IdempotentSink(RemoteSink):
         while True:
             try:
                 self._refuse_left()
-                put = self._stream(deadline)
+                put = self._opened_within(deadline)
                 for sequence, batch, size in self._unsent():
                     if not put.wait(self.window - 1, deadline, self.window_bytes - size):
                         raise self._reopening.timed_out(
@@ -231,7 +231,7 @@ class IdempotentSink(RemoteSink):
                     self._trim()
                     return
             except PushTableError as exc:
-                if isinstance(exc, WriteTimeoutError):
+                if isinstance(exc, WriteTimeoutError) or getattr(exc, "gave_up", False):
                     raise  # every batch stays kept; the next call goes on
                 first = self._first  # the open stream's first sequence, before it is dropped
                 open_put = self._put
@@ -270,6 +270,26 @@ class IdempotentSink(RemoteSink):
                 ends = [t for t in (deadline, give_up) if t is not None]
                 time.sleep(min([pause, *(t - now for t in ends)]))
                 pause = min(1.0, pause * 2)
+
+    def _opened_within(self, deadline: float | None) -> PutStream:
+        """The open stream, opened within the call's deadline and the retry window.
+
+        gRPC's open waits for its connection without a bound (a paused server, a restarted
+        one in its backoff): bounded by ``deadline`` alone, a write with no timeout waited
+        for it past ``retry`` and then said the server was unreachable for ``retry``
+        seconds. An open that outlasts the retry window (counted from the outage's start, or
+        from now) gives up as an outage does.
+        """
+        since = time.monotonic() if self._outage_since is None else self._outage_since
+        give_up = None if self.retry is None else since + self.retry
+        bound = min((t for t in (deadline, give_up) if t is not None), default=None)
+        try:
+            return self._stream(bound)
+        except WriteTimeoutError as exc:
+            if bound is None or bound == deadline or time.monotonic() < bound:
+                raise  # the call's own timeout: its batches stay kept
+            self._outage_since = None  # told: the next call tries anew
+            raise self._unavailable(exc) from exc
 
     def _let_go_refused(self, exc: PushTableError, first: int) -> bool:
         """Forget the batch the server refused (its data), numbering those after it anew.
