@@ -112,6 +112,11 @@ class _Entry:
     #: False for a batch of a unit still being appended (a Spark epoch): no commit takes
     #: it before the unit's last batch, so a unit is stored by one commit or none.
     closes: bool = True
+    #: an idempotent producer's batch: its CRC-32 (stored with the commit, see
+    #: ``STORED_PRINTS``)
+    fingerprint: int | None = None
+    #: a unit's last batch: the rows of the whole unit (stored with the commit)
+    unit_rows: int | None = None
 
 
 #: the longest consumer name :meth:`DurableLog.consumed` takes, and how many consumers a topic
@@ -130,6 +135,9 @@ PRODUCER_IDLE_S = 7 * 24 * 3600.0
 #: ``DurableLog._check_resend``; ~40 KB a producer): a client's window of resends is 256 by
 #: default
 FINGERPRINTS = 1024
+#: how many of those each commit stores (the newest): a reuse of a recent sequence with
+#: other rows is refused after a restart too (~90 bytes a producer in every commit)
+STORED_PRINTS = 8
 
 
 def _fingerprint(batch: pa.RecordBatch) -> int:
@@ -232,8 +240,15 @@ class DurableLog:
         self._accepted = dict(recovered.producers)  # producer -> last sequence appended
         #: producer -> the fingerprints of its last FINGERPRINTS batches (the newest last: a
         #: producer's sequences follow each other, so the newest is ``_accepted[producer]``'s)
-        self._prints: dict[str, deque[int]] = {}
+        self._prints = {
+            p: deque(prints, maxlen=FINGERPRINTS) for p, prints in recovered.prints.items()
+        }
         self._stored = dict(recovered.producers)  # producer -> last sequence committed
+        #: producer -> the newest fingerprints a commit stores (the newest last)
+        self._stored_prints = dict(recovered.prints)
+        #: producer -> the rows of its newest unit appended, and stored (a Spark epoch's)
+        self._units = dict(recovered.units)
+        self._stored_units = dict(recovered.units)
         #: producer -> when it last appended (monotonic; those recovered: when the log opened)
         self._seen = dict.fromkeys(recovered.producers, time.monotonic())
         self._consumers = dict(recovered.consumers)  # consumer -> offset it has read up to
@@ -323,7 +338,8 @@ class DurableLog:
         """
         with self._order:
             with self._cond:
-                before = (self._next, self._accepted.get(producer))
+                before = (self._next, self._accepted.get(producer), self._units.get(producer))
+                self._check_unit(producer, batches, sequences)
             ticket = -1
             try:
                 for i, (batch, sequence) in enumerate(zip(batches, sequences, strict=True)):
@@ -331,8 +347,9 @@ class DurableLog:
                     while True:
                         try:
                             deadline = time.monotonic() + poll
+                            rows = sum(b.num_rows for b in batches) if last else None
                             offset = self._append(
-                                batch, deadline, producer, sequence, True, closes=last
+                                batch, deadline, producer, sequence, True, last, None, rows
                             )
                             break
                         except WriteTimeoutError:
@@ -344,12 +361,58 @@ class DurableLog:
                 raise
             return ticket
 
-    def _take_back(self, producer: str, next_offset: int, accepted: int | None) -> None:
+    def check_unit(
+        self, producer: str, batches: Sequence[pa.RecordBatch], sequences: Sequence[int]
+    ) -> None:
+        """Raise :class:`~pushtable.SequenceError` if this replay of a unit is not what is stored.
+
+        (A Spark epoch published again: see :meth:`_check_unit`.)
+        """
+        with self._cond:
+            self._check_unit(producer, batches, sequences)
+
+    def _check_unit(
+        self, producer: str, batches: Sequence[pa.RecordBatch], sequences: Sequence[int]
+    ) -> None:
+        """Refuse a unit whose replay does not match what is stored (holding ``_cond``).
+
+        A unit is stored whole or not at all, so a replay finds every one of its sequences
+        stored or none: some but not all means the stored ones are not this unit's (another
+        writer's batches under the id). A replay of the newest stored unit must carry as
+        many rows as it stored (it used to be skipped, whatever it held).
+        """
+        last = self._accepted.get(producer, -1)
+        stored = [s for s in sequences if s <= last]
+        if not stored:
+            return
+        if len(stored) != len(sequences):
+            raise SequenceError(
+                f"producer {producer!r} of topic '{self.name}': its last stored sequence "
+                f"{last} falls inside the unit {sequences[0]}..{sequences[-1]} (a unit is "
+                "stored whole or not at all): the stored batches are not this unit's"
+            )
+        rows = sum(b.num_rows for b in batches)
+        if epoch_of(last) == epoch_of(sequences[-1]):
+            kept = self._units.get(producer)
+            if kept is not None and kept != rows:
+                raise SequenceError(
+                    f"producer {producer!r} of topic '{self.name}': unit "
+                    f"{sequences[0]}..{sequences[-1]} replayed with {rows:,} rows, but "
+                    f"{kept:,} are stored under it: refused (not the same data)"
+                )
+
+    def _take_back(
+        self, producer: str, next_offset: int, accepted: int | None, unit: int | None
+    ) -> None:
         """Remove the batches appended from ``next_offset`` on (an unfinished unit's)."""
         with self._cond:
             while self._pending and self._pending[-1].offset >= next_offset:
                 self._pending_bytes -= self._pending.pop().nbytes
             self._next = next_offset
+            if unit is None:
+                self._units.pop(producer, None)
+            else:
+                self._units[producer] = unit
             if accepted is None:
                 self._accepted.pop(producer, None)
                 self._seen.pop(producer, None)
@@ -366,6 +429,7 @@ class DurableLog:
         gaps: bool,
         closes: bool,
         nbytes: int | None = None,
+        unit_rows: int | None = None,
     ) -> int:
         """:meth:`append`'s work; the caller holds ``_order``."""
         # An idempotent producer's batches are told apart from a reuse of their numbers.
@@ -412,7 +476,9 @@ class DurableLog:
         with self._cond:
             offset = self._next
             was_ready = self._ready()
-            entry = _Entry(offset, now_us(), batch, nbytes, producer, sequence, closes)
+            entry = _Entry(
+                offset, now_us(), batch, nbytes, producer, sequence, closes, fingerprint, unit_rows
+            )
             self._pending.append(entry)
             self._pending_bytes += nbytes
             self._next += 1
@@ -422,6 +488,8 @@ class DurableLog:
                 self._seen[producer] = time.monotonic()
                 if fingerprint is not None:
                     self._remember(producer, fingerprint)
+                if unit_rows is not None:
+                    self._units[producer] = unit_rows
             if closes and not was_ready:
                 self._cond.notify_all()  # the committer starts its interval
             return offset
@@ -459,7 +527,15 @@ class DurableLog:
         now = time.monotonic()
         oldest = min(self._accepted, key=lambda p: self._seen.get(p, now), default=None)
         if oldest is not None and now - self._seen.get(oldest, now) >= PRODUCER_IDLE_S:
-            for known in (self._accepted, self._stored, self._prints, self._seen):
+            for known in (
+                self._accepted,
+                self._stored,
+                self._prints,
+                self._seen,
+                self._stored_prints,
+                self._units,
+                self._stored_units,
+            ):
                 known.pop(oldest, None)
             return
         raise ResourceLimitError(
@@ -632,8 +708,9 @@ class DurableLog:
                     )
                 with self._cond:  # as of now: retention or a consumer may have moved meanwhile
                     consumers, earliest = dict(self._consumers), self._earliest
+                    prints, units = self._prints_after(current.entries)
                 last = current.entries[-1].offset
-                stamp = Stamp(last + 1, current.stored, consumers, earliest)
+                stamp = Stamp(last + 1, current.stored, consumers, earliest, prints, units)
                 version = self.store.commit_written(written, stamp)
             except DataDirInUseError as exc:  # fenced by a newer owner: it did not land
                 self._discard(ahead)
@@ -669,7 +746,7 @@ class DurableLog:
                 self._discard(ahead)
                 return
             self._took.append(time.monotonic() - current.started)
-            self._succeeded(current.entries, current.stored, version)
+            self._succeeded(current.entries, stamp, version)
             # A bound in bytes is held after every commit (the history stays within one
             # commit of it); a bound in age at its own pace.
             due = time.monotonic() - self._expired_at >= self._retention_check
@@ -724,7 +801,7 @@ class DurableLog:
             entries[0].offset,
             entries[-1].offset,
         )
-        self._succeeded(entries, found.producers, found.version)
+        self._succeeded(entries, found.stamp(), found.version)
         return True
 
     def _discard(self, ahead: deque[_Group]) -> None:
@@ -781,7 +858,31 @@ class DurableLog:
 
     def _stamp(self) -> Stamp:
         """What the newest commit says is stored (the caller holds ``_cond``)."""
-        return Stamp(self._committed, dict(self._stored), dict(self._consumers), self._earliest)
+        return Stamp(
+            self._committed,
+            dict(self._stored),
+            dict(self._consumers),
+            self._earliest,
+            dict(self._stored_prints),
+            dict(self._stored_units),
+        )
+
+    def _prints_after(self, entries: list[_Entry]) -> tuple[dict[str, list[int]], dict[str, int]]:
+        """The fingerprints and unit rows a commit of ``entries`` stores (holding ``_cond``).
+
+        Those of the commit before, with ``entries``' appended (each producer's newest
+        ``STORED_PRINTS``), for the producers the log still knows.
+        """
+        prints = {p: list(v) for p, v in self._stored_prints.items() if p in self._accepted}
+        units = {p: v for p, v in self._stored_units.items() if p in self._accepted}
+        for e in entries:
+            if e.producer is None:
+                continue
+            if e.fingerprint is not None:
+                prints[e.producer] = [*prints.get(e.producer, []), e.fingerprint][-STORED_PRINTS:]
+            if e.unit_rows is not None:
+                units[e.producer] = e.unit_rows
+        return prints, units
 
     def _expire(self, stamp: Stamp) -> None:
         """Delete the history retention no longer keeps; a failure never fails the topic.
@@ -879,14 +980,17 @@ class DurableLog:
         if fence is not None and fence.lost is not None:
             fence.lost(str(exc))
 
-    def _succeeded(self, entries: list[_Entry], stored: dict[str, int], version: int) -> None:
+    def _succeeded(self, entries: list[_Entry], stamp: Stamp, version: int) -> None:
         with self._cond:
             for _ in entries:
                 entry = self._pending.popleft()
                 self._pending_bytes -= entry.nbytes
                 self._keep(entry)
             self._committed = entries[-1].offset + 1
-            self._stored = {p: last for p, last in stored.items() if p in self._accepted}
+            known = self._accepted
+            self._stored = {p: last for p, last in stamp.producers.items() if p in known}
+            self._stored_prints = {p: v for p, v in stamp.prints.items() if p in known}
+            self._stored_units = {p: v for p, v in stamp.units.items() if p in known}
             self._version = version
             self._failure = None
             self._attempts += 1

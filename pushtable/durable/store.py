@@ -57,6 +57,10 @@ PRODUCERS_KEY = "pushtable.producers"
 CONSUMERS_KEY = "pushtable.consumers"
 #: the first offset retention has not deleted
 EARLIEST_KEY = "pushtable.earliest"
+#: producer -> CRC-32s of its last stored batches (the newest last; see ``DurableLog``)
+PRINTS_KEY = "pushtable.prints"
+#: producer -> the rows of its newest stored unit (a Spark epoch)
+UNITS_KEY = "pushtable.units"
 #: the schema metadata key holding the topic's options (order_by, retain...)
 CONFIG_KEY = "pushtable.topic"
 #: the tag on the newest stamped commit, moved at each upkeep so cleanup keeps it
@@ -90,6 +94,16 @@ class Recovered:
     consumers: dict[str, int] = field(default_factory=dict)
     #: the first offset still stored (retention deletes whole fragments below it)
     earliest: int = 0
+    #: producer -> fingerprints of its last stored batches, the newest (its sequence) last
+    prints: dict[str, list[int]] = field(default_factory=dict)
+    #: producer -> the rows of its newest stored unit (a Spark epoch)
+    units: dict[str, int] = field(default_factory=dict)
+
+    def stamp(self) -> Stamp:
+        """The stamp that says what this says is stored."""
+        return Stamp(
+            self.next_offset, self.producers, self.consumers, self.earliest, self.prints, self.units
+        )
 
 
 @dataclass(frozen=True)
@@ -100,16 +114,26 @@ class Stamp:
     producers: dict[str, int]
     consumers: dict[str, int]
     earliest: int
+    #: producer -> fingerprints of its last stored batches (the newest last): a reuse of a
+    #: sequence with other rows is refused after a restart too
+    prints: dict[str, list[int]] = field(default_factory=dict)
+    #: producer -> the rows of its newest stored unit: a replay with other rows is refused
+    units: dict[str, int] = field(default_factory=dict)
 
     def props(self) -> dict[str, str]:
-        """The stamp as transaction properties (the consumers' key only when there are some)."""
+        """The stamp as transaction properties (optional keys only when there are some)."""
         props = {
             NEXT_KEY: str(self.next_offset),
             PRODUCERS_KEY: json.dumps(self.producers, separators=(",", ":")),
             EARLIEST_KEY: str(self.earliest),
         }
-        if self.consumers:
-            props[CONSUMERS_KEY] = json.dumps(self.consumers, separators=(",", ":"))
+        for key, value in (
+            (CONSUMERS_KEY, self.consumers),
+            (PRINTS_KEY, self.prints),
+            (UNITS_KEY, self.units),
+        ):
+            if value:
+                props[key] = json.dumps(value, separators=(",", ":"))
         return props
 
 
@@ -902,18 +926,22 @@ def directory_bytes(path: Path) -> int:
 
 def _stamp(found: Recovered) -> Stamp:
     """The stamp that says what ``found`` says is stored."""
-    return Stamp(found.next_offset, found.producers, found.consumers, found.earliest)
+    return found.stamp()
 
 
 def _recovered(props: dict[str, str], version: int) -> Recovered:
     producers = json.loads(props.get(PRODUCERS_KEY, "{}"))
     consumers = json.loads(props.get(CONSUMERS_KEY, "{}"))
+    prints = json.loads(props.get(PRINTS_KEY, "{}"))
+    units = json.loads(props.get(UNITS_KEY, "{}"))
     return Recovered(
         int(props[NEXT_KEY]),
         {str(k): int(v) for k, v in producers.items()},
         version,
         {str(k): int(v) for k, v in consumers.items()},
         int(props.get(EARLIEST_KEY, 0)),
+        {str(k): [int(x) for x in v] for k, v in prints.items()},
+        {str(k): int(v) for k, v in units.items()},
     )
 
 

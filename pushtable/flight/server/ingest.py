@@ -16,12 +16,13 @@ import pyarrow as pa
 
 from pushtable import errors, metrics
 from pushtable.durable import DurableLog
+from pushtable.durable.log import MAX_PRODUCERS
 from pushtable.errors import WriteTimeoutError
 from pushtable.flight import protocol
 from pushtable.flight.server.acks import Acks, CommitAcks
 from pushtable.flight.server.auth import ADMIN, WRITE, caller
 from pushtable.flight.server.calls import POLL_S, Calls, audit, wire_errors
-from pushtable.flight.server.staging import Staging
+from pushtable.flight.server.staging import SPARK_PREFIX, Staging
 from pushtable.flight.server.tables import Tables
 from pushtable.sink import TableSink
 from pushtable.topic import Topic
@@ -40,8 +41,9 @@ class Ingest:
         self._calls = calls
         self._lock = threading.Lock()
         self._acks: set[Acks] = set()  # the open DoPut streams
-        #: (topic, producer id) -> the token that first used it (see :meth:`_claim`)
-        self._owners: dict[tuple[str, str], str] = {}
+        #: topic -> producer id -> [the token that first used it, its open streams] (see
+        #: :meth:`_claim`)
+        self._owners: dict[str, dict[str, list[Any]]] = {}
         self._idle_sweep = threading.Thread(
             target=self._end_idle_streams, name="pushtable-idle", daemon=True
         )
@@ -200,7 +202,23 @@ class Ingest:
         log = topic.durable
         assert log is not None
         if identity is not None:
-            self._claim(topic.name, identity[0], caller(context).name)
+            self._claim(topic.name, identity[0], caller(context).name, log)
+        try:
+            return self._durable_stream(context, topic, log, identity, reader, writer)
+        finally:
+            if identity is not None:
+                self._unclaim(topic.name, identity[0])
+
+    def _durable_stream(
+        self,
+        context: Any,
+        topic: Topic,
+        log: DurableLog,
+        identity: tuple[str, int] | None,
+        reader: Any,
+        writer: Acks,
+    ) -> int:
+        """:meth:`_durable_put`'s stream, its producer id claimed."""
         acks = CommitAcks(
             writer,
             topic.name,
@@ -249,21 +267,50 @@ class Ingest:
             log.unlisten(acks.on_commit)
             acks.done()
 
-    def _claim(self, topic: str, producer_id: str, token: str) -> None:
+    def _claim(self, topic: str, producer_id: str, token: str, log: DurableLog) -> None:
         """Bind ``producer_id`` of ``topic`` to the token that first used it (fencing).
 
         Another token's batches under it would be taken for the first producer's resends
         (acknowledged and dropped) or move its sequence past the first's: refused by name.
-        The binding lives as long as the server process (after a restart, the first token to
-        use the id again holds it).
+        The ids of Spark queries' epochs (``spark:<query>``) are the server's own (its
+        staged publishes append under them): no stream may write under one. A binding lives
+        while its producer does: once the topic keeps ``MAX_PRODUCERS`` bindings, those with
+        no open stream whose producer the topic no longer knows (it stored nothing, or was
+        forgotten idle) go. After a restart, the first token to use the id again holds it.
         """
-        with self._lock:
-            owner = self._owners.setdefault((topic, producer_id), token)
-        if owner != token:
+        if producer_id.startswith(SPARK_PREFIX):
             raise errors.PermissionDeniedError(
-                f"producer id {producer_id!r} of topic '{topic}' belongs to token {owner!r}: "
-                f"token {token!r} may not write under it (give each producer its own id)"
+                f"producer id {producer_id!r} of topic '{topic}': ids starting with "
+                f"{SPARK_PREFIX!r} are reserved for Spark queries' epochs, which the server "
+                "appends itself: give this producer another id"
             )
+        with self._lock:
+            bindings = self._owners.setdefault(topic, {})
+            if producer_id not in bindings and len(bindings) >= MAX_PRODUCERS:
+                for known, (_, streams) in list(bindings.items()):
+                    if not streams and log.last_sequence(known) < 0:
+                        del bindings[known]
+            binding = bindings.setdefault(producer_id, [token, 0])
+            if binding[0] == token:
+                binding[1] += 1
+        if binding[0] != token:
+            raise errors.PermissionDeniedError(
+                f"producer id {producer_id!r} of topic '{topic}' belongs to token "
+                f"{binding[0]!r}: token {token!r} may not write under it (give each producer "
+                "its own id)"
+            )
+
+    def _unclaim(self, topic: str, producer_id: str) -> None:
+        """A stream under ``producer_id`` ended: its binding may go once nothing holds it."""
+        with self._lock:
+            binding = self._owners.get(topic, {}).get(producer_id)
+            if binding is not None:
+                binding[1] -= 1
+
+    def bindings(self, topic: str) -> int:
+        """How many producer ids of ``topic`` are bound to a token."""
+        with self._lock:
+            return len(self._owners.get(topic, {}))
 
     def _stored(self, context: Any, log: DurableLog, acks: CommitAcks) -> None:
         """Wait until a commit holds every batch of the stream so far, and acknowledge them."""

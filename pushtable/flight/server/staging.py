@@ -31,6 +31,9 @@ from pushtable.flight.server.tables import Tables
 from pushtable.sink import TableSink
 from pushtable.topic import Topic
 
+#: the producer ids of Spark queries' epochs: reserved, no DoPut stream writes under one
+SPARK_PREFIX = "spark:"
+
 
 def spark_producer(query: str) -> str:
     """The idempotent-producer key of a Spark query's epochs in a durable topic.
@@ -38,7 +41,7 @@ def spark_producer(query: str) -> str:
     The key under which a Spark query's epochs go into a durable topic
     (one key per query: the stored sequence is its publish watermark).
     """
-    return f"spark:{query}"
+    return f"{SPARK_PREFIX}{query}"
 
 
 class Staging:
@@ -174,6 +177,8 @@ class Staging:
         try:
             newest = self.published_epoch(table, query)
             if epoch <= newest:
+                if log is not None and epoch == newest:
+                    self._check_replay(log, query, epoch, parts, stage)
                 self.dropped_shares += len(stage)
                 return {"published": False, "reason": f"epoch {epoch} was published already"}
             # a part without a row count may have had rows: only a count of 0 says it had none
@@ -208,6 +213,29 @@ class Staging:
                     released = [share for share in released if id(share) not in kept]
             for share in released:
                 share.release()
+
+    @staticmethod
+    def _check_replay(
+        log: DurableLog,
+        query: str,
+        epoch: int,
+        parts: list[tuple[int, int, int | None]],
+        stage: dict[tuple[int, int], _Share],
+    ) -> None:
+        """A replay of the newest stored epoch: refused if its rows are not the stored ones'.
+
+        (:meth:`DurableLog.check_unit`: as many rows as the stored epoch.) Checked when
+        every share with rows is staged; after a restart lost them there is nothing to
+        compare, and the answer is "published already" as before.
+        """
+        if any(rows != 0 and (p, a) not in stage for p, a, rows in parts):
+            return
+        named = sorted({(p, a) for p, a, _ in parts})
+        batches = [b for part in named if part in stage for b in stage[part].batches]
+        if batches:
+            last = len(batches) - 1
+            sequences = [epoch_sequence(epoch, i, last=i == last) for i in range(len(batches))]
+            log.check_unit(spark_producer(query), batches, sequences)
 
     def _publish_live(
         self, producer: TableSink | Topic, batches: list[pa.RecordBatch], advance: Any
