@@ -350,11 +350,15 @@ class Topic(_Producer):
         """Asyncio counterpart of :meth:`close`, run in a worker thread (it may wait to store)."""
         await asyncio.to_thread(self.close)
 
-    def fail(self, exc: BaseException) -> None:
-        """As :meth:`TableSink.fail`; a durable topic stores what was written before it."""
+    def fail(self, exc: BaseException, timeout: float = 10.0) -> None:
+        """As :meth:`TableSink.fail`; a durable topic stores what was written before it.
+
+        It waits at most ``timeout`` seconds for that commit (the store may be away); then
+        what is pending is abandoned (never acknowledged).
+        """
         if self.durable is not None:
             try:
-                self.durable.close(timeout=10.0)
+                self.durable.close(timeout=timeout)
             except PushTableError:
                 self.durable.abandon()
         super().fail(exc)

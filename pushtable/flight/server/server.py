@@ -357,9 +357,10 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
         self._calls.stopping.set()
         for stop_http in self._http_stops:
             stop_http()
-        self._tables.fail_all(ServerStoppedError("the pushtable server stopped"))
+        deadline = time.monotonic() + timeout  # one bound for the whole stop
+        # every durable topic stores what is pending at once, within half the stop
+        self._tables.fail_all(ServerStoppedError("the pushtable server stopped"), timeout / 2)
         self._ingest.stopping()  # an idle producer's client ends its stream on this notice
-        deadline = time.monotonic() + timeout
         # readers' errors reach them before gRPC cancels calls
         self._calls.wait_ended(min(timeout, 2 * POLL_S + 0.5))
         stopper = threading.Thread(target=self.shutdown, name="pushtable-stop", daemon=True)
@@ -367,7 +368,12 @@ class Server(flight.FlightServerBase):  # type: ignore[misc]
         stopper.join(max(0.0, deadline - time.monotonic()))
         self._ingest.join(max(0.0, deadline - time.monotonic()))
         if self._lease is not None:  # its topics are failed: another server may serve them
-            self._lease.release()
+            # within the stop's bound (the store may be away: then the lease lapses instead)
+            releasing = threading.Thread(
+                target=self._lease.release, name="pushtable-release", daemon=True
+            )
+            releasing.start()
+            releasing.join(max(0.0, deadline - time.monotonic()))
         if stopper.is_alive():
             open_calls = self._calls.count
             log.warning("pushtable server stopped with %d call(s) still open", open_calls)
