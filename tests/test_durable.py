@@ -815,3 +815,34 @@ def test_a_refused_batch_of_an_idempotent_producer_is_let_go_and_the_rest_stored
     stored = client.read("t", 0, client.offsets("t")["committed"]).read_all()
     assert stored.column("k").to_pylist() == [1, 2, 3]
     client.close()
+
+
+def test_pending_batches_count_against_the_disk_budget_until_committed(tmp_path: Path) -> None:
+    """Batches accepted and not yet committed count against ``max_data_bytes`` and
+    ``max_topic_bytes``: near the limit the budget measured the disk again and forgot them
+    (24 batches accepted under a 4 MiB limit, 11.8 MiB on disk once committed). With a
+    commit every 30 s, the writes past the limit are refused while pending, and once
+    committed the data dir holds about what the budget allowed."""
+    limit = 1_000_000
+    for i, limits in enumerate((Limits(max_data_bytes=limit), Limits(max_topic_bytes=limit))):
+        server = Server(data_dir=tmp_path / f"data-{i}", limits=limits)
+        try:
+            client = connect(server.location)
+            client.create_topic("t", SCHEMA, durable=True, commit_interval=30.0)
+            topic = server.table("t")  # written in process: nothing asks for a commit
+            assert isinstance(topic, Topic)
+            assert topic.durable is not None
+            noise = [os.urandom(16).hex() for _ in range(2_000)]  # ~88 KB
+            big = pa.record_batch({"k": list(range(2_000)), "s": noise}, schema=SCHEMA)
+            accepted = 0
+            with pytest.raises(ResourceLimitError, match="max_(data|topic)_bytes"):
+                for _ in range(40):
+                    topic.write(big, timeout=WAIT)
+                    accepted += 1
+            assert topic.durable.offsets()["committed"] == 0  # all pending when refused
+            assert 1 <= accepted <= limit // big.get_total_buffer_size(), accepted
+            topic.flush(timeout=WAIT)
+            assert client.offsets("t")["committed"] == accepted
+            assert topic.durable.store.disk_bytes() <= 1.5 * limit
+        finally:
+            server.stop()

@@ -557,6 +557,14 @@ class DurableLog:
         """
         return any(e.closes for e in reversed(self._pending))
 
+    @property
+    def pending_bytes(self) -> int:
+        """The bytes of batches accepted and not committed yet.
+
+        Read without the lock: a disk budget asks while it holds its own.
+        """
+        return self._pending_bytes
+
     def last_sequence(self, producer: str) -> int:
         """The last sequence number of ``producer`` appended (-1: none)."""
         with self._cond:

@@ -68,6 +68,7 @@ class Tables:
                 usage,
                 "max_data_bytes",
                 f"bytes in the data dir {data_dir}",
+                self._pending_bytes,
             )
             for name in data_dir.names():
                 self._tables[name] = self._budgeted(
@@ -188,13 +189,14 @@ class Tables:
         """``topic``'s writes and upkeep held to the data dir's ``max_data_bytes``."""
         assert topic.durable is not None
         assert self._budget is not None
-        whole = self._budget
+        whole, log = self._budget, topic.durable
         own = DataBudget(
             topic.durable.store.disk_bytes,
             self._usage.limits.max_topic_bytes,
             self._usage,
             "max_topic_bytes",
             f"bytes of durable topic '{topic.name}'",
+            lambda: log.pending_bytes,
         )
 
         def reserve(nbytes: int) -> None:
@@ -205,6 +207,14 @@ class Tables:
         topic.durable.room = lambda: min(own.room(), whole.room())
         topic.durable.store.hold = self._usage.limits.reader_hold  # readers pin for so long
         return topic
+
+    def _pending_bytes(self) -> int:
+        """The bytes durable topics accepted and have not committed yet (the budget's part)."""
+        return sum(
+            t.durable.pending_bytes
+            for t in list(self._tables.values())
+            if isinstance(t, Topic) and t.durable is not None
+        )
 
     def fail_all(self, exc: BaseException, timeout: float = 10.0) -> None:
         """Fail every table and topic with ``exc`` (the server is stopping), within ``timeout``.
