@@ -835,7 +835,7 @@ def test_pending_batches_count_against_the_disk_budget_until_committed(tmp_path:
             noise = [os.urandom(16).hex() for _ in range(2_000)]  # ~88 KB
             big = pa.record_batch({"k": list(range(2_000)), "s": noise}, schema=SCHEMA)
             accepted = 0
-            with pytest.raises(ResourceLimitError, match="max_(data|topic)_bytes"):
+            with pytest.raises(ResourceLimitError, match=r"max_(data|topic)_bytes"):
                 for _ in range(40):
                     topic.write(big, timeout=WAIT)
                     accepted += 1

@@ -276,3 +276,58 @@ def test_an_epoch_given_up_midway_is_taken_back_and_its_retry_stores_it_once(
         assert sum(b.num_rows for b in seen) == 5  # a live reader saw the taken-back batch
     finally:
         topic.close()
+
+
+def test_a_commit_that_could_not_be_read_back_leaves_no_files_once_settled(
+    place: Place, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A commit fails (it did not land) and its stamp cannot be read back either (the store
+    away a moment longer): the log cannot tell whether it landed, so it keeps the commit's
+    files. Once a read settles it (it did not land), they go: they stayed for good, counted
+    against the data dir, on every store."""
+    from pushtable.durable.store import LogStore
+
+    path = place.uri("t.lance")
+    topic = Topic(
+        "t",
+        SCHEMA,
+        persist=path,
+        commit_interval=0.02,
+        upkeep_interval=None,
+        storage_options=place.options,
+    )
+    topic.write(batch(0))
+    topic.flush(timeout=WAIT)
+    real_commit, real_landed = lance.LanceDataset.commit, LogStore.landed
+    left = {"commits": 1, "reads": 2}
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        if left["commits"] > 0:
+            left["commits"] -= 1
+            raise OSError(5, "Input/output error (injected before the call)")
+        return real_commit(*args, **kwargs)
+
+    def unreadable(self: LogStore, *args: Any, **kwargs: Any) -> Any:
+        if left["reads"] > 0:
+            left["reads"] -= 1
+            raise OSError("HTTP 503 Slow Down (injected: the stamp cannot be read)")
+        return real_landed(self, *args, **kwargs)
+
+    monkeypatch.setattr(lance.LanceDataset, "commit", staticmethod(failing))
+    monkeypatch.setattr(LogStore, "landed", unreadable)
+    topic.write(batch(1))
+    for _ in range(10):  # each flush returns once an attempt failed, or all is stored
+        try:
+            topic.flush(timeout=WAIT)
+            break
+        except CommitFailedError:
+            pass
+    assert left == {"commits": 0, "reads": 0}, left
+    topic.close()
+    ds = place.dataset(path)
+    held = {Path(f.path).name for fr in ds.get_fragments() for f in fr.data_files()}
+    assert place.data_files(path) == held
+    assert sorted(collections.Counter(ds.to_table().column("_offset").to_pylist()).items()) == [
+        (0, 1000),
+        (1, 1000),
+    ]

@@ -262,6 +262,8 @@ class DurableLog:
         self._attempts = 0  # commit attempts finished, failed or not
         #: a commit raised and it is not known whether it landed: read before the next one
         self._unsure = False
+        #: the files of that commit, removed once it is known it did not land
+        self._unsure_written: Written | None = None
         self._urgent = False
         self._took: deque[float] = deque(maxlen=8)  # seconds the latest commits took
         self._closing = False
@@ -698,12 +700,17 @@ class DurableLog:
             written: Written | None = None
             try:
                 written = current.written.result()
-                if self._unsure and self._settle_landed(None):
+                if self._unsure and self._settle_landed(self._unsure_written):
                     # What landed was an earlier gathering of these offsets: this one's files
                     # and those ahead are gathered again, after it.
+                    self._unsure_written = None  # it landed: its files are stored
                     self.store.discard(written)
                     self._discard(ahead)
                     continue
+                if not self._unsure and self._unsure_written is not None:
+                    # settled: it did not land, and its files were held while unsure
+                    self.store.discard(self._unsure_written)
+                    self._unsure_written = None
                 if self._unsure:
                     # Still cannot tell whether an earlier commit of these offsets landed:
                     # committing them now could store them twice. This gathering never
@@ -743,6 +750,8 @@ class DurableLog:
                     return
                 if written is not None and not self._unsure:
                     self.store.discard(written)  # known not to have landed
+                elif written is not None:  # held until settled (at most one: see above)
+                    self._unsure_written = written
                 self._failed(current.entries, exc)
                 with self._cond:  # retry after an interval (sooner if a producer waits)
                     self._cond.wait_for(lambda: self._closed or self._urgent, self.commit_interval)
