@@ -230,6 +230,13 @@ class LogStore:
         #: Past it the version's files may go, and the reader is told with
         #: ``OffsetOutOfRangeError`` (a server sets its ``reader_hold`` limit here).
         self.hold: float | None = None
+        #: bytes of retention's deletions a reader's pin may keep on disk beyond the live
+        #: dataset (None: no bound); past them the oldest pins hold no more (``reader_hold_bytes``)
+        self.hold_bytes: int | None = None
+        #: (the version of a retention deletion, its bytes): kept by pins of older versions
+        self._removed: list[tuple[int, int]] = []
+        #: pins of versions below this hold nothing: they would keep more than ``hold_bytes``
+        self._bytes_floor = 0
         #: every version below this is removed (a lower bound: cleanup may have done more)
         self._cleaned_below = 1
         ds = self._open()
@@ -505,7 +512,13 @@ class LogStore:
         ids, _ = self._due(self._ds, stamp.next_offset, older_than_us, keep_bytes)
         if not ids:
             return None
+        chosen = set(ids)
+        nbytes = sum(
+            self._bounds_of(f).nbytes for f in self._ds.get_fragments() if f.fragment_id in chosen
+        )
         self._commit(transaction)
+        with self._pins_lock:  # what a reader of an older version keeps on disk from now
+            self._removed.append((int(self._ds.version), nbytes))
         live = {fragment.metadata.files[0].path for fragment in self._ds.get_fragments()}
         self._bounds = {k: v for k, v in self._bounds.items() if k in live}
         return int(plan["earliest"]), int(self._ds.version)
@@ -632,21 +645,39 @@ class LogStore:
             self._pins.pop(key, None)
 
     def oldest_pinned(self) -> int | None:
-        """The oldest version a reader holds, within ``hold`` (None: none)."""
+        """The oldest version a reader holds, within ``hold`` and ``hold_bytes`` (None: none).
+
+        A pin of a version older than the retention deletions it would keep past
+        ``hold_bytes`` holds it no more (its reader learns so if the files went), so a
+        stalled reader pins at most that much beyond retention, however fast producers write.
+        """
         since = -float("inf") if self.hold is None else time.monotonic() - self.hold
         with self._pins_lock:
-            return min((v for v, taken in self._pins.values() if taken > since), default=None)
+            pinned = sorted({v for v, taken in self._pins.values() if taken > since})
+            removed = list(self._removed)
+        if self.hold_bytes is not None:
+            for version in pinned:
+                held = sum(nbytes for deleted_at, nbytes in removed if deleted_at > version)
+                if held <= self.hold_bytes:
+                    break
+                self._bytes_floor = max(self._bytes_floor, version + 1)
+        return next((v for v in pinned if v >= self._bytes_floor), None)
 
     def _overheld(self, pin: Pin) -> bool:
-        return self.hold is not None and time.monotonic() - pin.taken >= self.hold
+        aged = self.hold is not None and time.monotonic() - pin.taken >= self.hold
+        return aged or pin.version < self._bytes_floor
 
     def _overheld_error(self, start: int, end: int, pin: Pin) -> OffsetOutOfRangeError:
         """A read that held its version past ``hold`` and lost its files: told as Kafka's is."""
         earliest = self.recover().earliest
+        bound = f"{self.hold:g} s, the server's reader_hold" if self.hold is not None else ""
+        if self.hold_bytes is not None:
+            bound += f"{'; ' if bound else ''}{self.hold_bytes:,} bytes beyond retention, "
+            bound += "its reader_hold_bytes"
         error = OffsetOutOfRangeError(
             f"the read of offsets [{start}, {end}) of {self.uri} held version {pin.version} "
-            f"longer than readers may ({self.hold:g} s, the server's reader_hold) and "
-            f"retention or upkeep removed its files: read again from offset {earliest} or later"
+            f"longer than readers may ({bound}) and retention or upkeep removed its files: "
+            f"read again from offset {earliest} or later"
         )
         error.earliest = earliest  # type: ignore[attr-defined]
         return error
@@ -692,6 +723,8 @@ class LogStore:
             )
             self._cleaned_below = floor
             self._old_fences -= old_fences
+            with self._pins_lock:  # files deleted at or below the floor left the disk
+                self._removed = [(v, b) for v, b in self._removed if v > floor]
         return int(stats.bytes_removed)
 
     def upkeep(

@@ -78,6 +78,11 @@ class Limits:
     #: ``OffsetOutOfRangeError`` naming the earliest offset (as Kafka's consumer that fell
     #: behind retention does). Bounds the disk a stalled reader can pin.
     reader_hold: float = 60.0
+    #: bytes of history (beyond what retention keeps) a reader of a durable topic may keep
+    #: on disk by holding its version: past them the version's files may go, as past
+    #: ``reader_hold`` (a reader stalled 90 s while producers wrote 1 MB/s held a 16 MB
+    #: retention at 70-81 MB; at 100 MB/s the same age is 6 GB)
+    reader_hold_bytes: int = 256 * MiB
     #: largest batch (bytes of its buffers) a DoPut or a staged Spark share may carry; a
     #: bigger one is refused by name, and the stream goes on.
     max_batch_bytes: int = 256 * MiB

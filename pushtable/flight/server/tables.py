@@ -206,6 +206,7 @@ class Tables:
         topic.durable.reserve = reserve
         topic.durable.room = lambda: min(own.room(), whole.room())
         topic.durable.store.hold = self._usage.limits.reader_hold  # readers pin for so long
+        topic.durable.store.hold_bytes = self._usage.limits.reader_hold_bytes  # and so much
         return topic
 
     def _pending_bytes(self) -> int:
