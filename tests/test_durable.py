@@ -696,15 +696,10 @@ def test_a_failed_commit_says_the_producer_keeps_its_batches_and_they_are_stored
     assert "keeps its 2 unacknowledged batch(es) (sequences 1..2" in text, text
     assert "do not write them again" in text, text
     assert getattr(failed.value, "kept", False) is True
-    # A write raises the failure when its stream has heard it already, else goes out.
-    raised: list[CommitFailedError] = []
-    try:
-        sink.write(rows(6))
-    except CommitFailedError as exc:
-        raised.append(exc)
-    for failure in raised:
-        assert failure.batches_written == 1  # kept: it counts as written
-        assert "keeps its 3 unacknowledged batch(es) (sequences 1..3" in str(failure)
+    # The flush took the failure (its stream ended with it): the next write goes out on a
+    # new stream, kept with the others, and the next flush names all three. (This test let
+    # the write raise or not, and checked the error only if it did: it never did.)
+    sink.write(rows(6))
     with pytest.raises(CommitFailedError, match=r"keeps its 3 .*\(sequences 1\.\.3"):
         sink.flush(timeout=WAIT)
     mend_dataset(path, moved)

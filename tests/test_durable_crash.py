@@ -214,6 +214,7 @@ def test_crash_sweep_with_commits_that_land_then_raise(tmp_path: Path, port: int
     late fsync error, an object store's lost reply: ``tests/faulty_serve.py``), before and
     after the kill: every batch stored exactly once, none acknowledged lost."""
     rng = random.Random(1000 + run)
+    fired = tmp_path / "injected"
     crash_run(
         tmp_path / "data",
         port,
@@ -221,8 +222,12 @@ def test_crash_sweep_with_commits_that_land_then_raise(tmp_path: Path, port: int
         rows=rng.choice([1, 100, 2000]),
         every=rng.randint(1, 7),
         kill_after=rng.randint(0, 10),
-        prefix=(sys.executable, FAULTY_SERVE, str(run), "0.2", "--"),
+        prefix=(sys.executable, FAULTY_SERVE, str(run), "0.2", str(fired), "--"),
     )
+    # the faults fired (each server of the run counts its own): a sweep without one proves
+    # nothing about commits that land and then raise
+    assert fired.exists(), "no fault was injected"
+    assert fired.read_text().count("\n") >= 1
 
 
 @pytest.mark.slow
