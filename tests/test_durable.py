@@ -745,7 +745,7 @@ def test_producer_ids_are_bounded_and_an_idle_one_makes_room(
     others are active; once the longest-idle one has appended nothing for ``PRODUCER_IDLE_S``
     it goes (its sequence starts afresh, as Kafka's expired producer ids do), the new one is
     taken, and commits (and a restart) keep only the producers kept."""
-    import pushtable.durable.log as durable_log
+    import pushtable.durable.producers as durable_log
 
     monkeypatch.setattr(durable_log, "MAX_PRODUCERS", 3)
     server = Server(data_dir=tmp_path / "data")

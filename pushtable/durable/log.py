@@ -1,4 +1,4 @@
-"""A durable topic's log: offsets, group commits to Lance, idempotent producers, and reads.
+"""A durable topic's log: offsets, group commits to Lance, and reads.
 
 A batch appended here gets the next offset and goes to the topic's live subscribers at
 once (their queries see it in milliseconds); it is *acknowledged* only once a Lance commit
@@ -7,7 +7,8 @@ sooner, when a producer waits: ``commit_soon``) into one transaction, started ea
 recent commits took, so the oldest batch is stored about one interval after it arrived. A
 failed commit keeps its batches pending (they are retried at the next interval; nothing is
 acknowledged and new appends are refused until a commit succeeds), so a producer that sends
-them again after the error is deduplicated, not appended twice.
+them again after the error is deduplicated, not appended twice (its producer id's sequences,
+fingerprints and Spark units: :mod:`pushtable.durable.producers`).
 
 Reads start at any offset, with no gap and no duplicate: what is committed and no longer in
 memory comes from Lance, the committed tail kept in memory (``retain``/``retain_bytes``) and
@@ -20,7 +21,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import zlib
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,6 +32,7 @@ from typing import Any
 import pyarrow as pa
 
 from pushtable.durable.fence import Fence
+from pushtable.durable.producers import Mark, Producers, epoch_of, epoch_sequence, fingerprint
 from pushtable.durable.store import LogStore, Stamp, StoredBatch, Written, micros, now_us
 from pushtable.errors import (
     CommitFailedError,
@@ -39,7 +40,6 @@ from pushtable.errors import (
     OffsetOutOfRangeError,
     PushTableError,
     ResourceLimitError,
-    SequenceError,
     SinkClosedError,
     WriteTimeoutError,
 )
@@ -57,30 +57,6 @@ Start = str | int | datetime
 #: called after each commit attempt with the committed offset and the failure, if any (a
 #: CommitFailedError; DataDirInUseError once a newer owner fenced the topic)
 Listener = Callable[[int, "PushTableError | None"], None]
-
-
-#: batches of one epoch a Spark query may publish (the low bits of a sequence number)
-EPOCH_BATCHES = 1 << 24
-
-
-def epoch_sequence(epoch: int, index: int, last: bool) -> int:
-    """The sequence number of batch ``index`` of a Spark query's ``epoch`` in a durable log.
-
-    Epoch-major, so a replayed epoch's batches stored before a crash are skipped one by one;
-    the epoch's last batch takes the highest number of the epoch, so a stored last batch
-    means the whole epoch is stored (:func:`epoch_of`).
-    """
-    if not 0 <= index < EPOCH_BATCHES - 1:
-        raise ValueError(f"an epoch holds at most {EPOCH_BATCHES - 1:,} batches, got {index + 1}")
-    return epoch * EPOCH_BATCHES + (EPOCH_BATCHES - 1 if last else index)
-
-
-def epoch_of(sequence: int) -> int:
-    """The newest epoch a query's stored ``sequence`` says is whole (-1: none)."""
-    if sequence < 0:
-        return -1
-    epoch, index = divmod(sequence, EPOCH_BATCHES)
-    return epoch if index == EPOCH_BATCHES - 1 else epoch - 1
 
 
 def check_retention(retention: timedelta | None, retention_bytes: int | None) -> None:
@@ -123,35 +99,6 @@ class _Entry:
 #: keeps positions for (each commit stores them all)
 MAX_CONSUMER_NAME_BYTES = 256
 MAX_CONSUMERS = 1024
-
-#: how many idempotent producers a topic keeps the last sequence of (each commit stores them
-#: all), and how long one that appends nothing keeps its place once the topic is at that bound
-#: (Kafka forgets an idle producer id after a day; Spark queries and services restarted from
-#: their state write at least daily, or start afresh with their sequence as the server has it)
-MAX_PRODUCERS = 1024
-PRODUCER_IDLE_S = 7 * 24 * 3600.0
-
-#: how many of each idempotent producer's last sequences keep a fingerprint (see
-#: ``DurableLog._check_resend``; ~40 KB a producer): a client's window of resends is 256 by
-#: default
-FINGERPRINTS = 1024
-#: how many of those each commit stores (the newest): a reuse of a recent sequence with
-#: other rows is refused after a restart too (~90 bytes a producer in every commit)
-STORED_PRINTS = 8
-
-
-def _fingerprint(batch: pa.RecordBatch) -> int:
-    """A CRC-32 of a batch's rows and buffers (zlib releases the GIL past 5 KB; ~2 GB/s)."""
-    crc = zlib.crc32(batch.num_rows.to_bytes(8, "little"))
-    for column in batch.columns:
-        arrays = [column]
-        if pa.types.is_dictionary(column.type):
-            arrays.append(column.dictionary)
-        for array in arrays:
-            for buffer in array.buffers():
-                if buffer is not None:
-                    crc = zlib.crc32(buffer, crc)
-    return crc
 
 
 def _whole_units(entries: list[_Entry]) -> list[_Entry]:
@@ -237,20 +184,8 @@ class DurableLog:
         self._next = recovered.next_offset
         self._committed = recovered.next_offset
         self._version = recovered.version
-        self._accepted = dict(recovered.producers)  # producer -> last sequence appended
-        #: producer -> the fingerprints of its last FINGERPRINTS batches (the newest last: a
-        #: producer's sequences follow each other, so the newest is ``_accepted[producer]``'s)
-        self._prints = {
-            p: deque(prints, maxlen=FINGERPRINTS) for p, prints in recovered.prints.items()
-        }
-        self._stored = dict(recovered.producers)  # producer -> last sequence committed
-        #: producer -> the newest fingerprints a commit stores (the newest last)
-        self._stored_prints = dict(recovered.prints)
-        #: producer -> the rows of its newest unit appended, and stored (a Spark epoch's)
-        self._units = dict(recovered.units)
-        self._stored_units = dict(recovered.units)
-        #: producer -> when it last appended (monotonic; those recovered: when the log opened)
-        self._seen = dict.fromkeys(recovered.producers, time.monotonic())
+        #: the idempotent producers' sequences, fingerprints and units (under ``_cond``)
+        self._producers = Producers(name, recovered)
         self._consumers = dict(recovered.consumers)  # consumer -> offset it has read up to
         self._pending: deque[_Entry] = deque()
         self._pending_bytes = 0
@@ -340,8 +275,8 @@ class DurableLog:
         """
         with self._order:
             with self._cond:
-                before = (self._next, self._accepted.get(producer), self._units.get(producer))
-                self._check_unit(producer, batches, sequences)
+                before = (self._next, self._producers.mark(producer))
+                self._producers.check_unit(producer, batches, sequences)
             ticket = -1
             try:
                 for i, (batch, sequence) in enumerate(zip(batches, sequences, strict=True)):
@@ -368,58 +303,18 @@ class DurableLog:
     ) -> None:
         """Raise :class:`~pushtable.SequenceError` if this replay of a unit is not what is stored.
 
-        (A Spark epoch published again: see :meth:`_check_unit`.)
+        (A Spark epoch published again: see :meth:`Producers.check_unit`.)
         """
         with self._cond:
-            self._check_unit(producer, batches, sequences)
+            self._producers.check_unit(producer, batches, sequences)
 
-    def _check_unit(
-        self, producer: str, batches: Sequence[pa.RecordBatch], sequences: Sequence[int]
-    ) -> None:
-        """Refuse a unit whose replay does not match what is stored (holding ``_cond``).
-
-        A unit is stored whole or not at all, so a replay finds every one of its sequences
-        stored or none: some but not all means the stored ones are not this unit's (another
-        writer's batches under the id). A replay of the newest stored unit must carry as
-        many rows as it stored (it used to be skipped, whatever it held).
-        """
-        last = self._accepted.get(producer, -1)
-        stored = [s for s in sequences if s <= last]
-        if not stored:
-            return
-        if len(stored) != len(sequences):
-            raise SequenceError(
-                f"producer {producer!r} of topic '{self.name}': its last stored sequence "
-                f"{last} falls inside the unit {sequences[0]}..{sequences[-1]} (a unit is "
-                "stored whole or not at all): the stored batches are not this unit's"
-            )
-        rows = sum(b.num_rows for b in batches)
-        if epoch_of(last) == epoch_of(sequences[-1]):
-            kept = self._units.get(producer)
-            if kept is not None and kept != rows:
-                raise SequenceError(
-                    f"producer {producer!r} of topic '{self.name}': unit "
-                    f"{sequences[0]}..{sequences[-1]} replayed with {rows:,} rows, but "
-                    f"{kept:,} are stored under it: refused (not the same data)"
-                )
-
-    def _take_back(
-        self, producer: str, next_offset: int, accepted: int | None, unit: int | None
-    ) -> None:
+    def _take_back(self, producer: str, next_offset: int, mark: Mark) -> None:
         """Remove the batches appended from ``next_offset`` on (an unfinished unit's)."""
         with self._cond:
             while self._pending and self._pending[-1].offset >= next_offset:
                 self._pending_bytes -= self._pending.pop().nbytes
             self._next = next_offset
-            if unit is None:
-                self._units.pop(producer, None)
-            else:
-                self._units[producer] = unit
-            if accepted is None:
-                self._accepted.pop(producer, None)
-                self._seen.pop(producer, None)
-            else:
-                self._accepted[producer] = accepted
+            self._producers.take_back(producer, mark)
             self._cond.notify_all()
 
     def _append(
@@ -435,25 +330,14 @@ class DurableLog:
     ) -> int:
         """:meth:`append`'s work; the caller holds ``_order``."""
         # An idempotent producer's batches are told apart from a reuse of their numbers.
-        fingerprint = _fingerprint(batch) if producer is not None and not gaps else None
+        crc = fingerprint(batch) if producer is not None and not gaps else None
         with self._cond:
             if self._closing:
                 raise self._refused()
             if producer is not None:
                 assert sequence is not None
-                if producer not in self._accepted:
-                    self._make_room_for(producer)
-                last = self._accepted.get(producer, -1)
-                if sequence <= last:
-                    if not gaps:
-                        self._check_resend(producer, sequence, fingerprint)
+                if self._producers.admit(producer, sequence, crc, gaps):  # stored already
                     return self._next - 1 if self._pending else -1
-                if sequence != last + 1 and not gaps:
-                    raise SequenceError(
-                        f"producer {producer!r} of topic '{self.name}' sent sequence "
-                        f"{sequence}, but the last one stored is {last}: batches "
-                        f"{last + 1}..{sequence - 1} were never received"
-                    )
             if self._failure is not None:  # a resend above waits for the next attempt
                 raise self._failure
             nbytes = batch_bytes(batch) if nbytes is None else nbytes
@@ -479,77 +363,17 @@ class DurableLog:
             offset = self._next
             was_ready = self._ready()
             entry = _Entry(
-                offset, now_us(), batch, nbytes, producer, sequence, closes, fingerprint, unit_rows
+                offset, now_us(), batch, nbytes, producer, sequence, closes, crc, unit_rows
             )
             self._pending.append(entry)
             self._pending_bytes += nbytes
             self._next += 1
             if producer is not None:
                 assert sequence is not None
-                self._accepted[producer] = sequence
-                self._seen[producer] = time.monotonic()
-                if fingerprint is not None:
-                    self._remember(producer, fingerprint)
-                if unit_rows is not None:
-                    self._units[producer] = unit_rows
+                self._producers.accept(producer, sequence, crc, unit_rows)
             if closes and not was_ready:
                 self._cond.notify_all()  # the committer starts its interval
             return offset
-
-    def _check_resend(self, producer: str, sequence: int, fingerprint: int | None) -> None:
-        """Refuse a batch sent again under ``sequence`` with other rows (holding ``_cond``).
-
-        A resend (a lost acknowledgement) carries the same rows and is acknowledged, not
-        appended. Other rows under a sequence already taken (a producer that numbers afresh
-        after losing its state, an id shared by two producers) used to be acknowledged and
-        dropped. Each of a producer's last :data:`FINGERPRINTS` sequences keeps a CRC-32 of
-        its buffers to tell them apart; an older sequence is acknowledged as a resend, as
-        before.
-        """
-        prints = self._prints.get(producer)
-        back = self._accepted.get(producer, -1) - sequence  # 0: the newest
-        kept = prints[-1 - back] if prints is not None and 0 <= back < len(prints) else None
-        if kept is not None and fingerprint is not None and kept != fingerprint:
-            raise SequenceError(
-                f"producer {producer!r} of topic '{self.name}' sent sequence {sequence} "
-                "again with other rows than the batch stored under it: refused (is the "
-                "producer id used by two producers, or did one number its batches afresh?)"
-            )
-
-    def _make_room_for(self, producer: str) -> None:
-        """Room for a new producer's sequence (the caller holds ``_cond``), or refuse it.
-
-        At :data:`MAX_PRODUCERS`, the producer idle longest goes if it appended nothing for
-        :data:`PRODUCER_IDLE_S` (its next commit stores it no more; if it comes back, its
-        sequence starts afresh, as Kafka's expired producer ids do); otherwise the new one is
-        refused by name.
-        """
-        if len(self._accepted) < MAX_PRODUCERS:
-            return
-        now = time.monotonic()
-        oldest = min(self._accepted, key=lambda p: self._seen.get(p, now), default=None)
-        if oldest is not None and now - self._seen.get(oldest, now) >= PRODUCER_IDLE_S:
-            for known in (
-                self._accepted,
-                self._stored,
-                self._prints,
-                self._seen,
-                self._stored_prints,
-                self._units,
-                self._stored_units,
-            ):
-                known.pop(oldest, None)
-            return
-        raise ResourceLimitError(
-            f"durable topic '{self.name}' keeps the sequences of {MAX_PRODUCERS:,} idempotent "
-            f"producers already, each active within {PRODUCER_IDLE_S / 3600:g} h (every commit "
-            f"stores them all): refused producer id {producer!r}; reuse a producer's id across "
-            "its restarts rather than a new one each time"
-        )
-
-    def _remember(self, producer: str, fingerprint: int) -> None:
-        """Keep the fingerprint of ``producer``'s newest batch (its sequence follows the last)."""
-        self._prints.setdefault(producer, deque(maxlen=FINGERPRINTS)).append(fingerprint)
 
     def _ready(self) -> bool:
         """Whether a commit can take something (holding ``_cond``).
@@ -570,7 +394,7 @@ class DurableLog:
     def last_sequence(self, producer: str) -> int:
         """The last sequence number of ``producer`` appended (-1: none)."""
         with self._cond:
-            return self._accepted.get(producer, -1)
+            return self._producers.last(producer)
 
     def last_stored_sequence(self, producer: str) -> int:
         """The last sequence number of ``producer`` that a commit holds (-1: none).
@@ -578,7 +402,7 @@ class DurableLog:
         It survives a restart, stamped in the same commit as the rows.
         """
         with self._cond:
-            return self._stored.get(producer, -1)
+            return self._producers.last_stored(producer)
 
     # -- acknowledgements ---------------------------------------------------------------
 
@@ -691,7 +515,7 @@ class DurableLog:
                         continue
                     idle = None if self._ready() else self._stamp()
                     if idle is None:
-                        ahead.append(self._group(encoder, self._gather(), dict(self._stored)))
+                        ahead.append(self._group(encoder, self._gather(), self._producers.stored()))
                 if idle is not None:  # nothing to commit: retention still deletes what ages out
                     self._expire(idle)
                     continue
@@ -723,7 +547,7 @@ class DurableLog:
                     )
                 with self._cond:  # as of now: retention or a consumer may have moved meanwhile
                     consumers, earliest = dict(self._consumers), self._earliest
-                    prints, units = self._prints_after(current.entries)
+                    prints, units = self._producers.stamped_after(current.entries)
                 last = current.entries[-1].offset
                 stamp = Stamp(last + 1, current.stored, consumers, earliest, prints, units)
                 version = self.store.commit_written(written, stamp)
@@ -848,11 +672,7 @@ class DurableLog:
         self, encoder: ThreadPoolExecutor, entries: list[_Entry], stored: dict[str, int]
     ) -> _Group:
         """``entries`` handed to the encoder; ``stored`` is what the commit before says."""
-        stored = {p: last for p, last in stored.items() if p in self._accepted}  # not forgotten
-        for e in entries:
-            if e.producer is not None:
-                assert e.sequence is not None
-                stored[e.producer] = e.sequence
+        stored = self._producers.stored_after(stored, entries)
         batches = [StoredBatch(e.offset, e.time_us, e.batch) for e in entries]
         return _Group(entries, stored, encoder.submit(self.store.write, batches), time.monotonic())
 
@@ -875,31 +695,7 @@ class DurableLog:
 
     def _stamp(self) -> Stamp:
         """What the newest commit says is stored (the caller holds ``_cond``)."""
-        return Stamp(
-            self._committed,
-            dict(self._stored),
-            dict(self._consumers),
-            self._earliest,
-            dict(self._stored_prints),
-            dict(self._stored_units),
-        )
-
-    def _prints_after(self, entries: list[_Entry]) -> tuple[dict[str, list[int]], dict[str, int]]:
-        """The fingerprints and unit rows a commit of ``entries`` stores (holding ``_cond``).
-
-        Those of the commit before, with ``entries``' appended (each producer's newest
-        ``STORED_PRINTS``), for the producers the log still knows.
-        """
-        prints = {p: list(v) for p, v in self._stored_prints.items() if p in self._accepted}
-        units = {p: v for p, v in self._stored_units.items() if p in self._accepted}
-        for e in entries:
-            if e.producer is None:
-                continue
-            if e.fingerprint is not None:
-                prints[e.producer] = [*prints.get(e.producer, []), e.fingerprint][-STORED_PRINTS:]
-            if e.unit_rows is not None:
-                units[e.producer] = e.unit_rows
-        return prints, units
+        return self._producers.stamp(self._committed, dict(self._consumers), self._earliest)
 
     def _expire(self, stamp: Stamp) -> None:
         """Delete the history retention no longer keeps; a failure never fails the topic.
@@ -1004,10 +800,7 @@ class DurableLog:
                 self._pending_bytes -= entry.nbytes
                 self._keep(entry)
             self._committed = entries[-1].offset + 1
-            known = self._accepted
-            self._stored = {p: last for p, last in stamp.producers.items() if p in known}
-            self._stored_prints = {p: v for p, v in stamp.prints.items() if p in known}
-            self._stored_units = {p: v for p, v in stamp.units.items() if p in known}
+            self._producers.committed(stamp)
             self._version = version
             self._failure = None
             self._attempts += 1

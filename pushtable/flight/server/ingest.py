@@ -16,7 +16,7 @@ import pyarrow as pa
 
 from pushtable import errors, metrics
 from pushtable.durable import DurableLog
-from pushtable.durable.log import MAX_PRODUCERS
+from pushtable.durable.producers import MAX_PRODUCERS
 from pushtable.errors import WriteTimeoutError
 from pushtable.flight import protocol
 from pushtable.flight.server.acks import Acks, CommitAcks

@@ -20,7 +20,7 @@ import pyarrow as pa
 
 from pushtable import errors
 from pushtable.durable import DurableLog
-from pushtable.durable.log import epoch_of, epoch_sequence
+from pushtable.durable.producers import epoch_of, epoch_sequence
 from pushtable.errors import PushTableError
 from pushtable.flight import protocol
 from pushtable.flight.server.actions import Epoch, Epochs, Publish
