@@ -19,7 +19,7 @@ from pushtable.flight import Client, Server, connect
 from pushtable.flight.server import sql
 from pushtable.flight.server.auth import Grant
 from pushtable.flight.server.catalog import sql_type_name
-from tests.conftest import SCHEMA, Background, batch, wait_until
+from tests.conftest import SCHEMA, WAIT, Background, batch, wait_until
 
 
 @pytest.fixture
@@ -177,6 +177,55 @@ def test_get_objects_at_each_depth_with_filters(browsed: Server) -> None:
         none = conn.adbc_get_objects(depth="tables", catalog_filter="elsewhere").read_all()
         assert none.to_pylist() == []
         assert conn.adbc_get_table_schema("events").equals(EVENTS)
+
+
+def test_a_catalog_pattern_is_matched_without_backtracking(browsed: Server) -> None:
+    """``'%' * 55 + 'x'`` as a schema filter held the GIL 9-13 s (a regex's backtracking
+    grows as K^6): every other tenant froze. Patterns are matched segment by segment; these
+    answer at once (bounded by the call's wait, as any), and as a LIKE does."""
+
+    def objects(**filters: str) -> list[str]:
+        with adbc(browsed) as conn:
+            got = conn.adbc_get_objects(depth="tables", **filters).read_all().to_pylist()
+        return [
+            t["table_name"]
+            for c in got
+            for d in c["catalog_db_schemas"]
+            for t in d["db_schema_tables"]
+        ]
+
+    calls = [
+        Background(lambda: objects(db_schema_filter="%" * 80 + "x")),
+        Background(
+            lambda: objects(db_schema_filter="%" * 80 + "c", table_name_filter="%" * 80 + "s")
+        ),
+        Background(lambda: objects(table_name_filter="_%v%_t%")),
+    ]
+    assert [call.join(timeout=WAIT) for call in calls] == [[], ["events", "secrets"], ["events"]]
+    with adbc(browsed) as conn, pytest.raises(flightsql.Error, match="at most 1,024 characters"):
+        conn.adbc_get_objects(depth="tables", table_name_filter="%" * 2000).read_all()
+
+
+@settings(max_examples=300, deadline=None)
+@given(pattern=st.text(alphabet="ab%_\\", max_size=8), name=st.text(alphabet="ab_%\\", max_size=8))
+def test_a_catalog_pattern_matches_as_like_does(pattern: str, name: str) -> None:
+    """The matcher against a LIKE written as a regex (``%`` any run, ``_`` one character,
+    ``\\`` escapes), on names made of the pattern's own characters."""
+    import re
+
+    from pushtable.flight.server.catalog import _Like
+
+    out, escaped = [], False
+    for ch in pattern:
+        if escaped:
+            out.append(re.escape(ch))
+            escaped = False
+        elif ch == "\\":
+            escaped = True
+        else:
+            out.append({"%": ".*", "_": "."}.get(ch, re.escape(ch)))
+    like = re.compile("".join(out), re.DOTALL)
+    assert _Like(pattern).matches(name) == (like.fullmatch(name) is not None)
 
 
 def test_a_scoped_token_sees_only_its_tables_in_every_catalog_command(browsed: Server) -> None:
