@@ -184,9 +184,16 @@ def test_a_catalog_pattern_is_matched_without_backtracking(browsed: Server) -> N
     grows as K^6): every other tenant froze. Patterns are matched segment by segment; these
     answer at once (bounded by the call's wait, as any), and as a LIKE does."""
 
-    def objects(**filters: str) -> list[str]:
+    def objects(
+        db_schema_filter: str | None = None, table_name_filter: str | None = None
+    ) -> list[str]:
         with adbc(browsed) as conn:
-            got = conn.adbc_get_objects(depth="tables", **filters).read_all().to_pylist()
+            found = conn.adbc_get_objects(
+                depth="tables",
+                db_schema_filter=db_schema_filter,
+                table_name_filter=table_name_filter,
+            )
+            got = found.read_all().to_pylist()
         return [
             t["table_name"]
             for c in got
