@@ -34,6 +34,7 @@ from pushtable.errors import (
 )
 from pushtable.flight import connect
 from pushtable.flight.client.aio import AsyncClient
+from pushtable.flight.client.aio_threads import off_loop
 from pushtable.flight.client.idempotent import IdempotentSink
 from tests.conftest import WAIT, Background, aio_threads, no_aio_threads, serve_process
 
@@ -654,11 +655,12 @@ def test_a_batch_kept_past_retry_then_refused_reaches_the_next_flush(tmp_path: P
 def test_a_batch_given_up_before_it_was_sent_hears_its_later_refusal_at_a_flush(
     tmp_path: Path,
 ) -> None:
-    """Window 1, ``retry=2``, the server killed: A's batch holds the window, B's (refused
-    once sent: a NULL in a NOT NULL column) waits for room and is given up before it is
-    sent: ``ServerUnavailableError`` with ``kept=True`` and ``batches_written=1`` (it said
-    0). Once the server is back B is sent and refused: a ``flush`` raises it (nobody heard
-    it), and the topic holds A's batch and the one after, not B's."""
+    """Window 2, ``retry=2``, the server killed: A's batch and B's (refused once sent: a
+    NULL in a NOT NULL column) are kept, and given up before they are sent:
+    ``ServerUnavailableError`` with ``kept=True`` and ``batches_written=1`` (it said 0). Once
+    the server is back B is sent and refused: a ``flush`` raises it (nobody heard it), and
+    the topic holds A's batch and the one after, not B's. (A batch that finds the window
+    full is not kept at all: ``test_an_idempotent_sink_keeps_no_more_than_its_window``.)"""
     port, data = _free_port(), str(tmp_path / "data")
 
     async def outcome_of(future: Any) -> BaseException | None:
@@ -672,7 +674,7 @@ def test_a_batch_given_up_before_it_was_sent_hears_its_later_refusal_at_a_flush(
         with serve_process({}, tmp_path, "--data-dir", data, port=port) as (proc, location):
             client = await AsyncClient.connect(location, timeout=WAIT)
             await client.create_topic("d", SCHEMA, durable=True)
-            sink = await client.sink("d", producer_id="p", retry=2.0, window=1)
+            sink = await client.sink("d", producer_id="p", retry=2.0, window=2)
             await sink.write(rows(0), timeout=WAIT)
             proc.kill()
             proc.wait(WAIT)
@@ -783,3 +785,219 @@ def test_an_idempotent_write_with_no_timeout_gives_up_within_its_retry(tmp_path:
         sink.flush(timeout=WAIT)
         assert client.read("d", 0, 2).read_all()["k"].to_pylist() == [0, 1]
         client.close()
+
+
+@pytest.mark.parametrize("leave", ["aclose", "fail", "client"])
+def test_writes_waiting_for_room_in_the_writers_queue_hear_that_the_sink_was_left(
+    tmp_path: Path, leave: str
+) -> None:
+    """Ten tasks write (no timeout) into a table nobody reads (capacity 1, window 1): the
+    writer thread holds one, its queue the next four, and the rest wait for room in the
+    queue. Left (``aclose``, ``fail``, the client's ``aclose``), the refusals of what was
+    queued made room, and the waiting writes went into a queue nobody read: their tasks
+    hung for good. Every task hears its outcome."""
+
+    async def main(location: str) -> None:
+        client = await AsyncClient.connect(location, timeout=WAIT)
+        await client.create_table("t", SCHEMA, capacity=1)
+        sink = await client.sink("t", window=1)
+        tasks = []
+        for k in range(10):
+            tasks.append(asyncio.create_task(sink.write(rows(k))))
+            await asyncio.sleep(0.05)
+        deadline = time.monotonic() + WAIT
+        while not sink._writer.queue.async_q.full():  # the writer's queue fills
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)  # the last writes wait for room in the queue
+        with contextlib.suppress(PushTableError):
+            if leave == "aclose":
+                await sink.aclose(timeout=3.0)
+            elif leave == "fail":
+                await sink.fail(ValueError("leaving"), timeout=3.0)
+            else:
+                await client.aclose(timeout=3.0)
+        done, pending = await asyncio.wait(tasks, timeout=WAIT)
+        assert not pending, f"{len(pending)} write(s) never heard their outcome"
+        outcomes = [t.exception() for t in done]
+        assert sum(isinstance(o, SinkClosedError) for o in outcomes) >= 5, outcomes
+        with contextlib.suppress(PushTableError):
+            await client.aclose(timeout=WAIT)
+
+    with serve_process({}, tmp_path) as (_, location):
+        asyncio.run(asyncio.wait_for(main(location), 4 * WAIT))
+
+
+def test_a_sync_calls_timeout_bounds_its_wait_for_another_call_of_the_sink(
+    tmp_path: Path,
+) -> None:
+    """Thread A writes with no timeout into a full table nobody reads and holds the sink:
+    ``write``, ``flush`` and ``close`` with ``timeout=1`` from another thread waited for A
+    for good (the sink's lock had no deadline). Each returns by its timeout; the write says
+    its batch was not sent (``kept=False``)."""
+    with serve_process({}, tmp_path) as (_, location):
+        client = connect(location)
+        client.create_table("t", SCHEMA, capacity=1)
+        sink = client.sink("t", window=2)
+
+        def write_all() -> None:
+            for k in range(20):
+                sink.write(big(k))
+
+        writing = Background(write_all)
+        assert not writing.done.wait(3.0)  # A holds the sink, waiting for room
+        for call in (
+            lambda: sink.write(rows(1), timeout=1.0),
+            lambda: sink.flush(timeout=1.0),
+            lambda: sink.close(timeout=1.0),
+        ):
+            took, error = timed(call)
+            assert took < 1.0 + MARGIN_S, took
+            assert isinstance(error, WriteTimeoutError), error
+        assert getattr(error, "kept", None) is None  # close: no batch of its own
+        took, error = timed(lambda: sink.write(rows(1), timeout=1.0))
+        assert getattr(error, "kept", None) is False
+        assert getattr(error, "batches_written", None) == 0
+        client.close()
+        assert writing.done.wait(WAIT)
+
+
+@pytest.mark.parametrize("face", ["sync", "async"])
+def test_an_idempotent_sink_keeps_no_more_than_its_window(tmp_path: Path, face: str) -> None:
+    """``window=2``, ``window_bytes=1 MiB``, ~0.4 MiB batches, the server killed: each write
+    that timed out kept its batch, 20 batches and 7.6 MiB held. A batch that finds the
+    window full is not kept (``kept=False``, never sent); once the server is back, the
+    topic holds exactly the batches said kept, once."""
+    port, data = _free_port(), str(tmp_path / "data")
+    rows_each = 50_000  # ~0.4 MiB of two int64 columns
+    said: dict[int, bool] = {}
+
+    def sized(k: int) -> pa.RecordBatch:
+        return pa.record_batch(
+            [pa.array([k] * rows_each, pa.int64()), pa.array(range(rows_each), pa.int64())],
+            schema=SCHEMA,
+        )
+
+    def reached(flush: Any) -> None:
+        deadline = time.monotonic() + WAIT
+        while True:  # once gRPC's backoff after the restart is over
+            try:
+                flush()
+                return
+            except ServerUnavailableError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+
+    async def writes(location: str, proc: Any) -> None:
+        aclient = await AsyncClient.connect(location, timeout=WAIT)
+        await aclient.create_topic("d", SCHEMA, durable=True)
+        asink = await aclient.sink("d", producer_id="p", retry=WAIT, window=2, window_bytes=1 << 20)
+        proc.kill()
+        proc.wait(WAIT)
+        for k in range(12):
+            try:
+                await asyncio.wait_for(asink.write(sized(k), timeout=0.3), WAIT)
+                said[k] = True
+            except PushTableError as exc:
+                said[k] = bool(getattr(exc, "kept", False))
+        assert asink.sync.unacknowledged <= 2  # type: ignore[attr-defined]
+        with serve_process({}, tmp_path, "--data-dir", data, port=port):
+            await off_loop(reached, lambda: asink.sync.flush(WAIT))
+            await asink.aclose(timeout=WAIT)
+        with contextlib.suppress(PushTableError):
+            await aclient.aclose(timeout=WAIT)
+
+    with serve_process({}, tmp_path, "--data-dir", data, port=port) as (proc, location):
+        if face == "async":
+            asyncio.run(asyncio.wait_for(writes(location, proc), 4 * WAIT))
+        else:
+            client = connect(location)
+            client.create_topic("d", SCHEMA, durable=True)
+            sink = client.sink("d", producer_id="p", retry=WAIT, window=2, window_bytes=1 << 20)
+            proc.kill()
+            proc.wait(WAIT)
+            for k in range(12):
+                took, error = timed(lambda k=k: sink.write(sized(k), timeout=0.3))
+                assert took < 0.3 + MARGIN_S, took
+                said[k] = error is None or bool(getattr(error, "kept", False))
+            assert isinstance(sink, IdempotentSink)
+            assert sink.unacknowledged <= 2
+    kept = sorted(k for k, was in said.items() if was)
+    assert len(kept) <= 2, said  # (async: a write withdrawn at its timeout is not kept)
+    with serve_process({}, tmp_path, "--data-dir", data, port=port) as (_, location):
+        if face == "sync":
+            reached(lambda: sink.flush(timeout=WAIT))
+            client.close()
+        with connect(location) as reader:
+            end = reader.offsets("d")["committed"]
+            got = reader.read("d", 0, end).read_all()
+    stored = sorted(set(got["k"].to_pylist()))
+    assert stored == kept, (stored, said)
+    assert got.num_rows == len(kept) * rows_each  # each once
+
+
+def test_an_async_idempotent_write_with_no_timeout_gives_up_within_its_retry(
+    tmp_path: Path,
+) -> None:
+    """The asyncio face of the test above: the writer thread steps its calls (0.2 s each),
+    and each step's open timed out on the step's own deadline, so the outage clock never
+    started: 22 s, then "unreachable for 2.0s". It gives up within ``retry``, kept."""
+    port, data = _free_port(), str(tmp_path / "data")
+
+    async def main() -> None:
+        with serve_process({}, tmp_path, "--data-dir", data, port=port) as (proc, location):
+            client = await AsyncClient.connect(location, timeout=WAIT)
+            await client.create_topic("d", SCHEMA, durable=True)
+            sink = await client.sink("d", producer_id="p", retry=2.0)
+            proc.kill()
+            proc.wait(WAIT)
+        with serve_process({}, tmp_path, "--data-dir", data, port=port) as (proc, _):
+            with paused(proc):
+                started = time.monotonic()
+                with pytest.raises(ServerUnavailableError, match=r"unreachable for 2\.0s") as gave:
+                    await asyncio.wait_for(sink.write(rows(1)), WAIT)
+                assert time.monotonic() - started < 2.0 + MARGIN_S
+            assert getattr(gave.value, "kept", False)
+            with contextlib.suppress(PushTableError):
+                await sink.aclose(timeout=WAIT)
+            with contextlib.suppress(PushTableError):
+                await client.aclose(timeout=WAIT)
+
+    asyncio.run(asyncio.wait_for(main(), 4 * WAIT))
+
+
+def test_aclose_after_a_fail_that_timed_out_names_what_is_held(tmp_path: Path) -> None:
+    """A ``fail(timeout=1)`` on a paused server raises by its timeout while its call goes on;
+    the ``aclose`` after it returned at once, "free", with the stream and its threads held.
+    It waits for the fail within its own timeout and names what is still held; once the
+    server is back the stream ends. And a ``close`` after ``aclose`` raises
+    ``SinkClosedError`` (it returned, the table left open, as if closed)."""
+
+    async def main(proc: Any, location: str) -> None:
+        client = await AsyncClient.connect(location, timeout=WAIT)
+        await client.create_table("t", SCHEMA, capacity=4)
+        await client.create_table("u", SCHEMA, capacity=4)
+        sink = await client.sink("t")
+        await sink.write(rows(1), timeout=WAIT)
+        with paused(proc):
+            with pytest.raises(WriteTimeoutError):
+                await sink.fail(ValueError("stop"), timeout=1.0)
+            started = time.monotonic()
+            with pytest.raises(WriteTimeoutError, match=r"fail\(\) has had no answer"):
+                await sink.aclose(timeout=2.0)
+            assert time.monotonic() - started < 2.0 + MARGIN_S
+        other = await client.sink("u")
+        await other.write(rows(2), timeout=WAIT)
+        await other.aclose(timeout=WAIT)
+        with pytest.raises(SinkClosedError, match="was left"):
+            await other.close(timeout=WAIT)
+        await client.aclose(timeout=WAIT)
+
+    with serve_process({}, tmp_path) as (proc, location):
+        asyncio.run(asyncio.wait_for(main(proc, location), 4 * WAIT))
+        with connect(location) as after:
+            deadline = time.monotonic() + WAIT
+            while not after.stats("t")["closed"]:  # the fail reached it once the server was back
+                assert time.monotonic() < deadline, "the fail never reached the server"
+                time.sleep(0.1)
+            assert not after.stats("u")["closed"]

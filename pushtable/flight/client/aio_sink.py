@@ -121,6 +121,9 @@ class _Writer:
                     self._tend()
         finally:
             self.sync.on_stream_end = None
+            # no put lands after this (a task waiting for room hears the sink closed: the
+            # room its refusals free was taken by writes nobody read, for good)
+            self.queue.shutdown()
             self._refuse_queued()
             deliver(self.loop, self.exited)
 
@@ -268,6 +271,9 @@ class AsyncSink:
         self._loop = loop
         self._writer = _Writer(sync, loop)
         self._closed = False
+        self._left = False  # left by aclose: a close after it raises
+        #: a ``fail()`` that timed out while its call went on (``aclose`` waits for it)
+        self._failing: asyncio.Future[None] | None = None
         self._finalizer = weakref.finalize(self, _left, self._writer, True)
 
     @property
@@ -287,7 +293,10 @@ class AsyncSink:
     async def _queue(self, entry: _Job | _Call | object, deadline: float | None) -> None:
         """Hand ``entry`` to the writer thread, waiting (until ``deadline``) for room."""
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        await within(self._writer.queue.async_q.put(entry), left, f"write to '{self.name}'")
+        try:
+            await within(self._writer.queue.async_q.put(entry), left, f"write to '{self.name}'")
+        except janus.AsyncQueueShutDown:  # its writer thread stopped: the sink was left
+            raise SinkClosedError(f"async sink for '{self.name}' was closed") from None
 
     # -- writing ----------------------------------------------------------------------------
 
@@ -426,6 +435,10 @@ class AsyncSink:
         Bounded by ``timeout``: past it (a full table nobody reads) it raises
         ``WriteTimeoutError`` and the table stays open.
         """
+        if self._left:
+            raise SinkClosedError(
+                f"async sink for '{self.name}' was left (aclose): its table stays open"
+            )
         if self._closed:
             return
         await self._call(self._close_step, timeout, f"close of '{self.name}'")
@@ -445,7 +458,9 @@ class AsyncSink:
             raise TypeError(f"fail() takes an exception, got {type(exc).__name__}")
         self._refuse_closed()
         self._leave(end_stream=False)
-        await within(off_loop(self.sync.fail, exc), timeout, f"fail of '{self.name}'")
+        failing = self._failing = asyncio.ensure_future(off_loop(self.sync.fail, exc))
+        failing.add_done_callback(_retrieve)
+        await within(asyncio.shield(failing), timeout, f"fail of '{self.name}'")
         await self._exited(CLOSE_WAIT_S)
 
     def _leave(self, end_stream: bool) -> None:
@@ -463,9 +478,10 @@ class AsyncSink:
         not free by then (a server that does not answer). Never joins a thread on the loop.
         """
         if self._closed:
-            return await self._exited(timeout)
+            return await self._closed_already(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         self._leave(end_stream=False)
+        self._left = True
         wait = CLOSE_WAIT_S if timeout is None else timeout
         held: list[str] = ["its stream (no answer)"]
         with contextlib.suppress(PushTableError):
@@ -477,6 +493,30 @@ class AsyncSink:
             raise WriteTimeoutError(
                 f"aclose of '{self.name}' timed out after {wait:g}s with {', '.join(held)} "
                 "still held"
+            )
+
+    async def _closed_already(self, timeout: float | None) -> None:
+        """``aclose`` after ``close``, ``fail`` or ``aclose``: what is still held, it names.
+
+        A ``fail()`` that timed out goes on (its call, the stream's end): returning at once
+        said all was free while the stream and its threads were held.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        held: list[str] = []
+        failing = self._failing
+        if failing is not None and not failing.done():
+            with contextlib.suppress(PushTableError):
+                await within(asyncio.shield(failing), timeout, "aclose")
+            if not failing.done():
+                held.append("its stream (fail() has had no answer)")
+        await self._exited(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if not self._writer.exited.done():
+            held.append(f"thread {self._writer.thread.name}")
+        if held:
+            wait = CLOSE_WAIT_S if timeout is None else timeout
+            raise WriteTimeoutError(
+                f"aclose of '{self.name}' timed out after {wait:g}s with "
+                f"{', '.join(held)} still held"
             )
 
     async def _exited(self, timeout: float | None) -> None:

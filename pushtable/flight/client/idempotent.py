@@ -286,7 +286,14 @@ class IdempotentSink(RemoteSink):
         try:
             return self._stream(bound)
         except WriteTimeoutError as exc:
-            if bound is None or bound == deadline or time.monotonic() < bound:
+            # An open that does not answer is an outage: its clock starts here, so calls in
+            # steps (the asyncio face's writer thread, 0.2 s a step) give up within ``retry``
+            # too (they kept stepping, the clock never started, for as long as the server
+            # stayed away).
+            if self._outage_since is None:
+                self._outage_since = since
+            own = deadline is not None and (give_up is None or deadline < give_up)
+            if own or bound is None or time.monotonic() < bound:
                 raise  # the call's own timeout: its batches stay kept
             self._outage_since = None  # told: the next call tries anew
             raise self._unavailable(exc) from exc
@@ -336,6 +343,12 @@ class IdempotentSink(RemoteSink):
         """
         if item.handed:
             return  # told already, at an earlier give-up
+        if item.sequence is None:  # it found no room: never kept, never sent
+            own = copy.copy(exc)
+            own.batches_written = 0  # type: ignore[attr-defined]
+            own.kept = False  # type: ignore[attr-defined]
+            item.settle(own)
+            return
         own = copy.copy(exc)
         own.batches_written = 1  # type: ignore[attr-defined]
         item.settle(own)
@@ -382,11 +395,15 @@ class IdempotentSink(RemoteSink):
         """Number each batch and send it; it is kept, and sent again if need be, until stored."""
         timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
+        with self._held(deadline, "write"):
             self._refuse_closed()
             for written, data_batch in enumerate(arrow_batches(data)):
                 batch = protocol.to_wire(self.name, self.schema, self._wire_schema, data_batch)
                 size = batch_bytes(batch)
+                try:
+                    self._room_for(size, deadline)
+                except PushTableError as exc:  # not taken: this batch was not kept
+                    raise self._not_kept(exc, written) from exc
                 self._unacked.append((self._next_sequence, batch, size))
                 self._unacked_bytes += size
                 self._next_sequence += 1
@@ -423,6 +440,34 @@ class IdempotentSink(RemoteSink):
                     exc.kept = True  # type: ignore[attr-defined]
                     raise
 
+    def _room_for(self, size: int, deadline: float | None) -> None:
+        """Wait (until ``deadline``) until what is kept leaves room for a batch of ``size``.
+
+        The kept batches stay within ``window`` and ``window_bytes``: during an outage every
+        write that timed out kept its batch, and the sink grew past both (20 batches, 7.6
+        MiB for a window of 2 and 1 MiB). One batch always fits an empty sink.
+        """
+        self._trim()
+        while self._unacked and (
+            len(self._unacked) >= self.window or self._unacked_bytes + size > self.window_bytes
+        ):
+            self._pump(len(self._unacked) - 1, deadline)
+            self._trim()
+
+    def _not_kept(self, exc: PushTableError, written: int) -> PushTableError:
+        """``exc`` of a write whose batch found no room: it is not kept, nor ever sent."""
+        if isinstance(exc, WriteTimeoutError):
+            return timed_out(
+                f"{exc}; the sink keeps {len(self._unacked)} batch(es) unacknowledged (its "
+                "window is full)",
+                written,
+                kept=False,
+            )
+        own = copy.copy(exc)
+        own.batches_written = written
+        own.kept = False  # type: ignore[attr-defined]
+        return own
+
     def _kept(self, exc: CommitFailedError, taken: int) -> CommitFailedError:
         """``exc`` saying what became of the batches: this sink keeps them, numbered.
 
@@ -454,8 +499,9 @@ class IdempotentSink(RemoteSink):
         with self._lock:
             self._refuse_closed()
             if item.sequence is None:
-                item.sequence = self._next_sequence
                 size = batch_bytes(item.batch)
+                self._room_for(size, deadline)  # a timeout: not taken yet, the next step tries
+                item.sequence = self._next_sequence
                 self._unacked.append((item.sequence, item.batch, size))
                 self._unacked_bytes += size
                 self._next_sequence += 1
@@ -503,7 +549,7 @@ class IdempotentSink(RemoteSink):
         """Return once every batch written is stored; reconnects and resends as needed."""
         timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
+        with self._held(deadline, "flush"):
             if self._closed:  # stored by its close, or failed: no new stream for it
                 self._raise_unreported()
                 return

@@ -21,7 +21,7 @@ import contextlib
 import functools
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -307,7 +307,7 @@ class RemoteSink(ProducerScope):
         timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         written = 0
-        with self._lock:
+        with self._held(deadline, "write"):
             try:
                 self._refuse_closed()
                 for data_batch in arrow_batches(data):
@@ -319,6 +319,28 @@ class RemoteSink(ProducerScope):
             except PushTableError as exc:
                 exc.batches_written = written + (1 if getattr(exc, "kept", False) else 0)
                 raise
+
+    @contextlib.contextmanager
+    def _held(self, deadline: float | None, what: str) -> Iterator[None]:
+        """The sink's lock, taken within ``deadline``: a call's timeout bounds its wait for it.
+
+        Another call holds it while it waits for room or for gRPC (a write with no timeout
+        into a full table): this call raised nothing until that one returned, past its own
+        timeout. A write that times out here sent nothing (``kept=False``).
+        """
+        left = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self._lock.acquire(timeout=left):
+            message = (
+                f"{what} of remote table '{self.name}' timed out waiting for another call of "
+                "this sink (it waits for room or for the server)"
+            )
+            if what in ("write", "advance"):
+                raise timed_out(message, 0, kept=False)
+            raise WriteTimeoutError(message)
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     def _refuse_closed(self) -> None:
         if self._closed:
@@ -540,7 +562,7 @@ class RemoteSink(ProducerScope):
         item = self.advance_item(ts)
         timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
+        with self._held(deadline, "advance"):
             self._refuse_closed()
             self._raise_unreported()
             self._submit_locked(item, deadline)
@@ -556,7 +578,7 @@ class RemoteSink(ProducerScope):
         """Wait until the server acknowledged every batch sent (queued in its table)."""
         timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
+        with self._held(deadline, "flush"):
             self._flush_locked(deadline)
             self._raise_unreported()
 
@@ -589,7 +611,7 @@ class RemoteSink(ProducerScope):
         """
         timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._lock:
+        with self._held(deadline, "close"):
             if self._closed:
                 return
             self._refuse_closed()
@@ -639,6 +661,7 @@ class RemoteSink(ProducerScope):
             if put is not None:
                 with contextlib.suppress(PushTableError):
                     put.finish(timeout=5.0)
+                self._left_unsettled(put)  # what was in flight hears so (its task waited)
             if opening is not None:
                 opening.let_go(time.monotonic() + END_WAIT_S)
 
