@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from collections.abc import Callable
 from decimal import Decimal
 from pathlib import Path
@@ -328,3 +329,99 @@ def test_a_commit_that_could_not_be_read_back_leaves_no_files_once_settled(
         (0, 1000),
         (1, 1000),
     ]
+
+
+@pytest.mark.parametrize("fenced", [False, True])
+def test_a_retention_deletion_that_landed_then_raised_moves_earliest(
+    place: Place, monkeypatch: pytest.MonkeyPatch, fenced: bool
+) -> None:
+    """Retention's ``Delete`` lands and then raises (a late sync, a lost reply): the log kept
+    its old ``earliest``, and a read of a deleted offset gave no rows and no error, for good
+    (restarts included). The deletion is read back: ``earliest`` moves, and the read is
+    told ``OffsetOutOfRangeError``."""
+    from pushtable.durable.fence import Fence
+    from pushtable.errors import OffsetOutOfRangeError
+
+    real = lance.LanceDataset.commit
+    fired: list[int] = []
+
+    def landing_then_raising(*args: Any, **kwargs: Any) -> Any:
+        new = real(*args, **kwargs)
+        operation = getattr(args[1] if len(args) > 1 else None, "operation", None)
+        if isinstance(operation, lance.LanceOperation.Delete) and not fired:
+            fired.append(new.version)
+            raise OSError(5, "Input/output error (injected after the call landed)")
+        return new
+
+    monkeypatch.setattr(lance.LanceDataset, "commit", staticmethod(landing_then_raising))
+    log = DurableLog(
+        "t",
+        SCHEMA,
+        place.uri("t.lance"),
+        lambda batch, at: None,
+        commit_interval=0.02,
+        upkeep_interval=None,
+        retention_bytes=60_000,
+        storage_options=place.options,
+        fence=Fence(1) if fenced else None,
+    )
+    try:
+        for i in range(30):
+            log.append(batch(i))
+            log.flush(timeout=WAIT)
+            time.sleep(0.3)  # its retention runs after the acknowledgement
+            if fired:
+                break
+        assert fired, "no deletion was due"
+        log.append(batch(99, n=1))  # one more commit, too small for another deletion
+        log.flush(timeout=WAIT)
+        time.sleep(0.5)
+        assert log.offsets()["earliest"] > 0, log.offsets()
+        with pytest.raises(OffsetOutOfRangeError):
+            log.read(0, 1).read_all()
+    finally:
+        log.close(timeout=WAIT)
+
+
+@pytest.mark.parametrize("fenced", [False, True])
+def test_a_commit_that_landed_and_was_reported_a_conflict_is_stored_once(
+    place: Place, monkeypatch: pytest.MonkeyPatch, fenced: bool
+) -> None:
+    """A commit lands and is then reported as a conflict (an object store's conditional PUT
+    retried after a lost reply finds the manifest its first try wrote): the contention
+    loop committed it again over its own version, storing its batches twice. A retry first
+    looks for this very commit (its stamp names its offsets) and takes it as landed."""
+    from pushtable.durable.fence import Fence
+
+    real = lance.LanceDataset.commit
+    fired: list[int] = []
+
+    def landing_then_conflicting(*args: Any, **kwargs: Any) -> Any:
+        new = real(*args, **kwargs)
+        operation = getattr(args[1] if len(args) > 1 else None, "operation", None)
+        if isinstance(operation, lance.LanceOperation.Append) and not fired and new.version >= 3:
+            fired.append(new.version)
+            raise OSError(f"Commit conflict for version {new.version} (injected after it landed)")
+        return new
+
+    monkeypatch.setattr(lance.LanceDataset, "commit", staticmethod(landing_then_conflicting))
+    uri = place.uri("t.lance")
+    log = DurableLog(
+        "t",
+        SCHEMA,
+        uri,
+        lambda batch, at: None,
+        commit_interval=0.02,
+        upkeep_interval=None,
+        storage_options=place.options,
+        fence=Fence(1) if fenced else None,
+    )
+    try:
+        for i in range(6):
+            log.append(batch(i), producer="p", sequence=i)
+            log.flush(timeout=WAIT)
+    finally:
+        log.close(timeout=WAIT)
+    assert fired
+    per_offset = collections.Counter(place.dataset(uri).to_table().column("_offset").to_pylist())
+    assert sorted(per_offset.items()) == [(i, 1000) for i in range(6)]

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import lance
+import numpy as np
 import pyarrow as pa
 import pytest
 from datafusion import SessionConfig
@@ -593,3 +594,48 @@ def test_a_read_past_its_hold_whose_files_went_is_told_which_offsets_remain(
             reader.read_next_batch()
     finally:
         topic.close()
+
+
+def test_a_readers_byte_hold_counts_what_compaction_replaced(tmp_path: Path) -> None:
+    """A stalled reader's pin keeps every version from its own up, so also the files a
+    compaction replaced: only retention's deletions were counted against
+    ``reader_hold_bytes``, and the directory reached about twice retention plus the bound
+    while the pin still counted as within it. Compactions' replaced files count too: the
+    directory stays within retention, the bound and a round's writes."""
+    from pushtable.durable.log import DurableLog
+
+    keep, hold = 400_000, 600_000
+    schema = pa.schema([("v", pa.float64())])
+    rng = np.random.default_rng(0)
+    path = tmp_path / "t.lance"
+    log = DurableLog(
+        "t",
+        schema,
+        path,
+        lambda b, at: None,
+        commit_interval=0.02,
+        upkeep_interval=None,
+        retention_bytes=keep,
+    )
+    log.store.hold, log.store.hold_bytes = 3600.0, hold
+    try:
+
+        def commit() -> None:
+            log.append(pa.record_batch({"v": rng.random(5_000)}, schema=schema))  # ~40 KB
+            log.flush(timeout=WAIT)
+
+        for _ in range(10):
+            commit()
+        first = log.offsets()["earliest"]
+        reader = log.read(first, first + 1)  # pinned, not read (a stalled reader)
+        worst = 0
+        for _ in range(30):
+            commit()
+            commit()
+            log.upkeep()  # compacts and cleans up, as its rounds do
+            worst = max(worst, directory_bytes(path))
+        assert worst <= keep + hold + 200_000, worst
+        with pytest.raises(OffsetOutOfRangeError):
+            reader.read_all()
+    finally:
+        log.close(timeout=WAIT)

@@ -897,7 +897,7 @@ def test_a_durable_write_timed_out_on_refused_streams_says_its_batch_is_kept(
             with pytest.raises(WriteTimeoutError) as first:
                 sink.write(batch(1, 1), timeout=0.5)
             assert getattr(first.value, "kept", False) is True
-            assert first.value.batches_written == 1  # type: ignore[attr-defined]
+            assert first.value.batches_written == 1
             assert "keeps this batch" in str(first.value)
             assert "do not write it again" in str(first.value)
             assert "first message" in str(first.value)  # why it could not go
@@ -905,7 +905,7 @@ def test_a_durable_write_timed_out_on_refused_streams_says_its_batch_is_kept(
             with pytest.raises(WriteTimeoutError) as second:
                 sink.write(batch(1, 2), timeout=0.5)
             assert getattr(second.value, "kept", True) is False
-            assert second.value.batches_written == 0  # type: ignore[attr-defined]
+            assert second.value.batches_written == 0
             silent.release()
             sink.write(batch(1, 2), timeout=WAIT)  # as its error says: written again
             sink.flush(timeout=WAIT)

@@ -714,7 +714,15 @@ class DurableLog:
             return
         except Exception as exc:  # noqa: BLE001 (the next check tries again)
             log.warning("retention of durable topic '%s' failed: %s", self.name, exc)
-            return
+            # The deletion may have landed before it raised (a late sync, a lost reply):
+            # then ``earliest`` moved, and a read below it must be told so, not get no rows.
+            try:
+                done = self.store.expired_after_all(stamp.next_offset)
+            except DataDirInUseError as fenced:
+                self._fenced(fenced)
+                return
+            except Exception:  # noqa: BLE001 (unreadable: the next check reads again)
+                return
         if done is None:
             return
         earliest, version = done

@@ -404,11 +404,21 @@ class LogStore:
         """
         if self.fence is not None and not self.fence.current():  # its own version: no read
             raise self.fence.refuse(f"committing to {self.uri}")
-        recheck = None
-        if self.fence is not None:
+        mine = transaction(self._ds).transaction_properties or {}
 
-            def recheck(ds: lance.LanceDataset) -> None:
+        def recheck(ds: lance.LanceDataset) -> lance.LanceDataset | None:
+            """Before a retry: a newer owner's fence raises; this very commit, landed, ends it.
+
+            (A commit that landed and was reported as a conflict, as an object store's
+            conditional PUT retried after a lost reply answers: committed again over its own
+            version, it was stored twice.) A stamp names its offsets, so no other commit has
+            the same properties.
+            """
+            if self.fence is not None:
                 self._check_fence(ds, "committing")
+            if mine and lance_commits.props_at(ds, ds.version) == mine:
+                return ds
+            return None
 
         with self._committing:
             for attempt in range(2):
@@ -428,6 +438,9 @@ class LogStore:
                     if self.fence is None or (latest := self._open()) is None:
                         raise
                     self._check_fence(latest, "committing")  # fenced: it did not land
+                    if (landed := recheck(latest)) is not None:  # its own, reported refused
+                        new = landed
+                        break
                     refused = isinstance(exc, lance_commits.CommitContentionError)
                     # Any other error may have come after the commit landed (a late sync, a
                     # lost reply): the caller reads the stamp back (:meth:`landed`) before
@@ -522,6 +535,31 @@ class LogStore:
         live = {fragment.metadata.files[0].path for fragment in self._ds.get_fragments()}
         self._bounds = {k: v for k, v in self._bounds.items() if k in live}
         return int(plan["earliest"]), int(self._ds.version)
+
+    def expired_after_all(self, next_offset: int) -> tuple[int, int] | None:
+        """After :meth:`expire` raised: (earliest, version) if its deletion landed all the same.
+
+        The newest stamp is read afresh; when it is this owner's (the fence is checked) and
+        says the same offsets are stored with a later ``earliest``, the deletion landed: it
+        becomes the store's current version. None when it did not (the next check deletes
+        again). Raises when the dataset cannot be read.
+        """
+        ds = self._open()
+        if ds is None:
+            return None
+        self._check_fence(ds, "reading back a deletion")
+        found = stamp_of(ds)
+        if found.next_offset != next_offset or found.earliest <= self.recover_earliest():
+            return None
+        with self._committing:
+            self._ds = ds
+        live = {fragment.metadata.files[0].path for fragment in ds.get_fragments()}
+        self._bounds = {k: v for k, v in self._bounds.items() if k in live}
+        return found.earliest, int(ds.version)
+
+    def recover_earliest(self) -> int:
+        """The first offset the handle's own version says is stored."""
+        return stamp_of(self._ds).earliest
 
     def _due(
         self,
@@ -751,6 +789,7 @@ class LogStore:
             if self.fence is not None and (latest := self._open()) is not None:
                 self._check_fence(latest, "upkeep")
                 self._refence_if_due(latest)
+            before = self._open()
             lance_commits.upkeep(
                 self.uri,
                 compact=compact,
@@ -762,6 +801,29 @@ class LogStore:
                 # under ``_committing``, on the very versions it compacts and cleans
                 check=None if self.fence is None else lambda d: self._check_fence(d, "upkeep"),
             )
+            if before is not None:
+                self._count_replaced(before)
+
+    def _count_replaced(self, before: lance.LanceDataset) -> None:
+        """Count the files compaction replaced as kept by the pins of older versions.
+
+        A reader's pin keeps every version from its own up, so also the files a compaction
+        replaced: ``hold_bytes`` counts them with retention's deletions (uncounted, a
+        stalled reader kept about twice its bound).
+        """
+        after = self._open()
+        if after is None or after.version == before.version:
+            return
+        live = {f.path for fragment in after.get_fragments() for f in fragment.metadata.files}
+        replaced = sum(
+            f.file_size_bytes or 0
+            for fragment in before.get_fragments()
+            for f in fragment.metadata.files
+            if f.path not in live
+        )
+        if replaced:
+            with self._pins_lock:  # held by pins below the compaction's version
+                self._removed.append((int(before.version) + 1, replaced))
 
     def disk_bytes(self) -> int:
         """Bytes the dataset's files take now.
