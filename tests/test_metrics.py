@@ -157,6 +157,8 @@ def test_metrics_take_the_servers_tokens_and_show_each_only_its_tables(tmp_path:
                 "tables": [
                     {"name": "alerts", "schema": {"k": "int64"}},
                     {"name": "payroll_secret", "schema": {"k": "int64"}},
+                    # a label cut at its first "}" was never seen: shown to every token
+                    {"name": "payroll}2026", "schema": {"k": "int64"}},
                 ],
             }
         )
@@ -176,13 +178,14 @@ def test_metrics_take_the_servers_tokens_and_show_each_only_its_tables(tmp_path:
                 urllib.request.urlopen(wrong, timeout=WAIT)
             everything = scrape(url, "ops-secret")
             tables = {dict(labels).get("table") for _, labels in everything}
-            assert {"alerts", "payroll_secret"} <= tables
+            assert {"alerts", "payroll_secret", "payroll}2026"} <= tables
             scoped = scrape(url, "alerts-secret")
             seen = {dict(labels).get("table") for _, labels in scoped} - {None}
             assert seen == {"alerts"}, seen
             assert ("pushtable_rows_written_total", ()) not in scoped
             text = raw(url, "alerts-secret")
             assert "payroll_secret" not in text
+            assert "payroll}2026" not in text
     finally:
         server.stop()
 

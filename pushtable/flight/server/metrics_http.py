@@ -18,7 +18,6 @@ Example:
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -28,9 +27,6 @@ from pushtable.flight.server.auth import OPEN, Grant, Tokens
 __all__ = ["MetricsApp", "scoped"]
 
 Start = Callable[[str, list[tuple[str, str]]], Any]
-
-#: a ``table`` or ``topic`` label of a sample line, with its (escaped) value
-_NAMED = re.compile(r'[{,](?:table|topic)="((?:[^"\\]|\\.)*)"')
 
 
 class MetricsApp:
@@ -69,12 +65,53 @@ def scoped(text: str, grant: Grant) -> str:
     kept = []
     for line in text.splitlines(keepends=True):
         if not line.startswith("#"):
-            names = [_unescape(v) for v in _NAMED.findall(line.split("}", 1)[0] + "}")]
+            labels = _labels(line)
+            if labels is None:  # cannot tell which tables it names: not shown (fail closed)
+                continue
+            names = [v for k, v in labels if k in ("table", "topic")]
             if not all(grant.covers(name) for name in names):
                 continue
         kept.append(line)
     return "".join(kept)
 
 
-def _unescape(value: str) -> str:
-    return value.replace('\\"', '"').replace("\\n", "\n").replace("\\\\", "\\")
+def _labels(line: str) -> list[tuple[str, str]] | None:
+    """The labels of a sample line, parsed (None: malformed).
+
+    Values are read as quoted strings with their escapes, so a ``}`` or ``,`` inside one (a
+    table named ``payroll}2026``) is part of the value: cut at the first ``}``, the label
+    was never seen and the sample was shown to every token.
+    """
+    start = line.find("{")
+    space = line.find(" ")
+    if start < 0 or 0 <= space < start:
+        return []  # no labels
+    out: list[tuple[str, str]] = []
+    at = start + 1
+    while True:
+        while at < len(line) and line[at] in " ,":
+            at += 1
+        if at >= len(line):
+            return None
+        if line[at] == "}":
+            return out
+        eq = line.find("=", at)
+        if eq < 0 or eq + 1 >= len(line) or line[eq + 1] != '"':
+            return None
+        name = line[at:eq].strip()
+        value: list[str] = []
+        at = eq + 2
+        while True:
+            if at >= len(line):
+                return None
+            ch = line[at]
+            if ch == "\\" and at + 1 < len(line):
+                value.append({"n": "\n", '"': '"', "\\": "\\"}.get(line[at + 1], line[at + 1]))
+                at += 2
+                continue
+            if ch == '"':
+                at += 1
+                break
+            value.append(ch)
+            at += 1
+        out.append((name, "".join(value)))
