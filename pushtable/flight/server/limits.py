@@ -42,6 +42,9 @@ class Limits:
     query_memory: int = 4 * GiB
     #: remote queries (DoGet / Flight SQL) running at once.
     max_queries: int = 8
+    #: ... and of one token (all its connections), so one tenant's live queries cannot
+    #: refuse every other tenant's (two of them did, with ``max_queries`` 2).
+    max_queries_per_token: int = 4
     #: open DoPut + DoGet streams per client (one connection: token name and peer address).
     max_streams_per_client: int = 16
     #: ... and of one token over all its connections, so that no token fills ``max_streams``
@@ -235,6 +238,8 @@ class Usage:
         self.limits = limits
         self._lock = threading.Lock()
         self.queries = 0
+        #: token name -> its queries running
+        self.token_queries: dict[str, int] = {}
         self.streams: dict[str, int] = {}
         #: the same streams by token, over all its connections
         self.token_streams: dict[str, int] = {}
@@ -309,12 +314,17 @@ class Usage:
                     else:
                         del counts[key]
 
-    def query(self) -> Slot:
-        """Take one of the server's query slots; :meth:`Slot.release` gives it back.
+    def query(self, token: str | None) -> Slot:
+        """Take one of the server's query slots for ``token``; :meth:`Slot.release` gives it back.
 
-        It is released once, from whichever side lets go of the query first.
+        It is released once, from whichever side lets go of the query first. A token holds
+        at most ``max_queries_per_token`` of them (None: a server without tokens, one tenant).
         """
         with self._lock:
+            mine = 0 if token is None else self.token_queries.get(token, 0)
+            what = f"remote queries of token {token!r} running"
+            if token is not None:
+                self._within(what, mine, "max_queries_per_token")
             if self.queries >= self.limits.max_queries:
                 raise self._refuse(
                     _refused(
@@ -326,11 +336,20 @@ class Usage:
                     "max_queries",
                 )
             self.queries += 1
-        return Slot(self)
+            if token is not None:
+                self.token_queries[token] = mine + 1
+        return Slot(self, token)
 
-    def _release_query(self) -> None:
+    def _release_query(self, token: str | None) -> None:
         with self._lock:
             self.queries -= 1
+            if token is None:
+                return
+            left = self.token_queries.get(token, 0) - 1
+            if left > 0:
+                self.token_queries[token] = left
+            else:
+                self.token_queries.pop(token, None)
 
     def stage(self, key: tuple[str, str], nbytes: int) -> None:
         """Count ``nbytes`` more staged for the query ``key``, or refuse them."""
@@ -433,8 +452,9 @@ class DataBudget:
 class Slot:
     """A held query slot. ``release()`` is idempotent and thread-safe."""
 
-    def __init__(self, usage: Usage) -> None:
+    def __init__(self, usage: Usage, token: str | None) -> None:
         self._usage = usage
+        self._token = token
         self._lock = threading.Lock()
         self._held = True
 
@@ -442,7 +462,7 @@ class Slot:
         with self._lock:
             held, self._held = self._held, False
         if held:
-            self._usage._release_query()
+            self._usage._release_query(self._token)
 
     def __enter__(self) -> Slot:
         return self

@@ -36,7 +36,7 @@ from pushtable.errors import (
     UnsupportedCallError,
 )
 from pushtable.flight.server import catalog, parameters, sql
-from pushtable.flight.server.auth import READ, caller
+from pushtable.flight.server.auth import OPEN, READ, caller
 from pushtable.flight.server.calls import POLL_S, Calls, audit, opened, query_error, wire_errors
 from pushtable.flight.server.limits import Slot
 from pushtable.flight.server.tables import Tables
@@ -160,7 +160,7 @@ class Queries:
                 if not self._ctx.reads_live(query):
                     # The schema its DoGet will declare (see _query): a client compares the
                     # two. Learning it runs the query to its first batch, in a query slot.
-                    with self._calls.usage.query():
+                    with self._calls.usage.query(_tenant(context)):
                         _, schema = _first_declared(df.execute_stream(), schema)
                 del df
                 body = {"sql": query}
@@ -221,7 +221,7 @@ class Queries:
         call.held.callback(self._tables.drop_subscriptions, _readable(context, query))
         df = self._plan(context, query, params)
         schema = _described(df)
-        slot = call.held.enter_context(self._calls.usage.query())
+        slot = call.held.enter_context(self._calls.usage.query(_tenant(context)))
         call.held.enter_context(self._calls.held(context))
         stream: Iterator[Any] = iter(df.execute_stream())
         if not self._ctx.reads_live(query):
@@ -521,3 +521,9 @@ def _described(df: datafusion.DataFrame) -> pa.Schema:
     if key is None:
         return schema
     return schema.with_metadata({**(schema.metadata or {}), UPSERT_KEY: json.dumps(key).encode()})
+
+
+def _tenant(context: Any) -> str | None:
+    """The token a query slot is counted for (None: a server without tokens)."""
+    grant = caller(context)
+    return None if grant is OPEN else grant.name
