@@ -267,3 +267,28 @@ def test_a_stop_with_the_store_away_is_bounded_as_a_whole(object_store: ObjectSt
         assert isinstance(topic, Topic)
         assert topic.durable is not None
         assert topic.durable.offsets()["committed"] == 1  # the pending batch: not stored
+
+
+def test_the_start_up_line_says_how_an_object_store_data_dir_is_durable(
+    object_store: ObjectStore, tmp_path: Path
+) -> None:
+    """``pushtable serve --data-dir s3://…`` said "fsync on", where nothing is synced (an
+    object store's put is durable once it returns): it says so; a local one says fsync."""
+    from pushtable.flight.server.server import serve
+
+    config = tmp_path / "serve.json"
+    config.write_text(json.dumps({"storage_options": object_store.options}))
+    for data_dir, says in (
+        (f"s3://{object_store.bucket}/startup", "on an object store"),
+        (str(tmp_path / "local"), "fsync on"),
+    ):
+        lines: list[str] = []
+        server = serve(
+            "127.0.0.1", 0, config=config, data_dir=data_dir, block=False, say=lines.append
+        )
+        try:
+            line = next(text for text in lines if "data dir" in text)
+            assert says in line, line
+            assert ("fsync" in line) == (says == "fsync on"), line
+        finally:
+            server.stop()

@@ -26,7 +26,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from pushtable import metrics
+from pushtable import lance_commits, metrics
 from pushtable.context import SessionContext
 from pushtable.durable.fence import Fence
 from pushtable.errors import DataDirInUseError, ServerStoppedError, UnsupportedCallError
@@ -492,7 +492,10 @@ def serve(
     say(f"pushtable serve: listening on {server.location} ({auth})")
     if server.data_dir is not None:
         durable = [n for n, t in server._tables.all() if isinstance(t, Topic) and t.durable]
-        synced = "fsync on" if fsync else "fsync OFF: an OS crash may lose acknowledged batches"
+        if not lance_commits.is_local(str(server.data_dir)):  # an object store's put is durable
+            synced = "on an object store: a commit is durable once its put returns"
+        else:
+            synced = "fsync on" if fsync else "fsync OFF: an OS crash may lose acknowledged batches"
         say(
             f"pushtable serve: data dir {server.data_dir} ({len(durable)} durable topic(s), "
             f"{synced})"
