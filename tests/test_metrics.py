@@ -194,3 +194,43 @@ def raw(url: str, token: str) -> str:
     request = urllib.request.Request(url, headers={"Authorization": f"Bearer {token}"})
     with urllib.request.urlopen(request, timeout=WAIT) as response:
         return str(response.read().decode())
+
+
+def test_idle_connections_on_the_http_ports_are_bounded_before_any_token(tmp_path: Path) -> None:
+    """1,011 idle connections on the metrics port held a thread and a descriptor each, with
+    no read timeout and no bound, until another tenant's call failed with EMFILE. Past
+    ``MAX_HTTP_CONNECTIONS`` a connection is closed before it is read, and an idle one is
+    closed after ``HTTP_TIMEOUT_S``: 100 idle sockets add at most that many threads, and a
+    scrape still answers once they are let go."""
+    import contextlib
+    import socket
+    import threading
+
+    from pushtable.flight.server import ui
+
+    server = serve("127.0.0.1", 0, metrics_port=0, block=False, say=lambda _: None)
+    idle: list[socket.socket] = []
+    try:
+        assert server.metrics_url is not None
+        port = int(server.metrics_url.rsplit(":", 1)[1].split("/")[0])
+        before = threading.active_count()
+        for _ in range(100):
+            idle.append(socket.create_connection(("127.0.0.1", port), timeout=WAIT))
+        wait_until(
+            lambda: threading.active_count() - before >= ui.MAX_HTTP_CONNECTIONS // 2,
+            "the idle connections to take their threads",
+        )
+        assert threading.active_count() - before <= ui.MAX_HTTP_CONNECTIONS + 2
+        refused = 0
+        for conn in idle:  # those past the bound were closed at once
+            conn.settimeout(0.05)
+            with contextlib.suppress(TimeoutError):
+                refused += conn.recv(1) == b""
+        assert refused >= 100 - ui.MAX_HTTP_CONNECTIONS - 2, refused
+    finally:
+        for conn in idle:
+            conn.close()
+    try:
+        wait_until(lambda: bool(scrape(server.metrics_url)), "a scrape once they are gone")
+    finally:
+        server.stop()
