@@ -1001,3 +1001,80 @@ def test_aclose_after_a_fail_that_timed_out_names_what_is_held(tmp_path: Path) -
                 assert time.monotonic() < deadline, "the fail never reached the server"
                 time.sleep(0.1)
             assert not after.stats("u")["closed"]
+
+
+def test_an_outage_clock_left_by_an_earlier_write_does_not_fail_a_later_one(
+    tmp_path: Path,
+) -> None:
+    """``retry=2``: a write times out on its own deadline during an outage (its open did not
+    answer: the outage clock starts), the server comes back, and ``retry`` passes: the next
+    write raised at once "unreachable for 2.0s" against the server that answers. Every open
+    gets a moment past the window: the write goes, and each batch is stored once."""
+    port, data = _free_port(), str(tmp_path / "data")
+    with serve_process({}, tmp_path, "--data-dir", data, port=port) as (proc, location):
+        client = connect(location, timeout=WAIT)
+        client.create_topic("d", SCHEMA, durable=True)
+        sink = client.sink("d", producer_id="p", retry=2.0)
+        sink.write(rows(0), timeout=WAIT)
+        sink.flush(timeout=WAIT)
+        proc.kill()
+        proc.wait(WAIT)
+        with pytest.raises((WriteTimeoutError, ServerUnavailableError)) as first:
+            sink.write(rows(1), timeout=0.5)
+        assert getattr(first.value, "kept", False)
+    with serve_process({}, tmp_path, "--data-dir", data, port=port) as (_, location):
+        with connect(location, timeout=WAIT) as other:
+            deadline = time.monotonic() + WAIT
+            while True:  # the server answers (gRPC's backoff after the restart is over)
+                try:
+                    other.offsets("d")
+                    break
+                except ServerUnavailableError:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.1)
+        time.sleep(2.5)  # the retry window of the outage clock runs out (a later call)
+        deadline = time.monotonic() + WAIT
+        while True:  # its own connection may still be in gRPC's backoff: then a full retry
+            took, error = timed(lambda: sink.write(rows(2), timeout=10.0))
+            if error is None:
+                break
+            assert isinstance(error, ServerUnavailableError), error
+            assert took >= 2.0 - 0.1, (took, error)  # never at once: a whole retry window
+            assert time.monotonic() < deadline
+        sink.flush(timeout=WAIT)
+        got = client.read("d", 0, client.offsets("d")["committed"]).read_all()
+        assert sorted(got["k"].to_pylist()) == [0, 1, 2]
+        client.close()
+
+
+def test_a_second_aclose_and_the_clients_name_a_stream_still_held(tmp_path: Path) -> None:
+    """A batch in flight, the server paused: the sink's ``aclose(timeout=1)`` raises naming
+    its stream; a second ``aclose``, and then the client's, returned "free" at once with the
+    stream's threads alive. Each names it; and ``async with sink`` whose body raised lets the
+    body's error through when the fail cannot reach the server (it raised the fail's
+    timeout instead)."""
+
+    async def main(proc: Any, location: str) -> None:
+        client = await AsyncClient.connect(location, timeout=WAIT)
+        await client.create_table("t", SCHEMA, capacity=4)
+        await client.create_table("u", SCHEMA, capacity=4)
+        sink = await client.sink("t")
+        await sink.write(rows(1), timeout=WAIT)
+        with paused(proc):
+            await sink.send(rows(2))
+            for _ in range(2):
+                with pytest.raises(WriteTimeoutError, match="still held"):
+                    await sink.aclose(timeout=1.0)
+            with pytest.raises(WriteTimeoutError, match="not freed"):
+                await client.aclose(timeout=1.0)
+        other = await AsyncClient.connect(location, timeout=WAIT)
+        held = await other.sink("u")
+        await held.write(rows(3), timeout=WAIT)
+        with paused(proc), pytest.raises(ValueError, match="the body's"):
+            async with held:
+                raise ValueError("the body's error")
+        with contextlib.suppress(PushTableError):
+            await other.aclose(timeout=WAIT)
+
+    with serve_process({}, tmp_path) as (proc, location):
+        asyncio.run(asyncio.wait_for(main(proc, location), 4 * WAIT))

@@ -209,6 +209,7 @@ def test_idle_connections_on_the_http_ports_are_bounded_before_any_token(tmp_pat
     from pushtable.flight.server import ui
 
     server = serve("127.0.0.1", 0, metrics_port=0, block=False, say=lambda _: None)
+    assert server.metrics_url is not None
     idle: list[socket.socket] = []
     try:
         assert server.metrics_url is not None
@@ -230,7 +231,8 @@ def test_idle_connections_on_the_http_ports_are_bounded_before_any_token(tmp_pat
     finally:
         for conn in idle:
             conn.close()
+    url = server.metrics_url
     try:
-        wait_until(lambda: bool(scrape(server.metrics_url)), "a scrape once they are gone")
+        wait_until(lambda: bool(scrape(url)), "a scrape once they are gone")
     finally:
         server.stop()

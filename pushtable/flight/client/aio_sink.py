@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 import weakref
@@ -35,6 +36,8 @@ from pushtable.flight.client.remote_sink import RemoteSink, RemoteSinkStats
 from pushtable.producer import arrow_batches, check_timeout
 
 __all__ = ["SINK_QUEUED", "AsyncSink"]
+
+log = logging.getLogger(__name__)
 
 #: items a sink's writer thread may have waiting beyond the one it sends (then ``write``
 #: waits): enough that the loop and the thread do not take turns batch by batch
@@ -502,6 +505,10 @@ class AsyncSink:
         said all was free while the stream and its threads were held.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
         held: list[str] = []
         failing = self._failing
         if failing is not None and not failing.done():
@@ -509,7 +516,19 @@ class AsyncSink:
                 await within(asyncio.shield(failing), timeout, "aclose")
             if not failing.done():
                 held.append("its stream (fail() has had no answer)")
-        await self._exited(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        # a stream an earlier aclose (or one running now) let go, not ended yet
+        wait = left()
+        try:
+            held += await within(
+                off_loop(self.sync._end_stream, CLOSE_WAIT_S if wait is None else wait),
+                wait,
+                "aclose",
+            )
+        except WriteTimeoutError:  # its answer did not come in time: still held
+            held.append("its stream (no answer)")
+        except PushTableError:
+            pass
+        await self._exited(left())
         if not self._writer.exited.done():
             held.append(f"thread {self._writer.thread.name}")
         if held:
@@ -537,7 +556,10 @@ class AsyncSink:
         if exc is None:
             await self.close()
         elif not self._closed:
-            await self.fail(exc)
+            try:  # the body's error is the one that propagates
+                await self.fail(exc)
+            except PushTableError as failing:
+                log.warning("leaving '%s' after %r: %s", self.name, exc, failing)
 
 
 async def _all(outcomes: list[asyncio.Future[None]]) -> None:

@@ -44,6 +44,11 @@ DURABLE_WINDOW = 256
 DURABLE_WINDOW_BYTES = WINDOW_BYTES
 
 
+#: how long an idempotent sink's stream open may try, at least, once ``retry`` has run out
+#: (an outage clock left running by an earlier call is stale once the server is back)
+OPEN_CHANCE_S = 0.5
+
+
 class IdempotentSink(RemoteSink):
     """A :class:`RemoteSink` that numbers its batches and rides out server outages.
 
@@ -280,9 +285,14 @@ class IdempotentSink(RemoteSink):
         seconds. An open that outlasts the retry window (counted from the outage's start, or
         from now) gives up as an outage does.
         """
-        since = time.monotonic() if self._outage_since is None else self._outage_since
+        now = time.monotonic()
+        since = now if self._outage_since is None else self._outage_since
         give_up = None if self.retry is None else since + self.retry
-        bound = min((t for t in (deadline, give_up) if t is not None), default=None)
+        # Every open gets a moment, even past the window: an outage clock an earlier call
+        # left running (its own timeout came first) is stale once the server is back, and a
+        # bound in the past gave up at once against a server that answers.
+        chance = None if give_up is None else max(give_up, now + OPEN_CHANCE_S)
+        bound = min((t for t in (deadline, chance) if t is not None), default=None)
         try:
             return self._stream(bound)
         except WriteTimeoutError as exc:
@@ -391,12 +401,24 @@ class IdempotentSink(RemoteSink):
         gave_up.kept = True  # type: ignore[attr-defined]
         return gave_up
 
+    def _fresh_outage(self) -> None:
+        """A call of the producer's own starts a retry window of its own (holding the lock).
+
+        An outage clock an earlier call left running past ``retry`` is stale: a write after
+        the server came back gave up at once, "unreachable for ``retry``" (the asyncio face's
+        writer steps its calls: its steps do not reset it).
+        """
+        since, retry = self._outage_since, self.retry
+        if since is not None and retry is not None and time.monotonic() - since >= retry:
+            self._outage_since = None
+
     def write(self, data: Any, timeout: float | None = None) -> None:
         """Number each batch and send it; it is kept, and sent again if need be, until stored."""
         timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._held(deadline, "write"):
             self._refuse_closed()
+            self._fresh_outage()
             for written, data_batch in enumerate(arrow_batches(data)):
                 batch = protocol.to_wire(self.name, self.schema, self._wire_schema, data_batch)
                 size = batch_bytes(batch)
@@ -550,6 +572,7 @@ class IdempotentSink(RemoteSink):
         timeout = check_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._held(deadline, "flush"):
+            self._fresh_outage()
             if self._closed:  # stored by its close, or failed: no new stream for it
                 self._raise_unreported()
                 return

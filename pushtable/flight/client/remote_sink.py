@@ -109,6 +109,8 @@ class RemoteSink(ProducerScope):
         self._acked = 0
         self._closed = False
         self._left = False  # its client left it (closing): no call sends on it again
+        #: streams left and not yet ended on the server (a second leave waits for them too)
+        self._leaving: list[PutStream] = []
         self._unreported: BaseException | None = None  # an earlier batch's refusal
         #: the error of a batch no task waits for any more (see :meth:`orphan`)
         self._orphan_error: BaseException | None = None
@@ -234,7 +236,25 @@ class RemoteSink(ProducerScope):
         self._left = True  # then ``_opening``: a call that sets it looks at this after
         held = self._leave_stream(deadline, timeout)
         # a stream still opening for a call that timed out: it ends too
-        return held + self._let_go_opening(deadline)
+        held += self._let_go_opening(deadline)
+        # and those an earlier (or concurrent) leave let go: not free until they ended
+        return held + self._still_leaving(deadline, held)
+
+    def _still_leaving(self, deadline: float, said: list[str]) -> list[str]:
+        """What streams left earlier still hold at ``deadline`` (not already in ``said``)."""
+        held: list[str] = []
+        for put in list(self._leaving):
+            for thread in put.threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
+            if put.finished and not put.threads:
+                with contextlib.suppress(ValueError):
+                    self._leaving.remove(put)
+                continue
+            name = f"its stream on the server ({put.stream_id})"
+            if name not in said:
+                held.append(name)
+            held += [f"thread {t.name}" for t in put.threads if f"thread {t.name}" not in said]
+        return held
 
     def _leave_stream(self, deadline: float, timeout: float) -> list[str]:
         """:meth:`_end_stream`'s work on the open stream; what it still holds at ``deadline``."""
@@ -245,6 +265,7 @@ class RemoteSink(ProducerScope):
                 if put is not None:
                     self._sent += put.sent
                     self._acked += put.acked
+                    self._leaving.append(put)  # a concurrent leave waits for it too
             finally:
                 self._lock.release()
             if put is not None:
@@ -253,6 +274,7 @@ class RemoteSink(ProducerScope):
                     put.finish(timeout=half, leave_for=half)
                 self._left_unsettled(put)
         elif (put := self._put) is not None:  # the call holding the sink keeps it: it raises
+            self._leaving.append(put)
             put.leave(deadline)
             self._left_unsettled(put)
         if put is None:
