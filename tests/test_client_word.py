@@ -1088,3 +1088,28 @@ def test_a_second_aclose_and_the_clients_name_a_stream_still_held(tmp_path: Path
 
     with serve_process({}, tmp_path) as (proc, location):
         asyncio.run(asyncio.wait_for(main(proc, location), 4 * WAIT))
+
+
+def test_a_sync_fail_does_not_wait_behind_a_blocked_write(tmp_path: Path) -> None:
+    """Thread A writes with no timeout into a full table nobody reads and holds the sink:
+    ``fail()`` waited behind it for good. It leaves the stream under A (which raises) and
+    fails the table at once."""
+    with serve_process({}, tmp_path) as (_, location):
+        client = connect(location)
+        client.create_table("t", SCHEMA, capacity=1)
+        sink = client.sink("t", window=2)
+
+        def write_all() -> None:
+            for k in range(20):
+                sink.write(big(k))
+
+        writing = Background(write_all)
+        assert not writing.done.wait(3.0)  # A holds the sink, waiting for room
+        took, error = timed(lambda: sink.fail(ValueError("stop")))
+        assert error is None, error
+        assert took < 5.0 + MARGIN_S, took
+        assert writing.done.wait(WAIT)
+        assert isinstance(writing.error, PushTableError), writing.error
+        with connect(location) as other:
+            assert other.stats("t")["closed"]
+        client.close()

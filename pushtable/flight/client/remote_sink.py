@@ -671,10 +671,18 @@ class RemoteSink(ProducerScope):
         """Make the table's reading query raise (``StreamFailedError`` naming ``exc``)."""
         if not isinstance(exc, BaseException):
             raise TypeError(f"fail() takes an exception, got {type(exc).__name__}")
-        with self._lock:
-            self._closed = True
-            put, self._put = self._put, None
-            opening, self._opening = self._opening, None
+        opening = None
+        if self._lock.acquire(timeout=0.05):
+            try:
+                self._closed = True
+                put, self._put = self._put, None
+                opening, self._opening = self._opening, None
+            finally:
+                self._lock.release()
+        else:  # a call holds the sink (waiting for room, or for gRPC): it did not wait behind
+            self._closed = True  # it for good; the stream is left under it, and it raises
+            if (put := self._put) is not None:
+                put.leave(time.monotonic() + LEAVE_WAIT_S)
         try:
             self._transport.action(
                 "fail", {"name": self.name, "type": type(exc).__name__, "message": str(exc)}
