@@ -1113,3 +1113,26 @@ def test_a_sync_fail_does_not_wait_behind_a_blocked_write(tmp_path: Path) -> Non
         with connect(location) as other:
             assert other.stats("t")["closed"]
         client.close()
+
+
+def test_an_async_clients_aclose_is_bounded_as_a_whole(tmp_path: Path) -> None:
+    """A subscription held and a sink with a batch in flight, the server paused: the
+    client's ``aclose(timeout=2)`` took 4 s (the subscriptions' wait, then the sinks' each
+    had the whole timeout). One deadline bounds the call; it names the sink still held."""
+
+    async def main(proc: Any, location: str) -> None:
+        client = await AsyncClient.connect(location, timeout=WAIT)
+        await client.create_topic("events", SCHEMA)
+        await client.create_table("t", SCHEMA, capacity=4)
+        await client.subscribe("events", "panel", capacity=4)
+        sink = await client.sink("t")
+        await sink.write(rows(1), timeout=WAIT)
+        with paused(proc):
+            await sink.send(rows(2))
+            started = time.monotonic()
+            with pytest.raises(WriteTimeoutError, match="not freed"):
+                await client.aclose(timeout=2.0)
+            assert time.monotonic() - started < 2.0 + MARGIN_S
+
+    with serve_process({}, tmp_path) as (proc, location):
+        asyncio.run(asyncio.wait_for(main(proc, location), 4 * WAIT))

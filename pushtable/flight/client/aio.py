@@ -48,6 +48,7 @@ import contextlib
 import functools
 import logging
 import threading
+import time
 import weakref
 from collections.abc import Callable, Coroutine, Generator
 from datetime import datetime
@@ -445,8 +446,9 @@ class AsyncClient:
         """Stop every open result's query and the sinks' threads, and close the connection.
 
         The subscriptions it made that are still held are dropped; the sinks' tables are not
-        ended (as a producer leaving). Bounded by ``timeout`` (each
-        thread is waited for at most that long, never joined on the loop); later calls raise
+        ended (as a producer leaving). Bounded by ``timeout`` as a whole (subscriptions,
+        then results and sinks at once, then the connection, all under one deadline; no
+        thread is joined on the loop); later calls raise
         :class:`~pushtable.ClientClosedError`. Everything is let go first; then, if a sink's
         stream or thread was still held (a server that does not answer), it raises
         :class:`~pushtable.WriteTimeoutError` naming them (``async with`` logs it instead
@@ -454,15 +456,20 @@ class AsyncClient:
         """
         if self._closed:
             return
+        deadline = None if timeout is None else time.monotonic() + timeout
+
+        def left() -> float | None:  # one bound for the whole call (it took one per step)
+            return None if deadline is None else max(0.0, deadline - time.monotonic())
+
         leaving = [s.aclose() for s in list(self._subscriptions)]  # before calls are refused
         with contextlib.suppress(WriteTimeoutError):
             await within(asyncio.gather(*leaving, return_exceptions=True), timeout, "aclose")
         self._closed = True
-        results = [r.aclose(timeout=timeout) for r in list(self._results)]
-        sinks = [s.aclose(timeout=timeout) for s in list(self._sinks)]
+        results = [r.aclose(timeout=left()) for r in list(self._results)]
+        sinks = [s.aclose(timeout=left()) for s in list(self._sinks)]
         outcomes = await asyncio.gather(*results, *sinks, return_exceptions=True)
         with contextlib.suppress(Exception):
-            await within(off_loop(self.sync.close), timeout, "aclose")
+            await within(off_loop(self.sync.close), left(), "aclose")
         held = [str(o) for o in outcomes[len(results) :] if isinstance(o, WriteTimeoutError)]
         if held:
             raise WriteTimeoutError(f"aclose: {len(held)} sink(s) not freed: {'; '.join(held)}")
