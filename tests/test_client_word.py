@@ -828,6 +828,22 @@ def test_writes_waiting_for_room_in_the_writers_queue_hear_that_the_sink_was_lef
         asyncio.run(asyncio.wait_for(main(location), 4 * WAIT))
 
 
+def held_by_a_blocked_write(location: str) -> tuple[Any, Any, Background]:
+    """A sink whose thread A writes 8 MiB batches with no timeout into a table of capacity 1
+    nobody reads: A holds the sink, waiting for room. (client, sink, A's call)."""
+    client = connect(location)
+    client.create_table("t", SCHEMA, capacity=1)
+    sink = client.sink("t", window=2)
+
+    def write_all() -> None:
+        for k in range(20):
+            sink.write(big(k))
+
+    writing = Background(write_all)
+    assert not writing.done.wait(3.0)  # A holds the sink, waiting for room
+    return client, sink, writing
+
+
 def test_a_sync_calls_timeout_bounds_its_wait_for_another_call_of_the_sink(
     tmp_path: Path,
 ) -> None:
@@ -836,16 +852,7 @@ def test_a_sync_calls_timeout_bounds_its_wait_for_another_call_of_the_sink(
     for good (the sink's lock had no deadline). Each returns by its timeout; the write says
     its batch was not sent (``kept=False``)."""
     with serve_process({}, tmp_path) as (_, location):
-        client = connect(location)
-        client.create_table("t", SCHEMA, capacity=1)
-        sink = client.sink("t", window=2)
-
-        def write_all() -> None:
-            for k in range(20):
-                sink.write(big(k))
-
-        writing = Background(write_all)
-        assert not writing.done.wait(3.0)  # A holds the sink, waiting for room
+        client, sink, writing = held_by_a_blocked_write(location)
         for call in (
             lambda: sink.write(rows(1), timeout=1.0),
             lambda: sink.flush(timeout=1.0),
@@ -1095,16 +1102,7 @@ def test_a_sync_fail_does_not_wait_behind_a_blocked_write(tmp_path: Path) -> Non
     ``fail()`` waited behind it for good. It leaves the stream under A (which raises) and
     fails the table at once."""
     with serve_process({}, tmp_path) as (_, location):
-        client = connect(location)
-        client.create_table("t", SCHEMA, capacity=1)
-        sink = client.sink("t", window=2)
-
-        def write_all() -> None:
-            for k in range(20):
-                sink.write(big(k))
-
-        writing = Background(write_all)
-        assert not writing.done.wait(3.0)  # A holds the sink, waiting for room
+        client, sink, writing = held_by_a_blocked_write(location)
         took, error = timed(lambda: sink.fail(ValueError("stop")))
         assert error is None, error
         assert took < 5.0 + MARGIN_S, took
