@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 
 from pushtable.flight import Server, connect
 from tests.conftest import WAIT, Background
-from tests.differential import SHAPES, Case, L, R, oracle, plain, remote, rows, same, split
+from tests.differential import SHAPES, Case, L, Query, R, oracle, plain, remote, rows, same, split
 from tests.test_differential import HEALTH, cases
 
 K = pa.array([1, 2, None, 3], pa.int64())
@@ -125,6 +125,31 @@ def test_a_scalar_subquery_in_an_order_by_over_two_live_tables_answers(server: S
             sa.write(pa.record_batch({"x": [3, None, 1]}, schema=a))
         got = result.join(WAIT)
     assert got.column("x").to_pylist() == [1, 3, None]
+
+
+@pytest.mark.parametrize("way", ["flight", "adbc"])
+def test_a_live_querys_declared_types_are_those_datafusion_computes(way: str) -> None:
+    """``sum(d), count(DISTINCT s)``: DataFusion's optimizer sums partial sums, so plain
+    DataFusion answers ``decimal128(30, 2)`` over a ``decimal128(10, 2)`` column where the
+    query text's plan says ``decimal128(20, 2)``. A live query declares its schema before its
+    first batch: the server declared the text's types and cast the rows to them (the slow
+    sweep found it), so the remote answer's type differed from the batch answer's."""
+    sql = "SELECT k, sum(d) AS sd, count(DISTINCT s) AS ds FROM l GROUP BY k"
+    rows_l = [{"k": 0, "s": None, "d": Decimal("2.25")}, {"k": 0, "s": "a", "d": None}]
+    case = Case(
+        query=Query(sql, {"l"}, ordered=False, shape="aggregate"),
+        l_rows=[{**r, "f": None, "ts": None, "g": None, "lst": None, "st": None} for r in rows_l],
+        r_rows=[],
+        l_cuts=[1],
+        r_cuts=[],
+        r_live=False,
+        capacity=1,
+        m_rows=[],
+        before=0,
+    )
+    want = oracle(case)
+    assert want.schema.field("sd").type == pa.decimal128(30, 2)  # what the bug lost
+    same(case, remote(case, way), want)
 
 
 # --- the differential grammar, three ways -----------------------------------------------------

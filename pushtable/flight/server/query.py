@@ -156,7 +156,7 @@ class Queries:
                 except Exception:  # refused: its subscriptions never get a reader
                     self._tables.drop_subscriptions(_readable(context, query))
                     raise
-                schema = _described(df)
+                schema = _described(self._ctx, df)
                 if not self._ctx.reads_live(query):
                     # The schema its DoGet will declare (see _query): a client compares the
                     # two. Learning it runs the query to its first batch, in a query slot.
@@ -220,7 +220,7 @@ class Queries:
         # topic's producers.
         call.held.callback(self._tables.drop_subscriptions, _readable(context, query))
         df = self._plan(context, query, params)
-        schema = _described(df)
+        schema = _described(self._ctx, df)
         slot = call.held.enter_context(self._calls.usage.query(_tenant(context)))
         call.held.enter_context(self._calls.held(context))
         stream: Iterator[Any] = iter(df.execute_stream())
@@ -510,13 +510,24 @@ def _as_declared(batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
 UPSERT_KEY = b"pushtable.upsert_key"
 
 
-def _described(df: datafusion.DataFrame) -> pa.Schema:
-    """``df``'s schema, with the key columns of an updating aggregate's changes.
+def _described(ctx: datafusion.SessionContext, df: datafusion.DataFrame) -> pa.Schema:
+    """``df``'s schema, with the types DataFusion computes and an upsert changelog's key.
 
-    Its metadata says which columns key an updating aggregate's
-    changes (:attr:`pushtable.DataFrame.upsert_key`), so a remote reader can apply them.
+    The types are those of the optimized plan: DataFusion's optimizer may change a column's
+    type from what the query's text declares (``sum(d), count(DISTINCT s)`` is rewritten to a
+    sum of partial sums, ``decimal128(30, 2)`` over a ``decimal128(10, 2)`` column where the
+    text's plan says ``decimal128(20, 2)``), and a live query's schema goes out before its
+    first batch. Its metadata says which columns key an updating aggregate's changes
+    (:attr:`pushtable.DataFrame.upsert_key`), so a remote reader can apply them.
     """
     schema: pa.Schema = df.schema()
+    try:
+        computed = ctx.create_dataframe_from_logical_plan(df.optimized_logical_plan()).schema()
+    except Exception:  # noqa: BLE001 - the text's types stand (the batches are cast to them)
+        computed = schema
+    if len(computed) == len(schema):
+        fields = [f.with_type(c.type) for f, c in zip(schema, computed, strict=True)]
+        schema = pa.schema(fields, metadata=schema.metadata)
     key = getattr(df, "upsert_key", None)
     if key is None:
         return schema
