@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from decimal import Decimal
+from typing import Any
 
 import adbc_driver_flightsql.dbapi as flightsql
 import pyarrow as pa
@@ -135,7 +136,10 @@ def test_a_live_querys_declared_types_are_those_datafusion_computes(way: str) ->
     first batch: the server declared the text's types and cast the rows to them (the slow
     sweep found it), so the remote answer's type differed from the batch answer's."""
     sql = "SELECT k, sum(d) AS sd, count(DISTINCT s) AS ds FROM l GROUP BY k"
-    rows_l = [{"k": 0, "s": None, "d": Decimal("2.25")}, {"k": 0, "s": "a", "d": None}]
+    rows_l: list[dict[str, Any]] = [
+        {"k": 0, "s": None, "d": Decimal("2.25")},
+        {"k": 0, "s": "a", "d": None},
+    ]
     case = Case(
         query=Query(sql, {"l"}, ordered=False, shape="aggregate"),
         l_rows=[{**r, "f": None, "ts": None, "g": None, "lst": None, "st": None} for r in rows_l],

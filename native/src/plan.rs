@@ -98,11 +98,11 @@ pub fn aggregate_display(
     (keys.join(", "), aggs.join(", "))
 }
 
-/// What `EXPLAIN` adds for an operator that closes on upstream watermarks too.
-pub fn watermark_note<T>(upstream: &Option<T>) -> &'static str {
-    if upstream.is_some() {
-        ", watermark"
-    } else {
-        ""
+/// What `EXPLAIN` adds for an operator that closes on the watermarks of `input` too: which
+/// watermark reaches it, and through what (`, watermark from t → ReadAheadExec`).
+pub fn watermark_note(input: &Arc<dyn datafusion_physical_plan::ExecutionPlan>) -> String {
+    match crate::engine::watermark_path(input) {
+        Some((_, path)) => format!(", watermark from {path}"),
+        None => String::new(),
     }
 }

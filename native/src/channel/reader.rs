@@ -155,6 +155,8 @@ pub struct ReaderStream {
     markers: Option<Markers>,
     /// When an idle reader of an arrival-time table next hands on the clock.
     next_clock: Instant,
+    /// Opened after the interpreter began to exit: by an exit hook (see `poll_next`).
+    opened_exiting: bool,
 }
 
 impl ReaderStream {
@@ -166,6 +168,7 @@ impl ReaderStream {
             done: false,
             markers,
             next_clock: Instant::now(),
+            opened_exiting: crate::finalizing::is(),
         }
     }
 
@@ -217,6 +220,18 @@ impl Stream for ReaderStream {
             return Poll::Ready(None);
         }
         if crate::finalizing::is() {
+            if self.opened_exiting {
+                // A query an exit hook started after pushtable's own hook ran (the thread
+                // that runs them may go back to Python): no producer writes any more, so it
+                // ends with an error naming why, and the process exits.
+                self.done = true;
+                return Poll::Ready(Some(Err(DataFusionError::Execution(format!(
+                    "pushtable: live table '{}' is read no more: the interpreter is exiting \
+                     (its producers were stopped when pushtable's exit hook ran); read it \
+                     before exit, or register the exit hook after importing pushtable",
+                    self.reader.channel.name
+                )))));
+            }
             // The interpreter is exiting: the thread waiting on this query must stay in its
             // wait, not return to Python (see `finalizing`). Never woken, by design.
             return Poll::Pending;

@@ -36,6 +36,8 @@ mod updating;
 mod watermark_rows;
 mod window;
 
+pub(crate) use rule::watermark_path;
+
 use std::ffi::CString;
 use std::fmt;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -226,7 +228,16 @@ fn uses_of_order(plan: &Arc<dyn ExecutionPlan>, out: &mut Vec<String>) -> bool {
     } else if !live {
         return false;
     } else if plan.is::<window::WindowAggregateExec>() || plan.is::<session::SessionWindowExec>() {
-        Some("incremental: windows emit as they close (and on watermarks)".to_string())
+        // Which watermark reaches it, and through what: each comes after the rows before it.
+        Some(match rule::watermark_path(plan.children()[0]) {
+            Some((_, path)) => format!(
+                "incremental: windows emit as they close (and on the watermarks of {path}, \
+                 each after every row before it)"
+            ),
+            None => "incremental: windows emit as they close (no watermark reaches them here: \
+                     they close on later rows and at the end)"
+                .to_string(),
+        })
     } else if let Some(join) = plan.downcast_ref::<join::LookupJoinExec>() {
         let read_ahead = join.probe().is::<readahead::ReadAheadExec>();
         Some(format!(
@@ -260,8 +271,9 @@ fn uses_of_order(plan: &Arc<dyn ExecutionPlan>, out: &mut Vec<String>) -> bool {
             None => format!("a join of live tables ({})", plan.name()),
         };
         Some(format!(
-            "at_end: {kind} reads each as it is written (held in the session's memory pool) \
-             and answers once the bounded table it needs whole has closed"
+            "at_end: {kind} reads each table while it waits on another (held in the \
+             session's memory pool; a paused query holds the producers) and answers once the \
+             bounded table it needs whole has closed"
         ))
     } else if plan.is::<updating::UpdatingAggregateExec>() {
         Some(

@@ -55,7 +55,6 @@ pub struct SessionWindowExec {
     /// The input's order column and the gap, in that column's ticks.
     order_column: usize,
     gap: i64,
-    upstream: Option<Arc<WatermarkCell>>,
     schema: SchemaRef,
     props: Arc<PlanProperties>,
 }
@@ -76,7 +75,6 @@ impl SessionWindowExec {
         filter_expr: Vec<Option<Arc<dyn PhysicalExpr>>>,
         order_column: usize,
         gap: i64,
-        upstream: Option<Arc<WatermarkCell>>,
         schema: SchemaRef,
     ) -> Result<Self> {
         let props = one_partition(
@@ -91,7 +89,6 @@ impl SessionWindowExec {
             filter_expr,
             order_column,
             gap,
-            upstream,
             schema,
             props,
         })
@@ -105,7 +102,7 @@ impl DisplayAs for SessionWindowExec {
             f,
             "SessionWindowExec: gap={} ticks, aggr=[{aggs}], emit=on session close{}",
             self.gap,
-            watermark_note(&self.upstream)
+            watermark_note(&self.input)
         )
     }
 }
@@ -113,7 +110,7 @@ impl DisplayAs for SessionWindowExec {
 #[rustfmt::skip::macros(plan_basics)] // its settings stay on a line or two
 impl ExecutionPlan for SessionWindowExec {
     plan_basics!("SessionWindowExec", [input], [false], try_new(keys, session, aggr_expr,
-        filter_expr, order_column, gap, upstream, schema));
+        filter_expr, order_column, gap, schema));
 
     fn execute(
         &self,
@@ -170,7 +167,8 @@ impl ExecutionPlan for SessionWindowExec {
             order_column: self.order_column,
             time_type: input_schema.field(self.order_column).data_type().clone(),
             gap: self.gap,
-            upstream: self.upstream.clone(),
+            // The watermark of what is right below it when it runs (see `watermark_source`).
+            upstream: super::rule::watermark_source(&self.input),
             seen_watermark: None,
             key_indices: Vec::new(),
             session_indices: Vec::new(),

@@ -326,6 +326,12 @@ impl SharedScanExec {
         &self.read.table
     }
 
+    /// Where it hands on the watermarks of its share of the read, each as its consumer
+    /// reaches it (the cell of the scan it stands for).
+    pub fn watermark(&self) -> Option<Arc<WatermarkCell>> {
+        self.live().watermark().cloned()
+    }
+
     /// How many scans share its read.
     pub fn scans(&self) -> usize {
         self.read.demand.waiting.len()

@@ -25,8 +25,6 @@ use datafusion::physical_plan::{
 };
 use futures::StreamExt;
 
-use crate::channel::WatermarkCell;
-
 /// The name of the marker column this operator appends.
 pub const MARKER: &str = "__pushtable_watermark";
 
@@ -34,18 +32,14 @@ pub const MARKER: &str = "__pushtable_watermark";
 pub struct WatermarkRowsExec {
     input: Arc<dyn ExecutionPlan>,
     order: usize,
-    cell: Arc<WatermarkCell>,
     schema: SchemaRef,
     props: Arc<PlanProperties>,
 }
 
 impl WatermarkRowsExec {
-    /// Marker rows for the watermarks `cell` receives, `input` ordered on column `order`.
-    pub fn try_new(
-        input: Arc<dyn ExecutionPlan>,
-        order: usize,
-        cell: Arc<WatermarkCell>,
-    ) -> Result<Self> {
+    /// Marker rows for the watermarks of `input` (ordered on column `order`): those of what
+    /// is right below it when it runs (see `watermark_source`).
+    pub fn try_new(input: Arc<dyn ExecutionPlan>, order: usize) -> Result<Self> {
         let mut fields: Vec<Arc<Field>> = input.schema().fields().iter().cloned().collect();
         fields.push(Arc::new(Field::new(MARKER, DataType::Boolean, false)));
         let schema = Arc::new(Schema::new_with_metadata(
@@ -66,7 +60,6 @@ impl WatermarkRowsExec {
         Ok(Self {
             input,
             order,
-            cell,
             schema,
             props: Arc::new(props),
         })
@@ -81,21 +74,22 @@ impl fmt::Debug for WatermarkRowsExec {
 
 impl DisplayAs for WatermarkRowsExec {
     fn fmt_as(&self, _t: DisplayFormatType, f: &mut fmt::Formatter) -> fmt::Result {
-        write!(f, "WatermarkRowsExec: order={}", self.order)
+        let from = crate::plan::watermark_note(&self.input);
+        write!(f, "WatermarkRowsExec: order={}{from}", self.order)
     }
 }
 
 impl ExecutionPlan for WatermarkRowsExec {
-    plan_basics!("WatermarkRowsExec", [input], [true], try_new(order, cell));
+    plan_basics!("WatermarkRowsExec", [input], [true], try_new(order));
 
     fn execute(
         &self,
         partition: usize,
         context: Arc<TaskContext>,
     ) -> Result<SendableRecordBatchStream> {
+        let cell = super::rule::watermark_source(&self.input);
         let input = self.input.execute(partition, context)?;
         let schema = Arc::clone(&self.schema);
-        let cell = Arc::clone(&self.cell);
         let order = self.order;
         let mut last: Option<ScalarValue> = None;
         let out_schema = Arc::clone(&schema);
@@ -103,7 +97,7 @@ impl ExecutionPlan for WatermarkRowsExec {
             let batch = item?;
             if batch.num_rows() == 0 {
                 // The scan announced a watermark just now (same poll): mark it once.
-                if let Some(w) = cell.get() {
+                if let Some(w) = cell.as_ref().and_then(|c| c.get()) {
                     if last.as_ref() != Some(&w) {
                         last = Some(w.clone());
                         return marker_row(&out_schema, order, &w);

@@ -68,8 +68,6 @@ pub struct WindowAggregateExec {
     window_key: usize,
     /// The input's order column (index in the input schema): watermarks are its values.
     order_column: usize,
-    /// Watermarks from below (a live scan or another window aggregate), if any.
-    upstream: Option<Arc<WatermarkCell>>,
     /// Spark's `window()`: each row is copied into each of its windows, whose start is a
     /// column appended to the input (the window key reads it).
     expand: Option<Windowing>,
@@ -103,7 +101,6 @@ impl WindowAggregateExec {
         filter_expr: Vec<Option<Arc<dyn PhysicalExpr>>>,
         window_key: usize,
         order_column: usize,
-        upstream: Option<Arc<WatermarkCell>>,
         expand: Option<Windowing>,
         schema: SchemaRef,
     ) -> Result<Self> {
@@ -125,7 +122,6 @@ impl WindowAggregateExec {
             filter_expr,
             window_key,
             order_column,
-            upstream,
             expand,
             frontier: Arc::default(),
             schema,
@@ -146,7 +142,7 @@ impl DisplayAs for WindowAggregateExec {
             f,
             "WindowAggregateExec: window={}, gby=[{keys}], aggr=[{aggs}], emit=on window close{}",
             self.group_by.expr()[self.window_key].1,
-            watermark_note(&self.upstream)
+            watermark_note(&self.input)
         )
     }
 }
@@ -154,7 +150,7 @@ impl DisplayAs for WindowAggregateExec {
 #[rustfmt::skip::macros(plan_basics)] // its settings stay on a line or two
 impl ExecutionPlan for WindowAggregateExec {
     plan_basics!("WindowAggregateExec", [input], [false], try_new(group_by, aggr_expr,
-        filter_expr, window_key, order_column, upstream, expand, schema));
+        filter_expr, window_key, order_column, expand, schema));
 
     fn execute(
         &self,
@@ -224,7 +220,8 @@ impl ExecutionPlan for WindowAggregateExec {
             accumulators,
             window_key: self.window_key,
             probe: Probe::new(&input_schema, self.order_column),
-            upstream: self.upstream.clone(),
+            // The watermark of what is right below it when it runs (see `watermark_source`).
+            upstream: super::rule::watermark_source(&self.input),
             expand: self.expand.map(|w| (w, self.order_column, time_type)),
             seen_watermark: None,
             frontier: Arc::clone(&self.frontier),

@@ -41,7 +41,7 @@ use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 use super::order::{leading_order_column, watermark_source};
 use super::{reads_live, REFUSED};
 use crate::engine::join::LookupJoinExec;
-use crate::engine::readahead::ReadAheadExec;
+use crate::engine::readahead::{ReadAheadExec, ReadGroup};
 use crate::engine::watermark_rows::{WatermarkRowsExec, MARKER};
 use crate::provider::LiveScanExec;
 
@@ -119,10 +119,11 @@ fn two_live_inputs(left: &Arc<dyn ExecutionPlan>, right: &Arc<dyn ExecutionPlan>
 /// scan, so that what is read ahead is the table's rows, never an expression (a scalar
 /// subquery's value) that may only be evaluated later.
 fn read_ahead_both(node: &Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
+    let group = ReadGroup::new();
     let children = node
         .children()
         .into_iter()
-        .map(read_ahead_scans)
+        .map(|c| read_ahead_scans(c, &group))
         .collect::<Result<Vec<_>>>()?;
     Arc::clone(node).with_new_children(children)
 }
@@ -142,7 +143,7 @@ pub fn reseat_read_aheads(plan: Arc<dyn ExecutionPlan>) -> Result<Arc<dyn Execut
             return Ok(Transformed::no(node));
         }
         let below = Arc::clone(sort.children()[0]);
-        let read: Arc<dyn ExecutionPlan> = Arc::new(ReadAheadExec::new(below));
+        let read: Arc<dyn ExecutionPlan> = Arc::new(read_ahead.over(below));
         Ok(Transformed::yes(
             Arc::clone(sort).with_new_children(vec![read])?,
         ))
@@ -150,17 +151,20 @@ pub fn reseat_read_aheads(plan: Arc<dyn ExecutionPlan>) -> Result<Arc<dyn Execut
     .data()
 }
 
-fn read_ahead_scans(plan: &Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
+fn read_ahead_scans(
+    plan: &Arc<dyn ExecutionPlan>,
+    group: &Arc<ReadGroup>,
+) -> Result<Arc<dyn ExecutionPlan>> {
     if plan.is::<ReadAheadExec>() || !reads_live(plan) {
         return Ok(Arc::clone(plan));
     }
     if plan.is::<LiveScanExec>() {
-        return Ok(Arc::new(ReadAheadExec::new(Arc::clone(plan))));
+        return Ok(Arc::new(ReadAheadExec::new(Arc::clone(plan), group)));
     }
     let children = plan
         .children()
         .into_iter()
-        .map(read_ahead_scans)
+        .map(|c| read_ahead_scans(c, group))
         .collect::<Result<Vec<_>>>()?;
     Arc::clone(plan).with_new_children(children)
 }
@@ -259,12 +263,21 @@ fn lookup(
     if !LookupJoinExec::supports(*join.join_type()) {
         return Ok(None);
     }
-    let probe = match read_ahead {
-        true => Arc::new(ReadAheadExec::new(Arc::clone(join.right()))),
-        false => Arc::clone(join.right()),
+    // With a live build side, both sides read ahead as one group: while the join reads its
+    // build side whole, the probe side's rows are held (its producer is not blocked); once
+    // built, the probe side is read only as the join asks.
+    let (build, probe): (Arc<dyn ExecutionPlan>, Arc<dyn ExecutionPlan>) = match read_ahead {
+        true => {
+            let group = ReadGroup::new();
+            (
+                Arc::new(ReadAheadExec::new(Arc::clone(join.left()), &group)),
+                Arc::new(ReadAheadExec::new(Arc::clone(join.right()), &group)),
+            )
+        }
+        false => (Arc::clone(join.left()), Arc::clone(join.right())),
     };
     let exec = LookupJoinExec::try_new(
-        Arc::clone(join.left()),
+        build,
         probe,
         join.on().to_vec(),
         *join.join_type(),
@@ -314,8 +327,9 @@ fn symmetric(
         None => (Arc::clone(left), Arc::clone(right), on),
     };
     let with_markers = left.is::<WatermarkRowsExec>();
-    let left: Arc<dyn ExecutionPlan> = Arc::new(ReadAheadExec::new(left));
-    let right: Arc<dyn ExecutionPlan> = Arc::new(ReadAheadExec::new(right));
+    let group = ReadGroup::new();
+    let left: Arc<dyn ExecutionPlan> = Arc::new(ReadAheadExec::new(left, &group));
+    let right: Arc<dyn ExecutionPlan> = Arc::new(ReadAheadExec::new(right, &group));
     let shj = SymmetricHashJoinExec::try_new(
         Arc::clone(&left),
         Arc::clone(&right),
@@ -474,9 +488,9 @@ fn refuse_join<T>() -> Result<T> {
 /// `input` with its watermarks as marker rows ([`WatermarkRowsExec`]), when it has both a
 /// watermark source and an ascending order column.
 fn with_watermark_rows(input: &Arc<dyn ExecutionPlan>) -> Result<Option<Arc<dyn ExecutionPlan>>> {
-    let (Some(cell), Some(order)) = (watermark_source(input), leading_order_column(input)) else {
+    let (Some(_), Some(order)) = (watermark_source(input), leading_order_column(input)) else {
         return Ok(None);
     };
-    let marked = WatermarkRowsExec::try_new(Arc::clone(input), order, cell)?;
+    let marked = WatermarkRowsExec::try_new(Arc::clone(input), order)?;
     Ok(Some(Arc::new(marked)))
 }

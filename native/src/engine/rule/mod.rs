@@ -24,6 +24,8 @@ mod joins;
 mod order;
 mod windows;
 
+pub(crate) use order::{watermark_path, watermark_source};
+
 use std::collections::HashMap;
 use std::sync::Arc;
 

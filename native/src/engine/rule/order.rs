@@ -10,11 +10,14 @@ use datafusion::logical_expr::sort_properties::{ExprProperties, SortProperties};
 use datafusion::logical_expr::Operator;
 use datafusion::physical_expr::expressions::{BinaryExpr, Column, Literal};
 use datafusion::physical_expr::PhysicalExpr;
+use datafusion::physical_plan::coop::CooperativeExec;
 use datafusion::physical_plan::projection::ProjectionExec;
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 
 use crate::channel::WatermarkCell;
 use crate::engine::join::LookupJoinExec;
+use crate::engine::readahead::ReadAheadExec;
+use crate::engine::shared_scan::SharedScanExec;
 use crate::engine::window::WindowAggregateExec;
 use crate::provider::LiveScanExec;
 
@@ -28,20 +31,52 @@ pub(super) fn leading_order_column(plan: &Arc<dyn ExecutionPlan>) -> Option<usiz
     first.expr.downcast_ref::<Column>().map(|c| c.index())
 }
 
-/// Where the watermarks of `plan`'s order come from: a live scan or a window aggregate below
-/// it, reached only through operators that pass each batch on at once (a projection).
-pub(super) fn watermark_source(plan: &Arc<dyn ExecutionPlan>) -> Option<Arc<WatermarkCell>> {
+/// Where the watermarks of `plan`'s order come from: the cell of the operator that hands
+/// them on in order with its rows (a live scan, a shared read's scan, a read-ahead, a window
+/// aggregate's frontier), reached only through operators that pass each batch on at once as
+/// they get it (a projection, DataFusion's `CooperativeExec`, a lookup join's probe side). None through anything else: an
+/// operator that could hold rows back while a watermark after them moved on would close a
+/// window before its rows arrive, so such a window closes on its rows and its input's end.
+///
+/// Resolved when an operator runs (never bound when it is planned): whatever a later rule
+/// puts between a scan and a window, the window reads the watermark of what is right below.
+pub(crate) fn watermark_source(plan: &Arc<dyn ExecutionPlan>) -> Option<Arc<WatermarkCell>> {
+    watermark_path(plan).map(|(cell, _)| cell)
+}
+
+/// [`watermark_source`] and the way it comes (`EXPLAIN` shows it: `t → ReadAheadExec`).
+pub(crate) fn watermark_path(
+    plan: &Arc<dyn ExecutionPlan>,
+) -> Option<(Arc<WatermarkCell>, String)> {
     if let Some(scan) = plan.downcast_ref::<LiveScanExec>() {
-        return scan.watermark().cloned();
+        return scan
+            .watermark()
+            .map(|c| (Arc::clone(c), scan.table().to_string()));
+    }
+    if let Some(shared) = plan.downcast_ref::<SharedScanExec>() {
+        let cell = shared.watermark()?;
+        return Some((cell, format!("{} (shared read)", shared.table())));
+    }
+    if let Some(read_ahead) = plan.downcast_ref::<ReadAheadExec>() {
+        let (_, below) = watermark_path(read_ahead.input())?;
+        return Some((
+            Arc::clone(read_ahead.watermark()),
+            format!("{below} → ReadAheadExec"),
+        ));
     }
     if let Some(window) = plan.downcast_ref::<WindowAggregateExec>() {
-        return Some(Arc::clone(window.frontier()));
+        return Some((
+            Arc::clone(window.frontier()),
+            "WindowAggregateExec".to_string(),
+        ));
     }
-    if plan.is::<ProjectionExec>() {
-        return watermark_source(plan.children()[0]);
+    // `CooperativeExec` (DataFusion's, above each scan) only yields its task's budget.
+    if plan.is::<ProjectionExec>() || plan.is::<CooperativeExec>() {
+        return watermark_path(plan.children()[0]);
     }
     if let Some(join) = plan.downcast_ref::<LookupJoinExec>() {
-        return watermark_source(join.probe());
+        let (cell, below) = watermark_path(join.probe())?;
+        return Some((cell, format!("{below} → LookupJoinExec")));
     }
     None
 }

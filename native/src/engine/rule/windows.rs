@@ -21,7 +21,7 @@ use datafusion::physical_plan::windows::{
 };
 use datafusion::physical_plan::{ExecutionPlan, ExecutionPlanProperties};
 
-use super::order::{leading_order_column, non_decreasing, watermark_source};
+use super::order::{leading_order_column, non_decreasing};
 use super::{raw_aggregate, reads_live};
 use crate::engine::frames;
 use crate::engine::session::SessionWindowExec;
@@ -67,7 +67,6 @@ pub(super) fn window_aggregate(
         raw.filter_expr().to_vec(),
         window_key,
         order_column,
-        watermark_source(input),
         None,
         node.schema(),
     )?;
@@ -120,7 +119,6 @@ fn session_window(
         raw.filter_expr().to_vec(),
         order_column,
         gap,
-        watermark_source(input),
         node.schema(),
     )?;
     Ok(Some(Arc::new(exec)))
@@ -175,7 +173,6 @@ fn spark_window(
         raw.filter_expr().to_vec(),
         window_key,
         order_column,
-        watermark_source(input),
         Some(windowing),
         Arc::clone(&starts_schema),
     )?);
