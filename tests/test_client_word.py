@@ -533,8 +533,12 @@ async def test_an_async_first_stream_to_a_restarted_paused_server_is_bounded(
             with pytest.raises((WriteTimeoutError, ServerUnavailableError)) as raised:
                 await asyncio.wait_for(sink.write(rows(1), timeout=2.0), WAIT)
             assert time.monotonic() - started < 2.0 + MARGIN_S
-        assert not getattr(raised.value, "kept", False)
-        assert getattr(raised.value, "batches_written", 0) == 0
+        # Under load gRPC may have reconnected in the background, so the open got a stream
+        # at the paused server and the batch went on it, unacknowledged: kept, its outcome
+        # reported by the close below (as the sync test above takes "sent"). Else not sent.
+        kept = getattr(raised.value, "kept", False)
+        if not kept:
+            assert getattr(raised.value, "batches_written", 0) == 0
         deadline = time.monotonic() + WAIT
         while True:  # reached once gRPC's backoff is over
             try:
@@ -547,7 +551,7 @@ async def test_an_async_first_stream_to_a_restarted_paused_server_is_bounded(
         await sink.write(rows(2), timeout=WAIT)
         await sink.close(timeout=WAIT)
         got = await asyncio.wait_for(result.read_all(), WAIT)
-        assert got["k"].to_pylist() == [2]
+        assert got["k"].to_pylist() == ([1, 2] if kept else [2])
         await client.aclose(timeout=WAIT)
     await no_aio_threads()
 
