@@ -400,3 +400,54 @@ def test_windows_under_every_read_ahead_answer_as_datafusion(shape: str) -> None
     # so emissions before close() are tallied, not required.)
     assert tally["cases with several windows"] > 0, (shape, tally)
     assert tally["cases with an advance"] > 0, (shape, tally)
+
+
+K = pa.schema([("k", pa.int64())])
+NESTED = {
+    "join of a join": "SELECT a.k, b.k, c.k FROM a JOIN b ON a.k = b.k JOIN c ON a.k = c.k",
+    "join with a join": (
+        "SELECT a.k, b.k, c.k FROM a JOIN (SELECT b.k FROM b JOIN c ON b.k = c.k) b "
+        "ON a.k = b.k JOIN c ON a.k = c.k"
+    ),
+    "scalar subquery over a join": (
+        "SELECT a.k, b.k, (SELECT max(k) FROM c) AS m FROM a JOIN b ON a.k = b.k"
+    ),
+    "IN over a join": "SELECT a.k FROM a JOIN b ON a.k = b.k WHERE a.k IN (SELECT k FROM c)",
+}
+
+
+@pytest.mark.parametrize("first", ["a", "b", "c"])
+@pytest.mark.parametrize("shape", list(NESTED))
+def test_one_thread_writing_every_table_of_a_nested_join_finishes(shape: str, first: str) -> None:
+    """Each operator's read-aheads formed a group of their own: an operator waiting on a join
+    below it never had the other tables read, and one thread writing 10 batches to one
+    (capacity 2) before the others blocked for good (10 of 12 write orders). One group for
+    the whole plan: every order finishes, with plain DataFusion's answer."""
+    sql = NESTED[shape]
+    ctx = SessionContext()
+    sinks = {t: ctx.register_streaming_table(t, K, capacity=2) for t in "abc"}
+    rows = [{"k": i} for i in range(10)]
+
+    def feed() -> None:
+        for t in [first] + [x for x in "abc" if x != first]:
+            for r in rows:
+                sinks[t].write(pa.RecordBatch.from_pylist([r], schema=K), timeout=WAIT)
+            sinks[t].close()
+
+    got = run_live(ctx, sql, feed)
+    assert got == plain(sql, {t: (K, rows) for t in "abc"}), shape
+    assert sum(got.values()) == 10
+
+
+def test_a_failure_below_a_nested_join_ends_the_query_at_once() -> None:
+    """The failure of a table read only by the outer join's group was never read while the
+    query waited on the inner join: the error was lost, and the query ended with no rows and
+    no error once the other tables closed."""
+    ctx = SessionContext()
+    sinks = {t: ctx.register_streaming_table(t, K, capacity=4) for t in "abc"}
+    stream = ctx.sql(NESTED["join of a join"]).execute_stream()
+    reader = Background(lambda: [b for b in stream])
+    sinks["c"].write(pa.record_batch({"k": [1, 2]}, schema=K), timeout=WAIT)
+    sinks["c"].fail(ValueError("boom-c"))
+    error = reader.join_error()  # a and b still open: only the failure can end it
+    assert "boom-c" in str(error), error

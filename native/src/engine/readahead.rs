@@ -80,6 +80,11 @@ impl ReadAheadExec {
         Self::with_cell(input, &self.group, Arc::clone(&self.cell))
     }
 
+    /// The same read-ahead (its input, its cell) in `group`.
+    pub fn in_group(&self, group: &Arc<ReadGroup>) -> Self {
+        Self::with_cell(Arc::clone(&self.input), group, Arc::clone(&self.cell))
+    }
+
     /// What it reads ahead.
     pub fn input(&self) -> &Arc<dyn ExecutionPlan> {
         &self.input
@@ -114,7 +119,7 @@ impl ReadAheadExec {
             .register(context.memory_pool());
         let mut state = lock(&self.group.state);
         state.slots.push(Slot {
-            input: Some(input),
+            input: Input::Open(input),
             queue: VecDeque::new(),
             reservation,
             source,
@@ -187,7 +192,9 @@ impl ExecutionPlan for ReadAheadExec {
     }
 }
 
-/// The read-aheads of one operator's inputs: each reads the others while it waits.
+/// The read-aheads of one query: each reads the others while it waits (one group for the
+/// whole plan, so that an operator waiting on a join below it still has every other live
+/// input read: a join of a join, a scalar subquery over a join).
 #[derive(Default)]
 pub struct ReadGroup {
     state: Mutex<GroupState>,
@@ -198,6 +205,94 @@ pub struct ReadGroup {
 impl ReadGroup {
     pub fn new() -> Arc<Self> {
         Arc::default()
+    }
+
+    /// Poll slot `i`'s input once, the lock released meanwhile (an input may hold another
+    /// read-ahead of the group below it). `Busy` while another poll of it runs.
+    fn poll_slot(&self, i: usize, waker: &Waker) -> Polled {
+        let mut input = {
+            let mut state = lock(&self.state);
+            match std::mem::replace(&mut state.slots[i].input, Input::Busy) {
+                Input::Open(stream) => stream,
+                other => {
+                    let ended = matches!(other, Input::Ended | Input::Gone);
+                    state.slots[i].input = other;
+                    return if ended { Polled::Ended } else { Polled::Busy };
+                }
+            }
+        };
+        let polled = input.poll_next_unpin(&mut Context::from_waker(waker));
+        let mut state = lock(&self.state);
+        let slot = &mut state.slots[i];
+        let over = matches!(polled, Poll::Ready(None) | Poll::Ready(Some(Err(_))));
+        let gone = matches!(slot.input, Input::Gone); // its consumer left meanwhile
+        let watermark = slot.watermark();
+        if over || gone {
+            if !gone {
+                slot.input = Input::Ended;
+            }
+            drop(state);
+            drop(input); // the producers learn the reader is gone
+        } else {
+            slot.input = Input::Open(input);
+        }
+        match polled {
+            Poll::Pending => Polled::Pending,
+            Poll::Ready(item) => Polled::Item(item, watermark),
+        }
+    }
+
+    /// Queue what slot `i`'s input has ready now (another slot's consumer waits); whether
+    /// anything was queued.
+    fn read_ready(&self, i: usize, waker: &Waker) -> bool {
+        let mut queued = false;
+        loop {
+            let (item, watermark) = match self.poll_slot(i, waker) {
+                Polled::Item(item, watermark) => (item, watermark),
+                Polled::Pending | Polled::Busy | Polled::Ended => return queued,
+            };
+            let mut state = lock(&self.state);
+            let slot = &mut state.slots[i];
+            if matches!(slot.input, Input::Gone) {
+                return queued;
+            }
+            let entry = match item {
+                None => Queued::End,
+                Some(Err(e)) => Queued::Failed(slot.raise(e)),
+                Some(Ok(batch)) => {
+                    let size = batch.get_array_memory_size();
+                    match slot.reservation.try_grow(size) {
+                        Ok(()) => Queued::Batch {
+                            batch,
+                            size,
+                            watermark,
+                        },
+                        Err(e) => {
+                            let input = std::mem::replace(&mut slot.input, Input::Ended);
+                            let failed = Queued::Failed(slot.raise(
+                                DataFusionError::ResourcesExhausted(format!(
+                                    "a query over live tables holds the rows of one input \
+                                     while it waits on another (a join's build side, the \
+                                     side of a time-bounded join that is behind, a scalar \
+                                     subquery), and they passed the session's \
+                                     memory_limit: {e}"
+                                )),
+                            ));
+                            slot.queue.push_back(failed);
+                            drop(state);
+                            drop(input);
+                            return true;
+                        }
+                    }
+                }
+            };
+            let end = !matches!(entry, Queued::Batch { .. });
+            slot.queue.push_back(entry);
+            queued = true;
+            if end {
+                return queued;
+            }
+        }
     }
 }
 
@@ -212,10 +307,26 @@ struct GroupState {
     slots: Vec<Slot>,
 }
 
-/// One partition of one read-ahead: its input (None once it ended, failed or its consumer
-/// left) and what was read of it while another slot's consumer waited.
+/// A slot's input: open, being polled (the lock released meanwhile), ended (or failed), or
+/// let go by its consumer.
+enum Input {
+    Open(SendableRecordBatchStream),
+    Busy,
+    Ended,
+    Gone,
+}
+
+enum Polled {
+    Item(Option<Result<RecordBatch>>, Option<ScalarValue>),
+    Pending,
+    Busy,
+    Ended,
+}
+
+/// One partition of one read-ahead: its input and what was read of it while another slot's
+/// consumer waited.
 struct Slot {
-    input: Option<SendableRecordBatchStream>,
+    input: Input,
     queue: VecDeque<Queued>,
     reservation: MemoryReservation,
     /// The input's watermark cell, read right after each batch.
@@ -236,58 +347,8 @@ enum Queued {
 }
 
 impl Slot {
-    /// Poll the input once with the group's waker.
-    fn poll_input(&mut self, waker: &Waker) -> Poll<Option<Result<RecordBatch>>> {
-        let Some(input) = self.input.as_mut() else {
-            return Poll::Ready(None);
-        };
-        let mut cx = Context::from_waker(waker);
-        let polled = input.poll_next_unpin(&mut cx);
-        if matches!(polled, Poll::Ready(None) | Poll::Ready(Some(Err(_)))) {
-            self.input = None; // the producers learn the reader is gone
-        }
-        polled
-    }
-
     fn watermark(&self) -> Option<ScalarValue> {
         self.source.as_ref().and_then(|c| c.get())
-    }
-
-    /// Queue what the input has ready now (another slot's consumer waits).
-    fn read_ready(&mut self, waker: &Waker) {
-        while self.input.is_some() {
-            let item = match self.poll_input(waker) {
-                Poll::Pending => return,
-                Poll::Ready(item) => item,
-            };
-            let queued = match item {
-                None => Queued::End,
-                Some(Err(e)) => Queued::Failed(self.raise(e)),
-                Some(Ok(batch)) => {
-                    let size = batch.get_array_memory_size();
-                    match self.reservation.try_grow(size) {
-                        Ok(()) => Queued::Batch {
-                            watermark: self.watermark(),
-                            batch,
-                            size,
-                        },
-                        Err(e) => {
-                            self.input = None;
-                            Queued::Failed(self.raise(DataFusionError::ResourcesExhausted(
-                                format!(
-                                    "a query over live tables holds the rows of one input \
-                                     while it waits on another (a join's build side, the \
-                                     side of a time-bounded join that is behind, a scalar \
-                                     subquery), and they passed the session's \
-                                     memory_limit: {e}"
-                                ),
-                            )))
-                        }
-                    }
-                }
-            };
-            self.queue.push_back(queued);
-        }
     }
 
     /// A failure read ahead ends the query at once: the operator above may be waiting on
@@ -360,30 +421,38 @@ impl Stream for Member {
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let me = self.slot;
-        let mut state = lock(&self.group.state);
-        if let Some(item) = state.slots[me].take() {
+        let group = &self.group;
+        // Registered before any input is polled: news from one polled below reaches it.
+        group.wake.register(me, cx.waker());
+        if let Some(item) = lock(&group.state).slots[me].take() {
+            group.wake.unregister(me);
             return Poll::Ready(item);
         }
-        // Registered before any input is polled: news from one polled below reaches it.
-        let wake = &self.group.wake;
-        wake.register(me, cx.waker());
-        let waker = Waker::from(Arc::clone(wake));
-        let slot = &mut state.slots[me];
-        if let Poll::Ready(item) = slot.poll_input(&waker) {
-            wake.unregister(me);
-            return Poll::Ready(item.map(|item| {
-                item.inspect(|_| {
-                    if let Some(w) = slot.watermark() {
-                        slot.cell.set(w);
-                    }
-                })
-            }));
+        let waker = Waker::from(Arc::clone(&group.wake));
+        match group.poll_slot(me, &waker) {
+            Polled::Item(item, watermark) => {
+                group.wake.unregister(me);
+                if let (Some(Ok(_)), Some(w)) = (&item, watermark) {
+                    lock(&group.state).slots[me].cell.set(w);
+                }
+                return Poll::Ready(item);
+            }
+            Polled::Ended => {
+                group.wake.unregister(me);
+                return Poll::Ready(None);
+            }
+            // Busy: another consumer reads it into this queue, and wakes this one after.
+            Polled::Pending | Polled::Busy => {}
         }
         // The operator above waits on this input: read the others meanwhile.
-        for (i, other) in state.slots.iter_mut().enumerate() {
-            if i != me {
-                other.read_ready(&waker);
-            }
+        let slots = lock(&group.state).slots.len();
+        let mut queued = false;
+        for i in (0..slots).filter(|&i| i != me) {
+            queued |= group.read_ready(i, &waker);
+        }
+        if queued {
+            // Their consumers may be waiting on what was just queued (or on this poll).
+            group.wake.wake_by_ref();
         }
         Poll::Pending
     }
@@ -397,10 +466,11 @@ impl RecordBatchStream for Member {
 
 impl Drop for Member {
     fn drop(&mut self) {
-        // The consumer left: the input goes (its producers see it), and what it held.
+        // The consumer left: the input goes (its producers see it), and what it held. Being
+        // polled by another consumer, that poll lets it go.
         let mut state = lock(&self.group.state);
         let slot = &mut state.slots[self.slot];
-        let input = slot.input.take();
+        let input = std::mem::replace(&mut slot.input, Input::Gone);
         slot.queue.clear();
         slot.reservation.free();
         drop(state);

@@ -133,22 +133,37 @@ fn read_ahead_both(node: &Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPla
 /// read-ahead starts reading when the query starts: above a sort whose key holds a scalar
 /// subquery's value, it would evaluate that before the subquery ran. Anything else below a
 /// read-ahead is where the rules above put it (a watermark's marker rows, a probe side).
+///
+/// Then every read-ahead of the plan joins one group: an operator waiting on a join below it
+/// (a join of a join, a scalar subquery over a join) must still have every other live input
+/// read meanwhile, not only its own operator's (one thread may write them all).
 pub fn reseat_read_aheads(plan: Arc<dyn ExecutionPlan>) -> Result<Arc<dyn ExecutionPlan>> {
-    plan.transform_up(|node| {
-        let Some(read_ahead) = node.downcast_ref::<ReadAheadExec>() else {
-            return Ok(Transformed::no(node));
-        };
-        let sort = read_ahead.input();
-        if !sort.is::<SortExec>() {
-            return Ok(Transformed::no(node));
-        }
-        let below = Arc::clone(sort.children()[0]);
-        let read: Arc<dyn ExecutionPlan> = Arc::new(read_ahead.over(below));
-        Ok(Transformed::yes(
-            Arc::clone(sort).with_new_children(vec![read])?,
-        ))
-    })
-    .data()
+    let group = ReadGroup::new();
+    let reseated = plan
+        .transform_up(|node| {
+            let Some(read_ahead) = node.downcast_ref::<ReadAheadExec>() else {
+                return Ok(Transformed::no(node));
+            };
+            let sort = read_ahead.input();
+            if !sort.is::<SortExec>() {
+                return Ok(Transformed::no(node));
+            }
+            let below = Arc::clone(sort.children()[0]);
+            let read: Arc<dyn ExecutionPlan> = Arc::new(read_ahead.over(below));
+            Ok(Transformed::yes(
+                Arc::clone(sort).with_new_children(vec![read])?,
+            ))
+        })
+        .data()?;
+    reseated
+        .transform_up(|node| {
+            let Some(read_ahead) = node.downcast_ref::<ReadAheadExec>() else {
+                return Ok(Transformed::no(node));
+            };
+            let joined: Arc<dyn ExecutionPlan> = Arc::new(read_ahead.in_group(&group));
+            Ok(Transformed::yes(joined))
+        })
+        .data()
 }
 
 fn read_ahead_scans(
