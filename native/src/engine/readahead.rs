@@ -6,7 +6,7 @@
 //! batches to one live table before it writes the other, such an operator would wait on the
 //! empty table while the full one's producer blocks on its queue, for good.
 //!
-//! The read-aheads of one operator's inputs form a [`ReadGroup`]. Each passes its input on
+//! The read-aheads of one plan form a [`ReadGroup`]. Each passes its input on
 //! as its consumer polls; when its input has nothing ready, the operator above is about to
 //! wait on it, so it reads every other input of the group that has rows ready into that
 //! input's queue (counted in the session's memory pool: past the pool's limit the query
@@ -57,7 +57,7 @@ pub struct ReadAheadExec {
 }
 
 impl ReadAheadExec {
-    /// A read-ahead of `input` in `group` (the read-aheads of one operator's inputs).
+    /// A read-ahead of `input` in `group` (the rules join every read-ahead of a plan in one group at the end).
     pub fn new(input: Arc<dyn ExecutionPlan>, group: &Arc<ReadGroup>) -> Self {
         Self::with_cell(input, group, Arc::default())
     }
