@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -191,6 +192,41 @@ class Query:
     #: ``l`` and ``l2`` are two subscriptions of one topic: ``l`` from the earliest batch
     #: retained, ``l2`` from the batches written after it subscribed
     subscriptions: bool = False
+    #: what the case must exercise to count toward its shape's floor: named counts (SQL over
+    #: the oracle's tables, one value each), every one above zero (rows a filter kept *and*
+    #: dropped, join rows that matched, groups a ``HAVING`` kept and dropped): an answer with
+    #: a row alone is met by a keyless aggregate's one row or an outer join's unmatched rows
+    witness: tuple[tuple[str, str], ...] = ()
+
+
+def kept_dropped(pred: str, table: str = "l") -> tuple[tuple[str, str], ...]:
+    """The witnesses of a filter: rows of ``table`` it kept and rows it dropped."""
+    return (
+        ("kept", f"SELECT count(*) FROM {table} WHERE ({pred}) IS TRUE"),
+        ("dropped", f"SELECT count(*) FROM {table} WHERE ({pred}) IS NOT TRUE"),
+    )
+
+
+def matched(sql: str) -> tuple[str, str]:
+    """The witness of a join: rows of ``sql`` with every join made inner (rows that matched)."""
+    inner = sql
+    for jt in ("LEFT JOIN", "RIGHT JOIN", "FULL JOIN"):
+        inner = inner.replace(jt, "JOIN")
+    # its select list counted (a derived table would refuse duplicate names: l.k, r.k)
+    head, sep, body = inner.rpartition(") SELECT ")
+    prefix = f"{head}) " if sep else ""
+    body = re.sub(r"^SELECT .*? FROM ", "SELECT count(*) FROM ", f"SELECT {body}" if sep else inner)
+    return ("matched", prefix + body)
+
+
+def dropped_by(sql: str, table: str = "l") -> tuple[str, str]:
+    """The witness of a semi, anti or quantified filter: rows of ``table`` it dropped."""
+    return ("dropped", f"SELECT (SELECT count(*) FROM {table}) - (SELECT count(*) FROM ({sql}))")
+
+
+def at_least(n: int, sql: str, name: str = "rows") -> tuple[str, str]:
+    """A witness that ``sql`` has more than ``n`` rows (several groups, a cut ``LIMIT``)."""
+    return (name, f"SELECT count(*) - {n} FROM ({sql})")
 
 
 @dataclass
@@ -245,20 +281,40 @@ def queries(draw: Any, shape: str | None = None) -> Query:
     on = draw(st.sampled_from(JOIN_ON))
     q = {"l"}
     if shape == "project":
-        return Query(f"SELECT {exprs} FROM l", q, shape=shape)
+        return Query(
+            f"SELECT {exprs} FROM l", q, shape=shape, witness=(at_least(1, "SELECT * FROM l"),)
+        )
     if shape == "filter":
-        return Query(f"SELECT {exprs} FROM l WHERE {pred}", q, shape=shape)
+        return Query(
+            f"SELECT {exprs} FROM l WHERE {pred}", q, shape=shape, witness=kept_dropped(pred)
+        )
     if shape == "aggregate":
         key = draw(st.sampled_from(["k", "s", "g", "k, s", ""]))
         having = draw(st.sampled_from(["", " HAVING count(*) > 1"]))
         if not key:
-            return Query(f"SELECT {aggs} FROM l WHERE {pred}", q, shape=shape)
-        return Query(f"SELECT {key}, {aggs} FROM l GROUP BY {key}{having}", q, shape=shape)
+            return Query(
+                f"SELECT {aggs} FROM l WHERE {pred}", q, shape=shape, witness=kept_dropped(pred)
+            )
+        groups = f"SELECT count(*) AS c FROM l GROUP BY {key}"
+        witness = [at_least(1, groups, "groups")]
+        if having:
+            witness += kept_dropped("c > 1", f"({groups})")
+        return Query(
+            f"SELECT {key}, {aggs} FROM l GROUP BY {key}{having}",
+            q,
+            shape=shape,
+            witness=tuple(witness),
+        )
     if shape == "grouping_sets":
         grouping = draw(
             st.sampled_from(["ROLLUP(k, s)", "CUBE(k, s)", "GROUPING SETS ((k), (s), ())"])
         )
-        return Query(f"SELECT k, s, {aggs} FROM l GROUP BY {grouping}", q, shape=shape)
+        return Query(
+            f"SELECT k, s, {aggs} FROM l GROUP BY {grouping}",
+            q,
+            shape=shape,
+            witness=(at_least(1, "SELECT k, s FROM l GROUP BY k, s", "groups"),),
+        )
     if shape == "window_function":
         fn = draw(
             st.sampled_from(
@@ -271,13 +327,25 @@ def queries(draw: Any, shape: str | None = None) -> Query:
                 ]
             )
         )
-        return Query(f"SELECT k, s, {fn} FROM l", q, shape=shape)
+        # a partition or an order with several rows: some row's value depends on another row
+        return Query(
+            f"SELECT k, s, {fn} FROM l",
+            q,
+            shape=shape,
+            witness=(at_least(1, "SELECT * FROM l", "rows"),),
+        )
     lr = {"l", "r"}
     if shape == "join":
         cols = draw(st.sampled_from(["l.k, l.s, r.s AS rs, r.d AS rd", "l.d, r.k AS rk, r.ts"]))
-        return Query(f"SELECT {cols} FROM l {jt} r ON {on}", lr, shape=shape)
+        sql = f"SELECT {cols} FROM l {jt} r ON {on}"
+        return Query(sql, lr, shape=shape, witness=(matched(sql),))
     if shape == "cross_join":
-        return Query("SELECT l.k, r.s AS rs FROM l CROSS JOIN r WHERE l.k <> 2", lr, shape=shape)
+        return Query(
+            "SELECT l.k, r.s AS rs FROM l CROSS JOIN r WHERE l.k <> 2",
+            lr,
+            shape=shape,
+            witness=(*kept_dropped("l.k <> 2"), at_least(0, "SELECT * FROM r", "right rows")),
+        )
     if shape == "semi_anti":
         form = draw(
             st.sampled_from(
@@ -292,7 +360,8 @@ def queries(draw: Any, shape: str | None = None) -> Query:
                 ]
             )
         )
-        return Query(form, lr, shape=shape)
+        outer = "r" if form.startswith("SELECT k, d FROM r") else "l"
+        return Query(form, lr, shape=shape, witness=(dropped_by(form, outer),))
     if shape == "set_operation":
         op = draw(st.sampled_from(["UNION", "UNION ALL", "EXCEPT", "INTERSECT"]))
         cols = draw(st.sampled_from(["k, s", "k", "s, d"]))
@@ -302,6 +371,10 @@ def queries(draw: Any, shape: str | None = None) -> Query:
             f"SELECT {cols} FROM l {op} SELECT {cols} FROM {other}{where}",
             {"l", other},
             shape=shape,
+            witness=(
+                at_least(0, "SELECT * FROM l", "left rows"),
+                at_least(0, f"SELECT * FROM {other}{where}", "right rows"),
+            ),
         )
     if shape == "scalar_subquery":
         form = draw(
@@ -313,7 +386,14 @@ def queries(draw: Any, shape: str | None = None) -> Query:
                 ]
             )
         )
-        return Query(form, {"l", "r"} if "FROM r" in form else q, shape=shape)
+        counted = " AS n " in form
+        exercised = (
+            at_least(0, f"SELECT * FROM ({form}) WHERE n > 0", "matched")
+            if counted
+            else dropped_by(form)
+        )
+        tables = {"l", "r"} if "FROM r" in form else q
+        return Query(form, tables, shape=shape, witness=(exercised,))
     if shape == "any_all":
         form = draw(
             st.sampled_from(
@@ -326,24 +406,28 @@ def queries(draw: Any, shape: str | None = None) -> Query:
                 ]
             )
         )
-        return Query(form, {"l", "r"} if "FROM r" in form else q, shape=shape)
-    if shape == "cte_twice":
         return Query(
-            f"WITH c AS (SELECT k, s, d FROM l WHERE {pred}) "
-            f"SELECT a.k, a.s, b.d FROM c a {jt} c b ON a.k = b.k",
-            q,
+            form,
+            {"l", "r"} if "FROM r" in form else q,
             shape=shape,
+            witness=(at_least(0, form, "kept"), dropped_by(form)),
         )
+    if shape == "cte_twice":
+        sql = (
+            f"WITH c AS (SELECT k, s, d FROM l WHERE {pred}) "
+            f"SELECT a.k, a.s, b.d FROM c a {jt} c b ON a.k = b.k"
+        )
+        return Query(sql, q, shape=shape, witness=(*kept_dropped(pred), matched(sql)))
     if shape == "self_join":
         self_on = draw(st.sampled_from(["a.k = b.k", "a.s IS NOT DISTINCT FROM b.s"]))
-        return Query(
-            f"SELECT a.k, b.s, b.d FROM l a {jt} l b ON {self_on}",
-            q,
-            shape=shape,
-        )
+        sql = f"SELECT a.k, b.s, b.d FROM l a {jt} l b ON {self_on}"
+        return Query(sql, q, shape=shape, witness=(matched(sql),))
     if shape == "union_self":
         return Query(
-            f"SELECT k, s FROM l UNION ALL SELECT k, s FROM l WHERE {pred}", q, shape=shape
+            f"SELECT k, s FROM l UNION ALL SELECT k, s FROM l WHERE {pred}",
+            q,
+            shape=shape,
+            witness=kept_dropped(pred),
         )
     if shape == "duplicate_names":
         form = draw(
@@ -355,7 +439,7 @@ def queries(draw: Any, shape: str | None = None) -> Query:
                 ]
             )
         )
-        return Query(form, lr, shape=shape)
+        return Query(form, lr, shape=shape, witness=(matched(form),))
     if shape == "order_limit":
         limit = draw(st.integers(1, 6))  # LIMIT 0 never scans: its producer would wait
         return Query(
@@ -364,6 +448,7 @@ def queries(draw: Any, shape: str | None = None) -> Query:
             q,
             ordered=True,
             shape=shape,
+            witness=(at_least(limit, f"SELECT * FROM l WHERE {pred}", "cut by LIMIT"),),
         )
     if shape == "nested_lookup":
         # A live, unbounded probe side looked up in two bounded tables (one or both live):
@@ -371,13 +456,17 @@ def queries(draw: Any, shape: str | None = None) -> Query:
         outer = draw(st.sampled_from(["JOIN", "LEFT JOIN"]))
         inner = draw(st.sampled_from(["JOIN", "LEFT JOIN"]))
         cond = draw(st.sampled_from(["l.k = r.k", "l.k = r.k AND l.s = r.s"]))
-        return Query(
+        sql = (
             f"SELECT l.k, l.d, r.s AS rs, m.ts AS mts FROM l {outer} r ON {cond} "
-            f"{inner} m ON m.k = l.k",
+            f"{inner} m ON m.k = l.k"
+        )
+        return Query(
+            sql,
             {"l", "r", "m"},
             shape=shape,
             unbounded=frozenset({"l"}),
             m_live=draw(st.booleans()),
+            witness=(matched(sql),),
         )
     if shape == "two_subscriptions":
         form = draw(
@@ -392,27 +481,41 @@ def queries(draw: Any, shape: str | None = None) -> Query:
                 ]
             )
         )
-        return Query(form, {"l", "l2"}, shape=shape, subscriptions=True)
+        witness = [at_least(0, "SELECT * FROM l2", "later rows")]
+        if " JOIN " in form:
+            witness.append(matched(form))
+        return Query(form, {"l", "l2"}, shape=shape, subscriptions=True, witness=tuple(witness))
     # three_tables: a live table, the right one (live or not) and one in memory
-    return Query(
-        f"SELECT l.k, r.s, m.k AS mk FROM l {jt} r ON {on} JOIN m ON m.k = l.k",
-        {"l", "r", "m"},
-        shape="three_tables",
-    )
+    sql = f"SELECT l.k, r.s, m.k AS mk FROM l {jt} r ON {on} JOIN m ON m.k = l.k"
+    return Query(sql, {"l", "r", "m"}, shape="three_tables", witness=(matched(sql),))
 
 
 # --- running and comparing --------------------------------------------------------------------
 
 
-def oracle(case: Case) -> pa.Table:
-    """The query by plain DataFusion over in-memory tables holding the same rows."""
+def _oracle_ctx(case: Case) -> datafusion.SessionContext:
+    """Plain DataFusion with in-memory tables holding the case's rows."""
     ctx = datafusion.SessionContext()
     if case.query.subscriptions:
         later = split(case.l_rows, L, case.l_cuts)[case.before :]
         ctx.register_record_batches("l2", [later or [pa.RecordBatch.from_pylist([], schema=L)]])
     for name, rows, schema in (("l", case.l_rows, L), ("r", case.r_rows, R), ("m", case.m_rows, R)):
         ctx.register_record_batches(name, [[pa.RecordBatch.from_pylist(rows, schema=schema)]])
-    return ctx.sql(case.query.sql).to_arrow_table()
+    return ctx
+
+
+def oracle(case: Case) -> pa.Table:
+    """The query by plain DataFusion over in-memory tables holding the same rows."""
+    return _oracle_ctx(case).sql(case.query.sql).to_arrow_table()
+
+
+def witnessed(case: Case) -> dict[str, int]:
+    """The case's witness counts (``Query.witness``) by plain DataFusion over its rows."""
+    ctx = _oracle_ctx(case)
+    return {
+        name: ctx.sql(sql).to_arrow_table().column(0)[0].as_py() or 0
+        for name, sql in case.query.witness
+    }
 
 
 #: Declares a live table (name, schema, capacity, unbounded) and returns its producer.

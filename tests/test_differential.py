@@ -46,6 +46,7 @@ from tests.differential import (
     rows,
     same,
     second_oracle,
+    witnessed,
 )
 
 
@@ -67,11 +68,17 @@ def cases(draw: Any, shape: str | None = None) -> Case:
 
 @dataclass
 class Tally:
-    """Per shape: cases checked, and those whose answer had a row (a shape that never has
-    one was not tested)."""
+    """Per shape: cases checked, those whose answer had a row, and those that exercised what
+    the shape is for (``Query.witness``: a row, and rows a filter kept and dropped, join rows
+    that matched, groups ``HAVING`` kept and dropped). A shape whose cases never did was not
+    tested: an answer with a row alone is met by a keyless aggregate's one row or an outer
+    join's unmatched rows."""
 
     cases: Counter[str] = field(default_factory=Counter)
     answered: Counter[str] = field(default_factory=Counter)
+    proved: Counter[str] = field(default_factory=Counter)
+    #: per shape, how many cases had each witness above zero
+    witnessed: dict[str, Counter[str]] = field(default_factory=dict)
 
     #: NULL-logic cases DuckDB also answered (and agreed on)
     second: int = 0
@@ -99,23 +106,35 @@ class Tally:
             return
         self.cases[shape] += 1
         event(f"shape {shape}")
+        counts = witnessed(case)
+        seen = self.witnessed.setdefault(shape, Counter())
+        seen.update(name for name, n in counts.items() if n > 0)
         if want.num_rows:
             self.answered[shape] += 1
             event(f"shape {shape}: rows")
+            if all(n > 0 for n in counts.values()):
+                self.proved[shape] += 1
 
     def report(self) -> str:
-        shapes = ", ".join(f"{s} {self.answered[s]}/{n}" for s, n in sorted(self.cases.items()))
-        return f"{shapes}; {self.second} also by DuckDB; {self.diverged} named divergences"
+        shapes = ", ".join(
+            f"{s} {self.proved[s]}/{self.answered[s]}/{n} {dict(self.witnessed.get(s, {}))}"
+            for s, n in sorted(self.cases.items())
+        )
+        return (
+            f"(exercised/answered/cases) {shapes}; {self.second} also by DuckDB; "
+            f"{self.diverged} named divergences"
+        )
 
     def assert_floor(self, shape: str, share: float) -> None:
-        """``shape`` had a row in at least ``share`` of its cases (and a NULL-logic shape was
-        checked by the second oracle too)."""
-        cases, answered = self.cases[shape], self.answered[shape]
+        """``shape`` exercised what it is for (a row and every witness) in at least ``share``
+        of its cases, and at least once (and a NULL-logic shape was checked by the second
+        oracle too)."""
+        cases, proved = self.cases[shape], self.proved[shape]
         assert cases, f"{shape} never drawn ({self.report()})"
-        assert answered, f"{shape} never had a row in {cases} cases ({self.report()})"
-        assert answered >= share * cases, (
-            f"{shape} had a row in {answered} of {cases} cases, under {share:.0%}: its checks "
-            f"compared empty answers ({self.report()})"
+        assert proved, f"{shape} never exercised its witnesses in {cases} cases ({self.report()})"
+        assert proved >= share * cases, (
+            f"{shape} exercised its witnesses in {proved} of {cases} cases, under {share:.0%}: "
+            f"its checks compared answers that test little ({self.report()})"
         )
         if shape in NULL_LOGIC:
             assert self.second, f"the second oracle never ran ({self.report()})"
@@ -144,22 +163,23 @@ def sweep(shape: str, examples: int, derandomize: bool) -> Tally:
         tally.check(case)
 
     diff()
-    print(f"differential tally (answered/cases): {tally.report()}")
+    print(f"differential tally: {tally.report()}")
     return tally
 
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_live_answers_equal_datafusions(shape: str) -> None:
-    """30 cases a shape, the same every run, at least one with rows (the slow sweep draws
-    anew each time, and holds each shape to rows in a fifth of its cases: hypothesis's first
-    examples of a run are its simplest, often empty tables)."""
-    sweep(shape, 30, derandomize=True).assert_floor(shape, 0.0)
+    """30 cases a shape, the same every run, a tenth of them exercising what the shape is for
+    (``Query.witness``; the slow sweep draws anew each time, held to the same share:
+    hypothesis's first examples of a run are its simplest, often empty tables). The default
+    run's shares on 2026-12-02: any_all 3 of 24, three_tables 5 of 30, the rest 9 to 23 of 30."""
+    sweep(shape, 30, derandomize=True).assert_floor(shape, 0.1)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
 def test_live_answers_equal_datafusions_sweep(shape: str) -> None:
-    sweep(shape, 5000 // len(SHAPES), derandomize=False).assert_floor(shape, 0.2)
+    sweep(shape, 5000 // len(SHAPES), derandomize=False).assert_floor(shape, 0.1)
 
 
 # --- streaming shapes against their batch meaning ---------------------------------------------

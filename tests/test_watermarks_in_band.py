@@ -23,7 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pushtable import SessionContext, WriteTimeoutError
+from pushtable import ReaderGoneError, ResourceLimitError, SessionContext, WriteTimeoutError
 from tests.conftest import WAIT, Background
 
 T = pa.schema([("ts", pa.int64()), ("v", pa.int64())])
@@ -402,6 +402,81 @@ def test_windows_under_every_read_ahead_answer_as_datafusion(shape: str) -> None
     assert tally["cases with an advance"] > 0, (shape, tally)
 
 
+SESSIONS_SWEPT = {
+    "session windows under a scalar subquery over another live table": (
+        "SELECT count(*) AS n, sum(v) AS s, (SELECT max(x) FROM u) AS m FROM e "
+        "GROUP BY session_window(ts, '3 seconds')"
+    ),
+    "a join of two session window aggregates": SESSIONS,
+}
+
+
+@st.composite
+def session_feeds(draw: Any) -> tuple[list[int], list[int], dict[int, int]]:
+    """Seconds of rows in order (gaps of 0..6: sessions of 3 s split and merge), where batches
+    end, and the ``advance()`` (seconds) after some batches, at most the next row's."""
+    gaps = draw(st.lists(st.integers(0, 6), min_size=1, max_size=20))
+    seconds = [sum(gaps[: i + 1]) for i in range(len(gaps))]
+    cuts = sorted(draw(st.sets(st.integers(1, len(seconds)), max_size=len(seconds))))
+    cuts = sorted(set(cuts) | {len(seconds)})
+    advances = {}
+    for i, end in enumerate(cuts[:-1]):
+        if draw(st.booleans()):
+            advances[i] = draw(st.integers(seconds[end - 1], seconds[end]))
+    return seconds, cuts, advances
+
+
+@pytest.mark.parametrize("shape", list(SESSIONS_SWEPT))
+def test_session_windows_under_every_read_ahead_are_sparks(shape: str) -> None:
+    """Drawn rows, batch splits and ``advance()`` points: each session closes once with every
+    row of it, as Spark defines sessions (DataFusion has none); the sweep fails unless some
+    case closed several sessions and some had an ``advance()``."""
+    sql = SESSIONS_SWEPT[shape]
+    tally = TALLY.setdefault(shape, Counter())
+    start = datetime(2026, 12, 1, tzinfo=timezone.utc)
+
+    @settings(
+        max_examples=25,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
+    @given(session_feeds())
+    def case(drawn: tuple[list[int], list[int], dict[int, int]]) -> None:
+        seconds, cuts, advances = drawn
+        ctx = SessionContext()
+        e = ctx.register_streaming_table("e", E, capacity=4, order_by="ts")
+        u = ctx.register_streaming_table("u", U, capacity=4)
+
+        def feed() -> None:
+            u.write(pa.record_batch({"x": [1, 2]}, schema=U), timeout=WAIT)
+            u.close()
+            begin = 0
+            for i, end in enumerate(cuts):
+                part = [{"ts": start + timedelta(seconds=x), "v": 1} for x in seconds[begin:end]]
+                e.write(pa.RecordBatch.from_pylist(part, schema=E), timeout=WAIT)
+                if i in advances:
+                    e.advance(start + timedelta(seconds=advances[i]))
+                begin = end
+            e.close()
+
+        got = run_live(ctx, sql, feed)
+        sessions = sparks_sessions(seconds, 3)
+        if "max(x)" in sql:
+            sessions = Counter({(n, s, 2): c for (n, s), c in sessions.items()})
+        assert got == sessions, (shape, seconds, cuts, advances)
+        tally["cases"] += 1
+        tally["closed sessions"] += sum(sessions.values())
+        tally["cases with several sessions"] += sum(sessions.values()) > 1
+        tally["cases with an advance"] += bool(advances)
+
+    case()
+    print(shape, dict(tally))  # the note's per-shape tallies (pytest -s)
+    assert tally["cases with several sessions"] > 0, (shape, tally)
+    assert tally["cases with an advance"] > 0, (shape, tally)
+
+
 K = pa.schema([("k", pa.int64())])
 NESTED = {
     "join of a join": "SELECT a.k, b.k, c.k FROM a JOIN b ON a.k = b.k JOIN c ON a.k = c.k",
@@ -451,3 +526,51 @@ def test_a_failure_below_a_nested_join_ends_the_query_at_once() -> None:
     sinks["c"].fail(ValueError("boom-c"))
     error = reader.join_error()  # a and b still open: only the failure can end it
     assert "boom-c" in str(error), error
+
+
+@pytest.mark.parametrize("shape", list(NESTED))
+def test_a_query_that_failed_lets_go_of_every_table_at_once(shape: str) -> None:
+    """After the query raised, a producer of another of its tables waited on its full queue
+    until the consumer dropped the stream (and for good where a read-ahead was started but
+    its operator never executed it: its input held another read-ahead of the group, a cycle
+    nothing freed). Now each producer's next write raises ``ReaderGoneError`` while the
+    consumer still holds the stream that raised."""
+    ctx = SessionContext()
+    sinks = {t: ctx.register_streaming_table(t, K, capacity=2) for t in "abc"}
+    stream = ctx.sql(NESTED[shape]).execute_stream()
+    reader = Background(lambda: [b for b in stream])
+    sinks["c"].fail(ValueError("boom-c"))
+    assert "boom-c" in str(reader.join_error())
+
+    def told(sink: Any) -> None:
+        with pytest.raises(ReaderGoneError):
+            for i in range(10):  # past capacity: a reader that still held it would block
+                sink.write(pa.record_batch({"k": [i]}, schema=K), timeout=WAIT)
+
+    for t in "ab":
+        Background(functools.partial(told, sinks[t])).join()
+    assert stream is not None  # held to here: the query let go of its tables by itself
+
+
+def test_a_self_join_past_its_memory_limit_lets_go_of_its_table() -> None:
+    """A self hash join failed with ``ResourceLimitError``; its producer's writes then waited
+    on the full queue until the stream was dropped (review of 9aad8c0, D4)."""
+    ctx = SessionContext(memory_limit=8 << 20)
+    t = ctx.register_streaming_table("t", T, capacity=2)
+    stream = ctx.sql("SELECT count(*) FROM t a JOIN t b ON a.v = b.v").execute_stream()
+    reader = Background(lambda: [b for b in stream])
+
+    def produce() -> int:
+        written = 0
+        with pytest.raises(ReaderGoneError):
+            for i in range(100):  # 100 MB: past the limit many times
+                t.write(big(i * MB_ROWS), timeout=WAIT)
+                written += 1
+        return written
+
+    producer = Background(produce)
+    error = reader.join_error()
+    assert isinstance(error, ResourceLimitError), error
+    assert "memory_limit" in str(error), error
+    assert producer.join() < 100
+    assert stream is not None

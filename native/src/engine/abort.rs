@@ -66,41 +66,72 @@ pub fn raise(context: &TaskContext, error: DataFusionError) -> DataFusionError {
     }
 }
 
-/// `inner`, ended by the abort cell's error as soon as one is raised.
-pub fn abortable(inner: SendableRecordBatchStream, abort: Arc<Abort>) -> SendableRecordBatchStream {
+/// `inner`, ended by the abort cell's error as soon as one is raised (with `abort`), and let
+/// go of at once when it ends or fails: its plan is dropped then, not when the caller drops
+/// the stream, so each table it reads sees its reader gone (the producer's next write raises
+/// `ReaderGoneError`) while a consumer that took the error still holds the stream.
+///
+/// `release` runs once as it ends, fails or is dropped (the plan's read groups let go of
+/// inputs no operator executed).
+pub fn abortable(
+    inner: SendableRecordBatchStream,
+    abort: Option<Arc<Abort>>,
+    release: Box<dyn FnOnce() + Send>,
+) -> SendableRecordBatchStream {
     struct Abortable {
-        inner: SendableRecordBatchStream,
-        abort: Arc<Abort>,
-        done: bool,
+        /// None once ended (by its end, its error or the abort's).
+        inner: Option<SendableRecordBatchStream>,
+        abort: Option<Arc<Abort>>,
+        release: Option<Box<dyn FnOnce() + Send>>,
+    }
+    impl Abortable {
+        fn end(&mut self, item: Option<Result<RecordBatch>>) -> Poll<Option<Result<RecordBatch>>> {
+            self.inner = None;
+            if let Some(release) = self.release.take() {
+                release();
+            }
+            Poll::Ready(item)
+        }
+        fn raised(&self) -> Option<DataFusionError> {
+            self.abort.as_ref().and_then(|a| a.error())
+        }
     }
     impl Stream for Abortable {
         type Item = Result<RecordBatch>;
         fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-            if self.done {
+            if let Some(e) = self.raised() {
+                // After an end, an error raised is not this query's to report.
+                return match self.inner.is_some() {
+                    true => self.end(Some(Err(e))),
+                    false => Poll::Ready(None),
+                };
+            }
+            let Some(inner) = self.inner.as_mut() else {
                 return Poll::Ready(None);
-            }
-            if let Some(e) = self.abort.error() {
-                self.done = true;
-                return Poll::Ready(Some(Err(e)));
-            }
-            match self.inner.poll_next_unpin(cx) {
+            };
+            match inner.poll_next_unpin(cx) {
                 Poll::Pending => {
+                    let Some(abort) = self.abort.as_ref() else {
+                        return Poll::Pending;
+                    };
                     // Parked, then checked again: a raise in between wakes this waker.
-                    self.abort.waker.register(cx.waker());
-                    match self.abort.error() {
-                        Some(e) => {
-                            self.done = true;
-                            Poll::Ready(Some(Err(e)))
-                        }
+                    abort.waker.register(cx.waker());
+                    match self.raised() {
+                        Some(e) => self.end(Some(Err(e))),
                         None => Poll::Pending,
                     }
                 }
-                Poll::Ready(None) => {
-                    // Ended: an error raised after this is not this query's to report.
-                    self.done = true;
-                    Poll::Ready(None)
-                }
+                Poll::Ready(None) => self.end(None),
+                Poll::Ready(Some(Err(e))) => self.end(Some(Err(e))),
                 ready => ready,
+            }
+        }
+    }
+    impl Drop for Abortable {
+        fn drop(&mut self) {
+            self.inner = None;
+            if let Some(release) = self.release.take() {
+                release();
             }
         }
     }
@@ -108,9 +139,9 @@ pub fn abortable(inner: SendableRecordBatchStream, abort: Arc<Abort>) -> Sendabl
     Box::pin(RecordBatchStreamAdapter::new(
         schema,
         Abortable {
-            inner,
+            inner: Some(inner),
             abort,
-            done: false,
+            release: Some(release),
         },
     ))
 }

@@ -24,7 +24,7 @@ use datafusion::physical_plan::{
 use futures::StreamExt;
 
 use super::abort::{abortable, Abort};
-use super::readahead::ReadAheadExec;
+use super::readahead::{ReadAheadExec, ReadGroup};
 use super::shared_scan::SharedScanExec;
 use crate::plan::one_partition;
 use crate::provider::{exact_pushdown, filtered, plan_predicate, Predicate};
@@ -166,10 +166,16 @@ impl ExecutionPlan for QueryScanExec {
         let plan = self.once.take()?;
         let reads_ahead = reads_ahead(&plan);
         start_read_aheads(&plan, &self.once.task)?;
-        let mut inner = plan.execute(0, Arc::clone(&self.once.task))?;
-        if let (true, Some(abort)) = (reads_ahead, Abort::of(&self.once.task)) {
-            inner = abortable(inner, abort);
-        }
+        let inner = plan.execute(0, Arc::clone(&self.once.task))?;
+        let mut groups: Vec<Arc<ReadGroup>> = Vec::new();
+        read_groups(&plan, &mut groups);
+        drop(plan); // the stream holds the plan now: it lets go of it as it ends or fails
+        let abort = match reads_ahead {
+            true => Abort::of(&self.once.task),
+            false => None,
+        };
+        let release = Box::new(move || groups.iter().for_each(|g| g.close()));
+        let inner = abortable(inner, abort, release);
         // Watermark markers stay inside the engine.
         let stream: SendableRecordBatchStream = Box::pin(RecordBatchStreamAdapter::new(
             inner.schema(),
@@ -201,6 +207,18 @@ fn reads_ahead(plan: &Arc<dyn ExecutionPlan>) -> bool {
     plan.is::<ReadAheadExec>()
         || plan.is::<SharedScanExec>()
         || plan.children().into_iter().any(reads_ahead)
+}
+
+/// The read groups of `plan`'s read-aheads, each once.
+fn read_groups(plan: &Arc<dyn ExecutionPlan>, out: &mut Vec<Arc<ReadGroup>>) {
+    if let Some(read_ahead) = plan.downcast_ref::<ReadAheadExec>() {
+        if !out.iter().any(|g| Arc::ptr_eq(g, read_ahead.group())) {
+            out.push(Arc::clone(read_ahead.group()));
+        }
+    }
+    plan.children()
+        .into_iter()
+        .for_each(|child| read_groups(child, out));
 }
 
 /// Starts every read-ahead of `plan` as the query starts: each reads its table from now on,

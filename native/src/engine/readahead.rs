@@ -85,6 +85,11 @@ impl ReadAheadExec {
         Self::with_cell(Arc::clone(&self.input), group, Arc::clone(&self.cell))
     }
 
+    /// The group it reads in.
+    pub fn group(&self) -> &Arc<ReadGroup> {
+        &self.group
+    }
+
     /// What it reads ahead.
     pub fn input(&self) -> &Arc<dyn ExecutionPlan> {
         &self.input
@@ -205,6 +210,26 @@ pub struct ReadGroup {
 impl ReadGroup {
     pub fn new() -> Arc<Self> {
         Arc::default()
+    }
+
+    /// Let go of every input of the group and what it holds (the query ended or failed):
+    /// their producers see their reader gone. A read-ahead started but never executed (its
+    /// operator failed or ended first) holds an input that may hold another read-ahead of
+    /// this group: only this frees it.
+    pub fn close(&self) {
+        let inputs: Vec<Input> = {
+            let mut state = lock(&self.state);
+            state
+                .slots
+                .iter_mut()
+                .map(|slot| {
+                    slot.queue.clear();
+                    slot.reservation.free();
+                    std::mem::replace(&mut slot.input, Input::Gone)
+                })
+                .collect()
+        };
+        drop(inputs); // the lock released: an input's read-aheads lock it as they go
     }
 
     /// Poll slot `i`'s input once, the lock released meanwhile (an input may hold another
