@@ -18,12 +18,25 @@ from typing import Any
 import lance
 import pyarrow as pa
 import pytest
+from hypothesis import HealthCheck, settings
 
 from pushtable import SessionContext, TableSink
 from pushtable.flight import Client, Server, connect
 
 SCHEMA = pa.schema([("k", pa.int32()), ("v", pa.float64())])
 WAIT = 30.0  # upper bound for any wait in a test; reaching it is a failure, not a pass
+
+
+def fixed_draws(examples: int) -> settings:
+    """Hypothesis settings for a sweep that draws the same ``examples`` cases every run (no
+    deadline, no example database: the tallies a sweep asserts are the same each time)."""
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    )
 
 
 def batch(n: int, start: int = 0) -> pa.RecordBatch:

@@ -33,11 +33,11 @@ from typing import Any
 import datafusion
 import pyarrow as pa
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from pushtable import ReaderGoneError, ResourceLimitError, SessionContext, Topic, WriteTimeoutError
-from tests.conftest import WAIT, Background
+from tests.conftest import WAIT, Background, fixed_draws
 from tests.differential import SHAPES, Case, L, R, feed, rows, split
 from tests.test_differential import cases
 from tests.test_watermarks_in_band import SWEPT, T, U, feeds
@@ -399,13 +399,7 @@ STREAMING: set[str] = set()
 def test_a_paused_consumer_holds_every_producer(shape: str) -> None:
     tally = TALLIES.setdefault(shape, Tally())
 
-    @settings(
-        max_examples=12,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )
+    @fixed_draws(12)
     @given(cases(shape))
     def case(case: Case) -> None:
         tally.counts["cases"] += 1
@@ -437,13 +431,7 @@ def test_a_paused_consumer_of_a_window_under_a_read_ahead_holds_its_producers(sh
     sql = SWEPT[shape]
     tally = TALLIES.setdefault(shape, Tally())
 
-    @settings(
-        max_examples=12,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow],
-    )
+    @fixed_draws(12)
     @given(feeds(), st.sampled_from([1, 2, 4]))
     def case(drawn: tuple[list[dict[str, Any]], list[int], dict[int, int]], cap: int) -> None:
         data, cuts, advances = drawn

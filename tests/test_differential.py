@@ -170,7 +170,7 @@ def sweep(shape: str, examples: int, derandomize: bool) -> Tally:
 @pytest.mark.parametrize("shape", SHAPES)
 def test_live_answers_equal_datafusions(shape: str) -> None:
     """30 cases a shape, the same every run, a tenth of them exercising what the shape is for
-    (``Query.witness``; the slow sweep draws anew each time, held to the same share:
+    (``Query.witness``; the slow sweep draws anew each time, held to half that share:
     hypothesis's first examples of a run are its simplest, often empty tables). The default
     run's shares on 2026-12-02: any_all 3 of 24, three_tables 5 of 30, the rest 9 to 23 of 30."""
     sweep(shape, 30, derandomize=True).assert_floor(shape, 0.1)
@@ -179,7 +179,7 @@ def test_live_answers_equal_datafusions(shape: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES)
 def test_live_answers_equal_datafusions_sweep(shape: str) -> None:
-    sweep(shape, 5000 // len(SHAPES), derandomize=False).assert_floor(shape, 0.1)
+    sweep(shape, 5000 // len(SHAPES), derandomize=False).assert_floor(shape, 0.05)
 
 
 # --- streaming shapes against their batch meaning ---------------------------------------------

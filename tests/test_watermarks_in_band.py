@@ -20,11 +20,11 @@ from typing import Any
 import datafusion
 import pyarrow as pa
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from pushtable import ReaderGoneError, ResourceLimitError, SessionContext, WriteTimeoutError
-from tests.conftest import WAIT, Background
+from tests.conftest import WAIT, Background, fixed_draws
 
 T = pa.schema([("ts", pa.int64()), ("v", pa.int64())])
 U = pa.schema([("x", pa.int64())])
@@ -347,13 +347,7 @@ def test_windows_under_every_read_ahead_answer_as_datafusion(shape: str) -> None
     sql = SWEPT[shape]
     tally = TALLY.setdefault(shape, Counter())
 
-    @settings(
-        max_examples=25,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow],
-    )
+    @fixed_draws(25)
     @given(feeds())
     def case(drawn: tuple[list[dict[str, Any]], list[int], dict[int, int]]) -> None:
         rows, cuts, advances = drawn
@@ -435,13 +429,7 @@ def test_session_windows_under_every_read_ahead_are_sparks(shape: str) -> None:
     tally = TALLY.setdefault(shape, Counter())
     start = datetime(2026, 12, 1, tzinfo=timezone.utc)
 
-    @settings(
-        max_examples=25,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        suppress_health_check=[HealthCheck.too_slow],
-    )
+    @fixed_draws(25)
     @given(session_feeds())
     def case(drawn: tuple[list[int], list[int], dict[int, int]]) -> None:
         seconds, cuts, advances = drawn
