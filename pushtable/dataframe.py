@@ -178,19 +178,43 @@ class DataFrame(datafusion.DataFrame):
         return str(_translating(super().__repr__)())
 
 
+class _Ended:
+    """What a stream reads once its query failed: nothing more."""
+
+    def __next__(self) -> Any:
+        raise StopIteration
+
+    async def __anext__(self) -> Any:
+        raise StopAsyncIteration
+
+
 class _Stream(RecordBatchStream):
-    """A ``RecordBatchStream`` whose errors are translated like :class:`DataFrame`'s."""
+    """A ``RecordBatchStream`` whose errors are translated like :class:`DataFrame`'s.
+
+    A query that failed lets go of its plan at once (the native stream is dropped), so every
+    live table it reads sees its reader gone (its producer's next write raises
+    ``ReaderGoneError``) while the caller still holds this stream.
+    """
 
     #: the result's own column names, where two of them are alike (see ``result_names``)
     names: list[str] | None = None
 
     def __next__(self) -> RecordBatch:
-        return self._named(_translating(super().__next__)())
+        try:
+            return self._named(_translating(super().__next__)())
+        except StopIteration:
+            raise
+        except Exception:
+            self.rbs = _Ended()
+            raise
 
     async def __anext__(self) -> RecordBatch:
         try:
             return self._named(await super().__anext__())
+        except StopAsyncIteration:
+            raise
         except Exception as exc:
+            self.rbs = _Ended()
             if (public := _translated(exc)) is None:
                 raise
             raise public from public.__cause__

@@ -327,12 +327,15 @@ def queries(draw: Any, shape: str | None = None) -> Query:
                 ]
             )
         )
-        # a partition or an order with several rows: some row's value depends on another row
+        # a partition (or the whole ordered table) with several rows: some row's value
+        # depends on another row
+        by = fn.split("PARTITION BY ")[1].split()[0].rstrip(")") if "PARTITION BY" in fn else "1"
+        several = f"SELECT {by} FROM l GROUP BY {by} HAVING count(*) > 1"
         return Query(
             f"SELECT k, s, {fn} FROM l",
             q,
             shape=shape,
-            witness=(at_least(1, "SELECT * FROM l", "rows"),),
+            witness=(at_least(0, several, "partitions of several rows"),),
         )
     lr = {"l", "r"}
     if shape == "join":
@@ -367,15 +370,16 @@ def queries(draw: Any, shape: str | None = None) -> Query:
         cols = draw(st.sampled_from(["k, s", "k", "s, d"]))
         other = draw(st.sampled_from(["r", "l"]))
         where = f" WHERE {pred}" if other == "l" else ""
-        return Query(
-            f"SELECT {cols} FROM l {op} SELECT {cols} FROM {other}{where}",
-            {"l", other},
-            shape=shape,
-            witness=(
-                at_least(0, "SELECT * FROM l", "left rows"),
-                at_least(0, f"SELECT * FROM {other}{where}", "right rows"),
-            ),
-        )
+        sql = f"SELECT {cols} FROM l {op} SELECT {cols} FROM {other}{where}"
+        both = f"SELECT {cols} FROM l UNION ALL SELECT {cols} FROM {other}{where}"
+        witness = [
+            at_least(0, "SELECT * FROM l", "left rows"),
+            at_least(0, f"SELECT * FROM {other}{where}", "right rows"),
+        ]
+        if op != "UNION ALL":  # it removed rows: duplicates, or the other side's
+            removed = f"SELECT (SELECT count(*) FROM ({both})) - (SELECT count(*) FROM ({sql}))"
+            witness.append(("removed", removed))
+        return Query(sql, {"l", other}, shape=shape, witness=tuple(witness))
     if shape == "scalar_subquery":
         form = draw(
             st.sampled_from(

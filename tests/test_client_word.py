@@ -460,6 +460,55 @@ def test_a_kept_batchs_later_refusal_reaches_the_next_flush(tmp_path: Path) -> N
         asyncio.run(asyncio.wait_for(main(location), 4 * WAIT))
 
 
+def test_each_of_two_refused_batches_is_told_on_both_faces(tmp_path: Path) -> None:
+    """Two batches refused (NULLs in a NOT NULL column): the plain sink kept one error slot,
+    so the second refusal was dropped: the sync face raised once for two (writes, then two
+    flushes and a close), the async face's two kept batches one error between two flushes
+    and a close (3 of 3 runs each, review 8 of 85728d1). Each refusal is now raised by one
+    call, oldest first, as an idempotent sink does."""
+    with serve_process({}, tmp_path) as (_, location):
+        with connect(location) as client:
+            client.create_table("t", SCHEMA, capacity=16)
+            sink = client.sink("t")
+            refused = 0
+            for batch in (rows(1), rows(None), rows(2), rows(None), rows(3)):
+                try:
+                    sink.write(batch, timeout=WAIT)
+                except SchemaMismatchError:
+                    refused += 1
+            for call in (sink.flush, sink.flush):
+                try:
+                    call(timeout=WAIT)
+                except SchemaMismatchError:
+                    refused += 1
+            sink.close(timeout=WAIT)  # nothing left to tell
+            assert refused == 2
+            client.create_table("u", SCHEMA, capacity=1)
+
+        async def main() -> None:
+            async with AsyncClient.connect(location) as aclient:
+                asink = await aclient.sink("u")
+                await asink.write(rows(1), timeout=WAIT)  # the table is full: nobody reads
+                for batch in (rows(2), rows(None), rows(None), rows(3)):
+                    with pytest.raises(WriteTimeoutError) as timed_out:
+                        await asink.write(batch, timeout=0.5)
+                    assert timed_out.value.kept is True  # type: ignore[attr-defined]
+                reading = asyncio.create_task(aclient.sql("SELECT k FROM u").read_all())
+                told = 0
+                for _ in range(2):
+                    with pytest.raises(SchemaMismatchError):
+                        await asink.flush(timeout=WAIT)
+                    told += 1
+                await asink.close(timeout=WAIT)  # both were told: nothing more
+                got = await asyncio.wait_for(reading, WAIT)
+                assert sorted(got["k"].to_pylist()) == [1, 2, 3], got
+                assert told == 2
+            await no_aio_threads()
+
+        asyncio.run(asyncio.wait_for(main(), 4 * WAIT))
+        assert sorted(counts(location, "t")) == [1, 2, 3]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -106,6 +106,7 @@ class Tally:
             return
         self.cases[shape] += 1
         event(f"shape {shape}")
+        assert case.query.witness, f"{shape}: a query without witnesses proves nothing"
         counts = witnessed(case)
         seen = self.witnessed.setdefault(shape, Counter())
         seen.update(name for name, n in counts.items() if n > 0)

@@ -562,3 +562,27 @@ def test_a_self_join_past_its_memory_limit_lets_go_of_its_table() -> None:
     assert "memory_limit" in str(error), error
     assert producer.join() < 100
     assert stream is not None
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "SELECT k FROM a UNION ALL SELECT k FROM b",  # plain DataFusion runs it: no engine
+        "SELECT a.k FROM a JOIN b ON a.k = b.k",  # the engine runs it
+    ],
+)
+def test_a_query_that_failed_lets_go_of_every_table_whoever_runs_it(sql: str) -> None:
+    """A query datafusion-python runs itself (a union of two live scans) kept the other
+    table's reader after it raised: its producer's writes waited on the full queue until
+    the stream was dropped (review of 85728d1). Both paths let go as they raise."""
+    ctx = SessionContext()
+    a = ctx.register_streaming_table("a", K, capacity=2)
+    b = ctx.register_streaming_table("b", K, capacity=2)
+    stream = ctx.sql(sql).execute_stream()
+    reader = Background(lambda: [x for x in stream])
+    a.fail(ValueError("boom-a"))
+    assert "boom-a" in str(reader.join_error())
+    with pytest.raises(ReaderGoneError):
+        for i in range(20):  # past capacity and what DataFusion's merge holds
+            b.write(pa.record_batch({"k": [i]}, schema=K), timeout=WAIT)
+    assert stream is not None

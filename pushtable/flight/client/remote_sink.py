@@ -111,9 +111,10 @@ class RemoteSink(ProducerScope):
         self._left = False  # its client left it (closing): no call sends on it again
         #: streams left and not yet ended on the server (a second leave waits for them too)
         self._leaving: list[PutStream] = []
-        self._unreported: BaseException | None = None  # an earlier batch's refusal
-        #: the error of a batch no task waits for any more (see :meth:`orphan`)
-        self._orphan_error: BaseException | None = None
+        #: earlier batches' refusals, oldest first: each raised by one later call
+        self._unreported: collections.deque[BaseException] = collections.deque()
+        #: the errors of batches no task waits for any more (see :meth:`orphan`), oldest first
+        self._orphan_errors: collections.deque[BaseException] = collections.deque()
         #: items to send before anything new: those sent after a refused one, which the
         #: server never took
         self._pending: collections.deque[Item] = collections.deque()
@@ -371,15 +372,19 @@ class RemoteSink(ProducerScope):
             raise SinkClosedError(f"remote sink for '{self.name}' was left (its client closed)")
 
     def _raise_unreported(self) -> None:
-        """Raise (once) a refusal the server sent for an earlier batch of this sink.
+        """Raise (once) the oldest refusal the server sent for an earlier batch of this sink.
 
-        Or the error of a batch whose task stopped waiting for it (see :meth:`orphan`).
+        Or the oldest error of a batch whose task stopped waiting for it (see :meth:`orphan`).
+        Each is raised by one call: two refused batches are two errors, by two calls.
         """
-        error, self._unreported = self._unreported, None
-        if error is None:
-            error, self._orphan_error = self._orphan_error, None
-        if error is not None:
-            raise error
+        for errors in (self._unreported, self._orphan_errors):
+            if errors:
+                raise errors.popleft()
+
+    def _forget_unreported(self, error: BaseException) -> None:
+        """``error`` is raised by the call at hand: no later call raises it again."""
+        with contextlib.suppress(ValueError):
+            self._unreported.remove(error)
 
     def orphan(self, item: Item) -> None:
         """No task waits for ``item``'s outcome any more: an error of it goes elsewhere.
@@ -391,13 +396,13 @@ class RemoteSink(ProducerScope):
             self._orphaned(item.error)
 
     def _orphaned(self, error: BaseException | None) -> None:
-        if error is not None and self._orphan_error is None:
-            self._orphan_error = error  # its own slot: no other call takes it for its own
+        if error is not None and all(e is not error for e in self._orphan_errors):
+            self._orphan_errors.append(error)  # its own queue: no other call takes it for its own
 
     def _settle(self, item: Item, error: BaseException) -> None:
         item.settle(error)
-        if item.outcome is None and self._unreported is None:
-            self._unreported = error  # the sync face's next call raises it
+        if item.outcome is None and all(e is not error for e in self._unreported):
+            self._unreported.append(error)  # the sync face's next call raises it (once)
 
     def submit(self, item: Item, deadline: float | None) -> None:
         """Send ``item`` (its batch in the wire schema) once the window has room.
@@ -426,8 +431,7 @@ class RemoteSink(ProducerScope):
                 raise timed_out(str(exc), 1, kept=True) from exc.__cause__
             raise
         if item.error is not None and item.outcome is None:
-            if self._unreported is item.error:
-                self._unreported = None
+            self._forget_unreported(item.error)
             raise item.error
 
     def _drain_locked(self, deadline: float | None) -> None:
@@ -536,8 +540,7 @@ class RemoteSink(ProducerScope):
         self._refuse_left()
         error, resent = self._recover(put, seen)
         if not resent:
-            if self._unreported is error:
-                self._unreported = None  # raised here, not again by the next call
+            self._forget_unreported(error)  # raised here, not again by the next call
             raise error
         if protocol.reopens(error):
             self._reopening.wait(error, deadline)
